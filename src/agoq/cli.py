@@ -1,0 +1,57 @@
+"""The ``agoq`` command line: train, plan and bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import agoq
+
+
+def _bench_modules() -> dict[str, object]:
+    """Every benchmark under agoq.bench, by its command name (module name with '-' for '_')."""
+    import agoq.bench as pkg
+
+    found = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"agoq.bench.{info.name}")
+        if hasattr(module, "add_arguments") and hasattr(module, "run"):
+            found[info.name.replace("_", "-")] = module
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``agoq`` command."""
+    parser = argparse.ArgumentParser(
+        prog="agoq",
+        description="Train LLaMA-style models with 4-bit saved activations and 8-bit gradients (AGoQ).",
+    )
+    parser.add_argument("--version", action="version", version=f"agoq {agoq.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser("bench", help="run a measurement that backs a claim in the README")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
+    for name, module in sorted(_bench_modules().items()):
+        p = bench_sub.add_parser(name, help=getattr(module, "DESCRIPTION", None), description=getattr(module, "DESCRIPTION", None))
+        module.add_arguments(p)  # type: ignore[attr-defined]
+        p.set_defaults(_bench_run=module.run)  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``agoq`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        if getattr(args, "_bench_run", None) is None:
+            parser.parse_args(["bench", "--help"])
+        return int(args._bench_run(args) or 0)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
