@@ -1,0 +1,74 @@
+"""What every benchmark shares: machine description, git revision, and where results go."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(os.environ.get("AGOQ_RESULTS_DIR", "benchmarks/results"))
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU/GPU, core count, memory and software versions of this machine."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_revision() -> str:
+    """The current commit (with '-dirty' if the tree has changes), or 'unknown'."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(name: str, results: Any, *, command: str | None = None, out_dir: Path | None = None) -> Path:
+    """Write ``results`` with command, revision, machine and date to <out_dir>/<name>.json."""
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "command": command or " ".join(["agoq", *sys.argv[1:]]) if sys.argv else name,
+        "git_revision": git_revision(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "results": results,
+    }
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
