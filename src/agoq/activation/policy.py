@@ -1,0 +1,90 @@
+"""Activation precision policies: which tensor saved for backward is stored in which format.
+
+Kinds of saved tensors in a decoder layer (METHOD.md, part 1):
+- ``norm_input``: the input of each RMSNorm (the norm and the following GEMM input are recomputed);
+- ``act_input``: the SwiGLU gate/up tensors (SiLU(gate) * up and the FFN2 input are recomputed);
+- ``out_proj_input``: the input of the attention out-projection;
+- ``attention``: what the attention core keeps (q, k, v, output, softmax statistics).
+A kind mapped to ``None`` is kept as the bf16 baseline keeps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from agoq.quant import QuantFormat, parse_format
+
+KINDS = ("norm_input", "act_input", "out_proj_input", "attention")
+POLICIES = ("bf16", "agoq", "uniform4")
+
+
+@dataclass(frozen=True)
+class LayerPrecision:
+    """Formats of one decoder layer's saved tensors; None keeps the baseline tensor."""
+
+    norm_input: QuantFormat | None = None
+    act_input: QuantFormat | None = None
+    out_proj_input: QuantFormat | None = None
+    attention: QuantFormat | None = None
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """A named precision policy: per-kind formats, optional per-layer bit widths, loss path."""
+
+    name: str = "bf16"
+    formats: LayerPrecision = field(default_factory=LayerPrecision)
+    # Per-layer integer bit widths (for pipeline stages); overrides the bits of every quantized
+    # kind of that layer except attention. None: every layer uses ``formats``.
+    layer_bits: tuple[int, ...] | None = None
+    # Chunked LM head + cross-entropy that never keeps [tokens, vocab] logits.
+    fused_loss: bool = False
+
+    def layer(self, index: int) -> LayerPrecision:
+        """The formats of decoder layer ``index``."""
+        if self.layer_bits is None:
+            return self.formats
+        if not 0 <= index < len(self.layer_bits):
+            raise IndexError(f"policy {self.name!r} has bits for {len(self.layer_bits)} layers, asked for layer {index}")
+        bits = self.layer_bits[index]
+
+        def with_bits(fmt: QuantFormat | None) -> QuantFormat | None:
+            if fmt is None or bits >= 16:
+                return None
+            return QuantFormat("int", bits, fmt.block_size)
+
+        f = self.formats
+        return replace(f, norm_input=with_bits(f.norm_input), act_input=with_bits(f.act_input), out_proj_input=with_bits(f.out_proj_input))
+
+
+def make_policy(
+    name: str = "agoq",
+    overrides: dict[str, str | QuantFormat | None] | None = None,
+    layer_bits: list[int] | tuple[int, ...] | None = None,
+    fused_loss: bool | None = None,
+) -> ActivationPolicy:
+    """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown activation policy {name!r}; use one of {', '.join(POLICIES)}")
+    int4 = parse_format("int4/128")
+    if name == "bf16":
+        formats = LayerPrecision()
+    elif name == "agoq":
+        formats = LayerPrecision(norm_input=int4, act_input=int4, out_proj_input=int4)
+    else:
+        formats = LayerPrecision(norm_input=int4, act_input=int4, out_proj_input=int4, attention=int4)
+    for kind, spec in (overrides or {}).items():
+        if kind not in KINDS:
+            raise ValueError(f"unknown saved-tensor kind {kind!r}; use one of {', '.join(KINDS)}")
+        formats = replace(formats, **{kind: None if spec in (None, "bf16", "none") else parse_format(spec)})
+    if layer_bits is not None:
+        for b in layer_bits:
+            if b not in (2, 3, 4, 5, 6, 8, 16):
+                raise ValueError(f"layer bit width {b} is not supported; use 2, 3, 4, 5, 6, 8 or 16 (16 = keep bf16)")
+        layer_bits = tuple(int(b) for b in layer_bits)
+    return ActivationPolicy(
+        name=name,
+        formats=formats,
+        layer_bits=layer_bits,
+        fused_loss=(name != "bf16") if fused_loss is None else fused_loss,
+    )
