@@ -1,0 +1,319 @@
+"""Typed training configuration: dataclasses, a TOML file, and ``--section.key=value`` overrides.
+
+Every value is checked before any process starts; a bad value stops with one line naming it and
+the fix (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agoq.models.config import PRESETS, LlamaConfig, get_config
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
+GRADIENT_MODES = ("fp32", "bf16", "int8")
+STAGE_BITS_MODES = ("dbca", "uniform")
+OPTIMIZERS = ("adamw", "adamw8bit")
+DTYPES = ("bf16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names it and the fix."""
+
+
+@dataclass
+class ModelSection:
+    """Which architecture to train: a preset plus field overrides."""
+
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers = 8}
+
+
+@dataclass
+class ParallelSection:
+    """Pipeline x data parallel layout and schedule."""
+
+    pp: int = 2  # pipeline stages (ranks per pipeline)
+    dp: int = 2  # data-parallel replicas
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b
+    virtual_stages: int = 1  # model chunks per pp rank (interleaved-1f1b needs >= 2)
+    microbatches: int = 4  # per pipeline per step
+    zero1: bool = False  # shard optimizer state over dp (8-bit reduce-scatter + all-gather)
+
+
+@dataclass
+class PrecisionSection:
+    """What AGoQ compresses: saved activations, gradients, and the compute dtype."""
+
+    activations: str = "agoq"  # bf16 | agoq | uniform4
+    activation_format: str = "int4/128"  # format of quantized saved tensors (int2..int8, fp4, nf4, fp8)
+    stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost; uniform
+    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | fp32 | bf16 all-reduce
+    gradient_block: int = 256
+    fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
+    compute_dtype: str = "bf16"  # bf16 | fp32 (master weights are always fp32)
+
+
+@dataclass
+class OptimSection:
+    """AdamW with warmup + cosine decay."""
+
+    name: str = "adamw"  # adamw | adamw8bit (torchao)
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global norm over all pp and dp ranks; 0 disables
+
+
+@dataclass
+class DataSection:
+    """Corpus, tokenizer and batch shape."""
+
+    corpus: str = "kjv"  # 'kjv' or a .txt/.jsonl file or folder
+    tokenizer: str | None = None  # a tokenizer.json; default: train a byte-level BPE on the corpus
+    vocab_size: int = 4096
+    seq_len: int = 128
+    batch_size: int = 16  # sequences per step, over all dp ranks
+    val_fraction: float = 0.01
+    cache_dir: str | None = None
+
+
+@dataclass
+class TrainSection:
+    """Length, seed, evaluation and output."""
+
+    steps: int = 200
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    out_dir: str = "runs/default"
+    baseline: bool = True  # also measure the bf16 configuration's memory and wire bytes for the summary
+
+
+@dataclass
+class CheckpointSection:
+    """Distributed checkpoints (torch.distributed.checkpoint), written atomically."""
+
+    every: int = 100  # steps; 0 disables
+    keep: int = 2
+    resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
+
+
+@dataclass
+class TrainConfig:
+    """The whole configuration of one training run."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the run needs: pp x dp."""
+        return self.parallel.pp * self.parallel.dp
+
+    def model_config(self) -> LlamaConfig:
+        """The LLaMA architecture, with the tokenizer's vocabulary and the sequence length applied."""
+        overrides = dict(self.model.overrides)
+        overrides.setdefault("vocab_size", self.data.vocab_size)
+        overrides.setdefault("max_seq_len", max(self.data.seq_len, PRESETS[self.model.preset].max_seq_len if self.model.preset in PRESETS else 0))
+        try:
+            return get_config(self.model.preset, **overrides)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (TOML/JSON-able)."""
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}={value!r} has the wrong type; expected {annotation}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}={value!r} is not a boolean; use true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}={value!r} is not an integer")
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}={value!r} is not a number") from None
+    if annotation is str:
+        return str(value)
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table of key = value pairs, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _section_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_literal: bool) -> None:
+    sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section [{section}]; sections: {', '.join(sections)}")
+    obj = getattr(cfg, section)
+    if section == "model" and key not in ("preset", "overrides"):
+        # [model] accepts architecture fields directly: model.n_layers=8.
+        if key not in LlamaConfig.__dataclass_fields__:
+            raise ConfigError(f"unknown model field model.{key}; valid: preset, {', '.join(LlamaConfig.__dataclass_fields__)}")
+        ftype = typing.get_type_hints(LlamaConfig)[key]
+        obj.overrides[key] = _coerce(_literal(value) if parse_literal else value, ftype, f"model.{key}")
+        return
+    types = _section_types(type(obj))
+    if key not in types:
+        raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(types)}")
+    if parse_literal and types[key] not in (str,) and not (typing.get_origin(types[key]) and str in typing.get_args(types[key])):
+        value = _literal(value)
+    setattr(obj, key, _coerce(value, types[key], f"{section}.{key}"))
+
+
+def _literal(text: Any) -> Any:
+    """Parse a command-line value as TOML if it is one (numbers, booleans, tables), else keep the string."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file (if any), then ``section.key=value`` overrides; validated."""
+    cfg = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing .toml file or omit it for the defaults")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _apply(cfg, section, key, value, parse_literal=False)
+    for item in overrides or []:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text or "." not in text.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r} must look like --section.key=value (e.g. --train.steps=50)")
+        dotted, value = text.split("=", 1)
+        section, key = dotted.split(".", 1)
+        _apply(cfg, section, key, value, parse_literal=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ConfigError for the first value that cannot work."""
+    p, pr, o, d, t = cfg.parallel, cfg.precision, cfg.optim, cfg.data, cfg.train
+    if cfg.model.preset not in PRESETS:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; use one of {', '.join(PRESETS)}")
+    mc = cfg.model_config()
+    for name in ("pp", "dp", "virtual_stages", "microbatches"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={p.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    if p.schedule == "interleaved-1f1b" and p.virtual_stages < 2:
+        raise ConfigError("parallel.schedule='interleaved-1f1b' needs parallel.virtual_stages >= 2; set it to 2 or use '1f1b'")
+    if p.schedule != "interleaved-1f1b" and p.virtual_stages != 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule='interleaved-1f1b'")
+    stages = p.pp * p.virtual_stages
+    if mc.n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers={mc.n_layers} is not divisible by parallel.pp x parallel.virtual_stages = {stages}; "
+            "choose a layer count or pp that divides it"
+        )
+    if p.pp > 1 and p.schedule in ("1f1b", "interleaved-1f1b") and p.microbatches < p.pp:
+        raise ConfigError(f"parallel.microbatches={p.microbatches} is fewer than parallel.pp={p.pp}; schedule {p.schedule} needs at least pp micro-batches")
+    if p.schedule == "interleaved-1f1b" and p.microbatches % p.pp:
+        raise ConfigError(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} for interleaved-1f1b")
+    if mc.tie_embeddings and p.pp > 1:
+        raise ConfigError("model.tie_embeddings=true is not supported with parallel.pp > 1; set model.tie_embeddings=false")
+    if d.batch_size % (p.dp * p.microbatches):
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} is not divisible by parallel.dp x parallel.microbatches = {p.dp * p.microbatches}; "
+            f"use a multiple of {p.dp * p.microbatches}"
+        )
+    if d.seq_len < 2:
+        raise ConfigError(f"data.seq_len={d.seq_len} must be at least 2")
+    if not 0 < d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    if d.corpus != "kjv" and not Path(d.corpus).exists():
+        raise ConfigError(f"data.corpus={d.corpus!r} does not exist; pass a .txt/.jsonl file or folder, or 'kjv'")
+    if d.tokenizer is not None and not Path(d.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a file; pass a tokenizer.json or leave it unset to train one")
+    if pr.activations not in ACTIVATION_POLICIES:
+        raise ConfigError(f"precision.activations={pr.activations!r} is unknown; use one of {', '.join(ACTIVATION_POLICIES)}")
+    if pr.stage_bits not in STAGE_BITS_MODES:
+        raise ConfigError(f"precision.stage_bits={pr.stage_bits!r} is unknown; use one of {', '.join(STAGE_BITS_MODES)}")
+    if pr.gradients not in GRADIENT_MODES:
+        raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
+    if pr.compute_dtype not in DTYPES:
+        raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use bf16 or fp32")
+    try:
+        from agoq.quant import parse_format
+
+        parse_format(pr.activation_format)
+        parse_format(f"int8/{pr.gradient_block}")
+    except ValueError as e:
+        raise ConfigError(f"precision: {e}") from None
+    if p.zero1 and pr.gradients == "bf16":
+        raise ConfigError("parallel.zero1=true works with precision.gradients = int8 or fp32, not bf16")
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={o.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
+    if o.grad_clip < 0:
+        raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
