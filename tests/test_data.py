@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,7 +90,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "env"
     assert cache_dir(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv(CACHE_ENV)
-    assert cache_dir() == __import__("pathlib").Path.home() / ".cache" / "agoq"
+    assert cache_dir() == Path.home() / ".cache" / "agoq"
 
 
 def test_user_tokenizer_json_is_loaded_with_its_eos(kjv, small_tok, tmp_path):
@@ -145,7 +145,8 @@ def test_packing_crash_leaves_no_file_and_truncation_is_detected(small_tok, tmp_
 
     packed = pack_corpus(corpus, small_tok, cache)
     good = np.array(packed.tokens)
-    assert len(good) == corpus.num_documents + sum(len(small_tok.encode(t)) for t in corpus.documents())
+    n_text = sum(len(small_tok.encode(t)) for t in corpus.documents())
+    assert len(good) == corpus.num_documents + n_text
     with open(packed.path, "r+b") as f:
         f.truncate(packed.path.stat().st_size - 2)
     with pytest.raises(ValueError, match="truncated or stale"):
@@ -169,8 +170,8 @@ def test_txt_jsonl_and_folder_corpora_read_in_sorted_order(tmp_path):
     assert [p.name for p in corpus_files(root / "a.jsonl")] == ["a.jsonl"]
     assert list(open_corpus(root / "b.txt").documents()) == ["second file"]
     # Same documents, same fingerprint; any change (even a boundary) changes it.
-    copy = _write(tmp_path / "copy.jsonl", '{"text":"one"}\n{"text":"two"}\n{"text":"second file"}\n'
-                  '{"text":"nested"}\n')
+    rows = "".join(json.dumps({"text": t}) + "\n" for t in ["one", "two", "second file", "nested"])
+    copy = _write(tmp_path / "copy.jsonl", rows)
     assert open_corpus(copy).fingerprint == c.fingerprint
     _write(copy, '{"text":"onetwo"}\n{"text":"second file"}\n{"text":"nested"}\n')
     assert open_corpus(copy).fingerprint != c.fingerprint
@@ -180,8 +181,8 @@ def test_txt_jsonl_and_folder_corpora_read_in_sorted_order(tmp_path):
     "name, content, error, message",
     [
         ("missing.txt", None, FileNotFoundError, "does not exist"),
-        ("bad.jsonl", '{"text": "ok"}\n{"title": "x"}\n', ValueError, r'bad\.jsonl:2: no "text" field'),
-        ("bad.jsonl", '{"text": "ok"}\n\n{"text": oops}\n', ValueError, r"bad\.jsonl:3: not valid JSON"),
+        ("bad.jsonl", '{"text": "ok"}\n{"title": "x"}\n', ValueError, r'l:2: no "text" field'),
+        ("bad.jsonl", '{"text": "ok"}\n\n{"text": oops}\n', ValueError, r"l:3: not valid JSON"),
         ("bad.jsonl", '{"text": 12}\n', ValueError, r'bad\.jsonl:1: "text" is a int'),
         ("empty.txt", "", ValueError, "is empty"),
         ("empty.jsonl", '\n{"text": ""}\n', ValueError, "is empty"),

@@ -75,7 +75,7 @@ def kjv_path() -> Path:
 
 
 def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]:
-    """The files a corpus path names (KJV for None/'kjv'), checked to exist and be readable kinds."""
+    """The files a corpus path names (KJV for None/'kjv'), checked to exist, of known kinds."""
     if _is_builtin(path):
         return (kjv_path(),)
     p = Path(path).expanduser()
@@ -141,7 +141,8 @@ def open_corpus(path: str | os.PathLike[str] | None = None) -> Corpus:
     if corpus.num_documents == 0:
         shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
         raise ValueError(
-            f"corpus {str(path)!r} is empty: no text in {shown}; add text or point to another corpus"
+            f"corpus {str(path)!r} is empty: no text in {shown}; "
+            "add text or point to another corpus"
         )
     corpus.fingerprint = h.hexdigest()
     return corpus
@@ -422,7 +423,8 @@ class TrainSampler:
         """Token offsets of the ``global_batch`` windows of batch ``index`` of ``epoch``."""
         _, offset, order = self._epoch_plan(epoch)
         if not 0 <= index < len(order) // self.global_batch:
-            raise IndexError(f"epoch {epoch} has {len(order) // self.global_batch} batches, not {index + 1}")
+            n = len(order) // self.global_batch
+            raise IndexError(f"epoch {epoch} has {n} batches, not {index + 1}")
         rows = order[index * self.global_batch : (index + 1) * self.global_batch]
         return offset + rows * self.seq_len
 
@@ -465,7 +467,9 @@ class TrainSampler:
         for key in ("seed", "seq_len", "global_batch", "num_tokens"):
             have = len(self.tokens) if key == "num_tokens" else getattr(self, key)
             if key not in state:
-                raise ValueError(f"sampler state lacks {key!r}; it is not from TrainSampler.state_dict")
+                raise ValueError(
+                    f"sampler state lacks {key!r}; pass what TrainSampler.state_dict returned"
+                )
             if int(state[key]) != have:
                 raise ValueError(
                     f"sampler state has {key}={state[key]} but this run has {key}={have}; resume "
@@ -473,7 +477,10 @@ class TrainSampler:
                 )
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < self.batches_per_epoch(epoch):
-            raise ValueError(f"sampler state position (epoch {epoch}, index {index}) is out of range")
+            raise ValueError(
+                f"sampler state position (epoch {epoch}, index {index}) is out of range; "
+                "the state is not from a run on this data"
+            )
         self.epoch, self.index = epoch, index
 
     def _epoch_plan(self, epoch: int) -> tuple[int, int, np.ndarray]:
@@ -493,7 +500,7 @@ def validation_batches(
     dp_size: int = 1,
     max_batches: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of this rank's (inputs, targets) validation batches, in order, same on reruns."""
+    """A fixed list of this rank's (inputs, targets) validation batches, identical on every run."""
     _check_shape(seq_len, global_batch, dp_rank, dp_size)
     n_windows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
     n_batches = n_windows // global_batch

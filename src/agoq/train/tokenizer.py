@@ -87,7 +87,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tok
     """A byte-level BPE with ``vocab_size`` ids (EOS included) trained on ``texts``."""
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + EOS), got {vocab_size!r}"
+            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + EOS), "
+            f"got {vocab_size!r}"
         )
     backend = tokenizers.Tokenizer(models.BPE())
     # No prefix space: encode/decode must round-trip the exact text.
@@ -136,7 +137,7 @@ def load_or_train_bpe(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     cache: str | os.PathLike[str] | None = None,
 ) -> Tokenizer:
-    """The BPE for (corpus, vocab size) from the cache, trained on ``texts`` and cached if absent."""
+    """The BPE for (corpus, vocab size): from the cache, else trained on ``texts`` and cached."""
     path = cache_dir(cache) / "tokenizers" / f"bpe-{corpus_fingerprint[:16]}-v{vocab_size}.json"
     with file_lock(path):
         if path.is_file():
