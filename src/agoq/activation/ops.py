@@ -1,44 +1,301 @@
 """The operations of a decoder layer whose saved tensors a policy controls.
 
-With ``fmt=None`` each op is the bf16 baseline (what Megatron-LM's modules save). With a format,
-the fused LAAQ variants store the named tensor quantized and recompute what follows it.
+With ``fmt=None`` each op is the bf16 baseline: what Megatron-LM with its fused RMSNorm keeps (the
+norm saves its input in the compute dtype and an fp32 rstd per token; every GEMM saves its input).
+With a format, the fused LAAQ ops (METHOD.md part 1) keep only the named tensor, quantized, and
+recompute what follows it in backward:
+
+- :func:`rms_norm_linear`: keeps the quantized norm input; backward recomputes rstd, the norm and
+  the GEMM input;
+- :func:`swiglu_linear`: keeps quantized gate and up; backward recomputes SiLU(gate) * up;
+- :func:`saved_input_linear`: keeps its input quantized, unless the attention core already keeps
+  that very storage at full precision (then a quantized copy would be pure extra memory);
+- :func:`causal_attention`: stores the attention core's saved tensors quantized (the ``uniform4``
+  ablation).
+
+Forward outputs are the baseline's bit for bit; only gradients see the quantization. Every op sets
+the kind of what it saves for :mod:`agoq.activation.meter`.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from agoq.quant import QuantFormat
+from agoq.activation.meter import meter_scope, note_saved
+from agoq.quant import QTensor, QuantFormat, dequantize, quantize
+
+# Set on an attention output whose storage the attention core itself keeps unquantized for
+# backward; saved_input_linear then saves a view of it instead of a quantized copy.
+_KEPT_BY_ATTENTION = "_agoq_kept_by_attention"
+
+
+# ---- the one RMSNorm implementation (forward, backward) ----------------------------------------
+
+
+def _norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x) * weight in out_dtype, fp32 rstd [..., 1]); statistics in fp32."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.float()).to(out_dtype or x.dtype), rstd
+
+
+def _norm_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype, need_weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad of x in x_dtype, grad of weight in its dtype) of RMSNorm, computed in fp32."""
+    y = x.float() * rstd
+    g = grad_out.float()
+    gy = g * weight.float()
+    # d(x * rstd)/dx^T v = rstd * (v - y * mean(y * v)): rstd depends on x through mean(x^2).
+    gx = rstd * (gy - y * (gy * y).mean(-1, keepdim=True))
+    gw = (g * y).reshape(-1, y.shape[-1]).sum(0).to(weight.dtype) if need_weight_grad else None
+    return gx.to(x_dtype), gw
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """[..., features] as [tokens, features]."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _quantize_saved(t: torch.Tensor, fmt: QuantFormat) -> QTensor:
+    # A NaN/Inf in an activation must reach the gradients as NaN, not fail the forward pass.
+    return quantize(t, fmt, nonfinite="propagate")
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Baseline fused RMSNorm: saves its input (compute dtype) and the fp32 rstd, like Megatron's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out, rstd = _norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, rstd, weight = ctx.saved_tensors
+        gx, gw = _norm_backward(grad_out, x, rstd, weight, x.dtype, ctx.needs_input_grad[1])
+        return gx, gw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with fp32 statistics, output in x's dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    with meter_scope(kind="norm_input"):
+        return _RMSNorm.apply(x, weight, eps)
+
+
+# ---- norm + linear -------------------------------------------------------------------------------
+
+
+class _NormLinear(torch.autograd.Function):
+    """RMSNorm then several GEMMs, keeping only the quantized norm input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, fmt: QuantFormat, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h, _ = _norm_forward(x, norm_weight, eps)
+        outs = tuple(F.linear(h, w) for w in weights)
+        q = _quantize_saved(x, fmt)
+        ctx.save_for_backward(q.payload, q.scales, norm_weight, *weights)
+        ctx.meta = (q.shape, q.dtype, q.fmt, eps)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        payload, scales, norm_weight, *weights = ctx.saved_tensors
+        shape, dtype, fmt, eps = ctx.meta
+        x = dequantize(QTensor(payload, scales, shape, dtype, fmt), torch.float32)
+        h, rstd = _norm_forward(x, norm_weight, eps, out_dtype=dtype)
+        grad_h = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        weight_grads: list[torch.Tensor | None] = []
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None:
+                weight_grads.append(None)
+                continue
+            grad_h += F.linear(g, w.t())
+            weight_grads.append(_tokens(g).t().mm(_tokens(h)) if ctx.needs_input_grad[4 + i] else None)
+        gx, gw = _norm_backward(grad_h, x, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
+        return (gx, gw, None, None, *weight_grads)
 
 
 def rms_norm_linear(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weights: Sequence[torch.Tensor], fmt: QuantFormat | None
 ) -> tuple[torch.Tensor, ...]:
     """RMSNorm(x) times each weight (transposed); with fmt, saves only quantized x."""
-    h = rms_norm(x, norm_weight, eps)
-    return tuple(F.linear(h, w) for w in weights)
+    if fmt is None:
+        h = rms_norm(x, norm_weight, eps)
+        with meter_scope(kind="gemm_input"):
+            # One GEMM per weight: a fused [q|k|v] GEMM would make v a view of one buffer, and
+            # attention saving v would then keep q's and k's GEMM outputs alive as well.
+            return tuple(F.linear(h, w) for w in weights)
+    with meter_scope(kind="norm_input"):
+        return _NormLinear.apply(x, norm_weight, eps, fmt, *weights)
+
+
+# ---- SwiGLU + linear -----------------------------------------------------------------------------
+
+# max |d/dz SiLU(z)| = 1.0998 (at z = +-2.40) and max |d2/dz2 SiLU(z)| = 0.5 (at z = 0): the
+# Lipschitz constants of the recomputation, used by the error bounds in the tests.
+SILU_MAX_SLOPE = 1.0999
+SILU_MAX_CURVATURE = 0.5
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    """(SiLU(gate) * up) @ down^T, keeping only quantized gate and up."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+        out = F.linear(F.silu(gate) * up, down_weight)
+        qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
+        ctx.save_for_backward(qg.payload, qg.scales, qu.payload, qu.scales, down_weight)
+        ctx.meta = (qg.shape, qg.dtype, qu.shape, qu.dtype, fmt)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
+        gshape, gdtype, ushape, udtype, fmt = ctx.meta
+        gate = dequantize(QTensor(gp, gs, gshape, gdtype, fmt), torch.float32)
+        up = dequantize(QTensor(up_p, up_s, ushape, udtype, fmt), torch.float32)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_down = None
+        if ctx.needs_input_grad[2]:
+            act = (silu * up).to(grad_out.dtype)
+            grad_down = _tokens(grad_out).t().mm(_tokens(act))
+        grad_act = F.linear(grad_out, down_weight.t()).float()
+        grad_gate = (grad_act * up * sig * (1 + gate * (1 - sig))).to(gdtype)
+        grad_up = (grad_act * silu).to(udtype)
+        return grad_gate, grad_up, grad_down, None
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
     """(SiLU(gate) * up) times down_weight (transposed); with fmt, saves only quantized gate/up."""
-    return F.linear(F.silu(gate) * up, down_weight)
+    if fmt is None:
+        with meter_scope(kind="act_input"):
+            act = F.silu(gate) * up
+        with meter_scope(kind="gemm_input"):
+            return F.linear(act, down_weight)
+    with meter_scope(kind="act_input"):
+        return _SwiGLULinear.apply(gate, up, down_weight, fmt)
+
+
+# ---- linear with a quantized saved input ---------------------------------------------------------
+
+
+class _SavedInputLinear(torch.autograd.Function):
+    """x @ w^T keeping x quantized (only the weight gradient uses it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+        out = F.linear(x, weight)
+        q = _quantize_saved(x, fmt)
+        ctx.save_for_backward(q.payload, q.scales, weight)
+        ctx.meta = (q.shape, q.dtype, fmt)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        payload, scales, weight = ctx.saved_tensors
+        shape, dtype, fmt = ctx.meta
+        grad_x = F.linear(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            x = dequantize(QTensor(payload, scales, shape, dtype, fmt))
+            grad_w = _tokens(grad_out).t().mm(_tokens(x))
+        return grad_x, grad_w, None
+
+
+def kept_by_attention(x: torch.Tensor) -> bool:
+    """Whether x is (a view of) an attention output that the attention core keeps unquantized."""
+    base = x._base if x._base is not None else x
+    return bool(getattr(base, _KEPT_BY_ATTENTION, False)) and x.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
 def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
-    """x times weight (transposed); with fmt, saves x quantized for the weight gradient."""
-    return F.linear(x, weight)
+    """x times weight (transposed); with fmt, saves x quantized for the weight gradient.
+
+    When x is a view of an attention output that attention already keeps at full precision, x is
+    saved as that view (zero extra bytes) instead of as a quantized copy, whatever ``fmt`` says.
+    """
+    with meter_scope(kind="out_proj_input"):
+        if fmt is None or kept_by_attention(x):
+            return F.linear(x, weight)
+        return _SavedInputLinear.apply(x, weight, fmt)
+
+
+# ---- attention core ------------------------------------------------------------------------------
+
+
+def _attention_hooks(fmt: QuantFormat, ndim: int) -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks that store every floating [batch, heads, seq, head_dim] tensor attention saves as fmt."""
+
+    def pack(t: torch.Tensor) -> Any:
+        # Softmax statistics (fp32, one per query row) and RNG state stay exact: quantizing the
+        # log-sum-exp would scale whole probability rows.
+        if not t.is_floating_point() or t.dim() != ndim:
+            note_saved(t)
+            return t
+        q = _quantize_saved(t, fmt)
+        note_saved(q.payload)
+        note_saved(q.scales)
+        return q
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.dequantize() if isinstance(saved, QTensor) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
     """Causal grouped-query SDPA on [batch, heads, seq, head_dim]; with fmt, saved tensors are quantized."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"causal_attention takes [batch, heads, seq, head_dim] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    gqa = k.shape[1] != q.shape[1]
+    with meter_scope(kind="attention"):
+        if fmt is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            # Fused SDPA kernels (CPU flash, CUDA flash / memory-efficient / cuDNN) save their output.
+            if out.grad_fn is not None and "_saved_output" in dir(out.grad_fn):
+                setattr(out, _KEPT_BY_ATTENTION, True)
+            return out
+        with _attention_hooks(fmt, q.dim()):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [batch, heads, seq, head_dim] by position (rotate-half convention), saving only cos/sin.
+
+    Equals ``x * cos + rotate_half(x) * sin`` computed in x's dtype; cos and sin ([seq, head_dim])
+    are saved as given, so tables shared by every layer are kept once.
+    """
+    with meter_scope(kind="other"):
+        return _Rotary.apply(x, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _rotate_half_transposed(g: torch.Tensor) -> torch.Tensor:
+    """The adjoint of rotate_half: [a, b] -> [b, -a]."""
+    half = g.shape[-1] // 2
+    return torch.cat([g[..., half:], -g[..., :half]], dim=-1)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        g = grad_out
+        return g * cos.to(g.dtype) + _rotate_half_transposed(g * sin.to(g.dtype)), None, None
