@@ -19,6 +19,7 @@ from agoq.activation import (
     make_policy,
     rms_norm,
     rms_norm_linear,
+    rotary_embedding,
     saved_input_linear,
     swiglu_linear,
 )
@@ -94,8 +95,8 @@ class DecoderLayer(nn.Module):
         b, s, _ = x.shape
         a = self.attn
         q, k, v = rms_norm_linear(x, self.attn_norm.weight, cfg.norm_eps, (a.q.weight, a.k.weight, a.v.weight), p.norm_input)
-        q = apply_rope(q.view(b, s, cfg.n_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        q = rotary_embedding(q.view(b, s, cfg.n_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        k = rotary_embedding(k.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         o = causal_attention(q, k, v, p.attention).transpose(1, 2).reshape(b, s, cfg.hidden)
         x = x + saved_input_linear(o, a.o.weight, p.out_proj_input)
