@@ -1,0 +1,577 @@
+"""Atomic, resumable distributed checkpoints on torch.distributed.checkpoint (DCP).
+
+Layout of a checkpoint root::
+
+    root/
+      latest                 one line, the name of the newest finished step folder
+      step_000120/           a finished checkpoint (kept: the newest ``keep``)
+        .metadata            DCP index: every key, its shape and where its bytes lie
+        __0_0.distcp ...     DCP data, one file per rank that wrote something
+        manifest.json        step, world size, layout, model config, optimizer, each rank's
+                             model keys and every file's size; written last
+      step_000140.tmp/       a save in progress, or one that crashed: never loaded
+
+A save writes everything into ``step_N.tmp/``; after all ranks have finished, one rank writes the
+manifest, renames the folder to ``step_N/`` and replaces ``latest`` (temp file + ``os.replace``),
+so a crash at any point leaves the previous checkpoint intact and pointed to.
+
+State dict keys are the model's global names (``model.layers.5.attn.q.weight``,
+``optim.state.layers.5.attn.q.weight.exp_avg``), so pipeline ranks write disjoint keys and
+data-parallel replicas write identical ones, which DCP's planner stores once. Each rank's ``extra``
+(RNG states, its data sampler position) is stored under its own key ``extra.rank_NNNNN``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+# Flattened optimizer keys ("optim.state.<fqn>.exp_avg") make every entry owned by one parameter's
+# global name: pipeline ranks never collide, and a layout change is visible key by key.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded, with the path and the fix in one line."""
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint of a step (``step_000123``)."""
+    return f"step_{step:06d}"
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest finished checkpoint folder under root (``latest`` first, else a scan), or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        # A pointer to a folder that vanished (pruned by hand, or a crash while re-saving the same
+        # step) must not hide older finished checkpoints: fall through to the scan.
+        if _STEP_RE.match(name) and (root / name / MANIFEST).is_file():
+            return root / name
+    finished = _finished_steps(root)
+    return finished[-1][1] if finished else None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's random number generator states (torch CPU and CUDA, Python, NumPy)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is a dependency, but RNG capture must not need it
+        pass
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore generator states captured by :func:`capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    keep: int = 2,
+    layout: dict | None = None,
+    config: dict | None = None,
+) -> Path:
+    """Write this rank's part of the step's checkpoint atomically; return the finished folder.
+
+    Every rank of ``process_group`` (default: the whole job) must call it. ``model`` is this rank's
+    module (or list of pipeline chunks) with global parameter names; ``extra`` is this rank's own
+    picklable state; ``layout`` (e.g. ``{"pp": 2, "dp": 2}``) is checked on load; ``config`` (the
+    run's configuration as a JSON-able dict) is recorded. Keeps the newest ``keep`` checkpoints.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
+    if not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(f"keep={keep!r} must be an integer >= 1 (the number of checkpoints to keep)")
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"extra must be a dict of this rank's state, got {type(extra).__name__}")
+    root = Path(root)
+    rank, world = _rank_world(process_group)
+    name = step_dir_name(step)
+    tmp, final = root / f"{name}.tmp", root / name
+
+    module = _as_one_module(model)
+    blob, error = None, None
+    try:
+        buf = io.BytesIO()
+        torch.save(extra, buf)
+        blob = buf.getvalue()
+    except Exception as e:  # agree before any collective write, or the other ranks would hang
+        error = f"extra state of rank {rank} cannot be pickled ({type(e).__name__}: {e}); keep only tensors and plain values in it"
+    if rank == 0 and error is None:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save of this step that crashed
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
+    _agree(error, process_group)
+
+    msd, osd = _state_dicts(module, optimizer)
+    state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): blob}}
+    if optimizer is not None:
+        state["optim"] = osd
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
+                     no_dist=not _distributed())
+    except Exception as e:
+        raise CheckpointError(
+            f"writing checkpoint {tmp} failed ({_short(e)}); the previous checkpoint is untouched, "
+            "fix the cause (disk space, permissions) and save again"
+        ) from None
+
+    ranks = _gather(_rank_summary(rank, msd), process_group)
+    error = None
+    if rank == 0:
+        try:
+            _publish(root, tmp, final, step, world, ranks, module, optimizer, layout, config, keep)
+        except OSError as e:
+            error = f"publishing checkpoint {final} failed ({e}); the previous checkpoint is still the latest"
+    # Nobody returns before the checkpoint is published: a crash right after save_checkpoint
+    # returns must find it.
+    _agree(error, process_group)
+    return final
+
+
+def load_checkpoint(
+    root_or_step_dir: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    layout: dict | None = None,
+) -> tuple[int, dict]:
+    """Load model (and optimizer) state in place from a checkpoint; return (step, this rank's extra).
+
+    ``root_or_step_dir`` is a checkpoint root (its latest finished step is loaded) or one
+    ``step_N`` folder. Every rank must call it. Checks the checkpoint against this job (files
+    complete, world size, layout, model config, keys and shapes) before reading any tensor, and
+    raises :class:`CheckpointError` on every rank when any rank finds a problem. With
+    ``optimizer=None`` only the model is loaded. Gradients are cleared.
+    """
+    rank, world = _rank_world(process_group)
+    module = _as_one_module(model)
+    step_dir, manifest, error = None, None, None
+    try:
+        step_dir = _resolve(Path(root_or_step_dir))
+        manifest = _read_manifest(step_dir)
+        _check_files(step_dir, manifest)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error, process_group)
+    assert step_dir is not None and manifest is not None  # _agree raised otherwise
+
+    if optimizer is not None:
+        # torch fills a fresh optimizer's state with a zero-gradient step only if no gradient is set;
+        # otherwise its state dict would be empty and the saved moments silently skipped.
+        optimizer.zero_grad(set_to_none=True)
+    msd, osd = _state_dicts(module, optimizer)
+    try:
+        _check_compatible(step_dir, manifest, rank, world, module, msd, optimizer, osd, layout)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error, process_group)
+
+    state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): b""}}
+    if optimizer is not None:
+        state["optim"] = osd
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), process_group=process_group,
+                     no_dist=not _distributed())
+    except Exception as e:
+        raise CheckpointError(
+            f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: "
+            "delete that folder and load an earlier checkpoint"
+        ) from None
+    if optimizer is None:
+        set_model_state_dict(module, msd, options=_OPTIONS)
+    else:
+        set_state_dict(module, optimizer, model_state_dict=msd, optim_state_dict=osd, options=_OPTIONS)
+    extra = torch.load(io.BytesIO(state["extra"][_extra_key(rank)]), weights_only=False)
+    return int(manifest["step"]), extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Internals
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every call without a process group, although one process is a supported case.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        yield
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agree(error: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raise the first rank's error on every rank (a lone raise would leave the others hanging)."""
+    errors = _gather(error, group)
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise CheckpointError(e if len(errors) == 1 else f"rank {r}: {e}")
+
+
+def _extra_key(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+class _Chunks(nn.Module):
+    """Several pipeline chunks of one rank seen as one module with their global names."""
+
+    def __init__(self, chunks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                mine = self._modules.get(name)
+                if mine is None:
+                    self.add_module(name, nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict) else child)
+                elif isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict) and not set(mine) & set(child):
+                    mine.update(dict(child.items()))
+                else:
+                    raise ValueError(
+                        f"pipeline chunks both hold a submodule named {name!r}; chunks passed together must "
+                        "hold disjoint global names (e.g. layers keyed by their global index)"
+                    )
+            if next(chunk.named_parameters(recurse=False), None) is not None:
+                raise ValueError("pipeline chunks with parameters directly on the chunk cannot be merged; wrap them in a submodule")
+
+
+def _as_one_module(model: nn.Module | Sequence[nn.Module]) -> nn.Module:
+    if isinstance(model, nn.Module):
+        return model
+    chunks = list(model)
+    if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+        raise TypeError(f"model must be an nn.Module or a list of them, got {model!r}")
+    return chunks[0] if len(chunks) == 1 else _Chunks(chunks)
+
+
+def _state_dicts(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    if optimizer is None:
+        return get_model_state_dict(module, options=_OPTIONS), {}
+    return get_state_dict(module, optimizer, options=_OPTIONS)
+
+
+def _config_of(module: nn.Module) -> dict | None:
+    cfgs = [m.cfg for m in module.modules() if hasattr(getattr(m, "cfg", None), "to_dict")]
+    return cfgs[0].to_dict() if cfgs else None
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str | None:
+    return None if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _rank_summary(rank: int, msd: dict) -> dict:
+    keys = sorted(msd)
+    digest = hashlib.sha1("\n".join(f"{k}:{tuple(msd[k].shape)}" for k in keys).encode()).hexdigest()[:16]
+    return {
+        "rank": rank,
+        "model_keys": len(keys),
+        "model_numel": sum(int(v.numel()) for v in msd.values()),
+        "first_key": keys[0] if keys else None,
+        "last_key": keys[-1] if keys else None,
+        "keys_digest": digest,
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(
+    root: Path, tmp: Path, final: Path, step: int, world: int, ranks: list[dict], module: nn.Module,
+    optimizer: torch.optim.Optimizer | None, layout: dict | None, config: dict | None, keep: int,
+) -> None:
+    """Manifest, rename, pointer, prune: run by one rank after every rank has written its files."""
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world,
+        "layout": layout,
+        "model_config": _config_of(module),
+        "optimizer": _optimizer_name(optimizer),
+        "torch_version": torch.__version__,
+        "ranks": ranks,
+        "files": files,
+        "total_bytes": sum(files.values()),
+        "run_config": config,
+    }
+    _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():  # the same step saved again (e.g. after resuming from it)
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer_tmp = root / f".{LATEST}.{os.getpid()}.tmp"
+    _write_durably(pointer_tmp, final.name + "\n")
+    os.replace(pointer_tmp, root / LATEST)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, final, keep)
+
+
+def _finished_steps(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _prune(root: Path, current: Path, keep: int) -> None:
+    others = [p for _, p in _finished_steps(root) if p != current]
+    for p in others[: max(0, len(others) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():
+        # Leftovers of crashed saves; every rank has finished the current one, so none is live.
+        if p.is_dir() and p.name.startswith("step_") and p.name.endswith((".tmp", ".old")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _resolve(path: Path) -> Path:
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint path {path} does not exist; pass a checkpoint root (the folder holding 'latest') "
+            "or one of its step_NNNNNN folders"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is a file; pass the checkpoint root or a step_NNNNNN folder")
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(
+            f"{path} is an unfinished save (a crash or a save still running); load the root {path.parent} "
+            "to get the latest finished checkpoint"
+        )
+    if (path / MANIFEST).is_file() or (path / ".metadata").exists() or _STEP_RE.match(path.name):
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(
+            f"no finished checkpoint under {path} (no step_NNNNNN folder with a {MANIFEST}); "
+            "start without resuming or point to the right folder"
+        )
+    return found
+
+
+def _read_manifest(step_dir: Path) -> dict:
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {step_dir} has no {MANIFEST}, so its save never finished; "
+            "delete it and load an earlier checkpoint"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e}); delete {step_dir} and load an earlier checkpoint") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; "
+            "load it with the agoq version that wrote it"
+        )
+    return manifest
+
+
+def _check_files(step_dir: Path, manifest: dict) -> None:
+    for name, size in manifest["files"].items():
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointError(
+                f"checkpoint {step_dir} is missing {name}; copy the whole folder, or delete it and load an earlier checkpoint"
+            )
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or altered ({actual} bytes, the save wrote {size}); "
+                "copy the whole folder again, or delete it and load an earlier checkpoint"
+            )
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
+def _check_compatible(
+    step_dir: Path, manifest: dict, rank: int, world: int, module: nn.Module, msd: dict,
+    optimizer: torch.optim.Optimizer | None, osd: dict, layout: dict | None,
+) -> None:
+    """Raise CheckpointError naming the first way this rank's job differs from the checkpoint's."""
+    if manifest["world_size"] != world:
+        saved = f" (layout {manifest['layout']})" if manifest.get("layout") else ""
+        raise CheckpointError(
+            f"checkpoint {step_dir} was saved by {manifest['world_size']} processes{saved}, this job has {world}; "
+            "resume with the same number of processes and the same parallel layout"
+        )
+    if layout is not None and manifest.get("layout") is not None and dict(layout) != manifest["layout"]:
+        raise CheckpointError(
+            f"checkpoint {step_dir} was saved with layout {manifest['layout']}, this job uses {dict(layout)}; "
+            "resume with the saved layout"
+        )
+    saved_cfg, cfg = manifest.get("model_config"), _config_of(module)
+    if saved_cfg is not None and cfg is not None and saved_cfg != cfg:
+        diffs = [f"{k}={saved_cfg.get(k)!r} (checkpoint) vs {cfg.get(k)!r} (model)"
+                 for k in sorted(set(saved_cfg) | set(cfg)) if saved_cfg.get(k) != cfg.get(k)]
+        raise CheckpointError(
+            f"checkpoint {step_dir} holds a different model: {', '.join(diffs)}; build the model with the saved config"
+        )
+    try:
+        metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint index {step_dir / '.metadata'} is unreadable ({_short(e)}); delete {step_dir} and load an earlier checkpoint"
+        ) from None
+    saved = metadata.state_dict_metadata
+
+    def check(prefix: str, what: str, sd: dict) -> None:
+        for key, value in sd.items():
+            meta = saved.get(f"{prefix}.{key}")
+            if meta is None:
+                raise CheckpointError(
+                    f"checkpoint {step_dir} has no {what} '{key}' ({_count(saved, prefix)} {what}s saved); "
+                    "load it into the model (and optimizer) it was saved from"
+                )
+            if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{what} '{key}' has shape {_fmt_shape(meta.size)} in checkpoint {step_dir} but "
+                    f"{_fmt_shape(value.shape)} here; build the model with the saved config"
+                )
+
+    check("model", "model key", msd)
+    if optimizer is not None:
+        name = _optimizer_name(optimizer)
+        if manifest.get("optimizer") is None:
+            raise CheckpointError(
+                f"checkpoint {step_dir} holds no optimizer state; load it with optimizer=None and start the optimizer fresh"
+            )
+        if manifest["optimizer"] != name:
+            raise CheckpointError(
+                f"checkpoint {step_dir} holds {manifest['optimizer']} state, this job uses {name}; "
+                "resume with the saved optimizer, or load with optimizer=None to start it fresh"
+            )
+        check("optim", "optimizer key", osd)
+        # The reverse direction: saved moments of this rank's parameters that it would not load.
+        mine = {f"optim.state.{k}." for k in msd}
+        for key in saved:
+            if key.startswith("optim.state.") and key.rsplit(".", 1)[0] + "." in mine and key[len("optim."):] not in osd:
+                raise CheckpointError(
+                    f"checkpoint {step_dir} has optimizer state '{key[len('optim.'):]}' that this optimizer lacks; "
+                    "resume with the saved optimizer settings"
+                )
+    if f"extra.{_extra_key(rank)}" not in saved:
+        raise CheckpointError(f"checkpoint {step_dir} has no extra state for rank {rank}; resume with the saved world size")
+    mine = _rank_summary(rank, msd)
+    theirs = manifest["ranks"][rank]
+    if mine["keys_digest"] != theirs["keys_digest"]:
+        raise CheckpointError(
+            f"checkpoint {step_dir} was saved with a different parallel layout: rank {rank} held "
+            f"{theirs['model_keys']} model keys ({theirs['first_key']} .. {theirs['last_key']}), here it holds "
+            f"{mine['model_keys']} ({mine['first_key']} .. {mine['last_key']}); resume with the saved layout"
+            + (f" {manifest['layout']}" if manifest.get("layout") else "")
+        )
+
+
+def _count(saved: dict, prefix: str) -> int:
+    return sum(1 for k in saved if k.startswith(prefix + "."))
+
+
+def _short(e: BaseException) -> str:
+    """The innermost message of a (possibly multi-rank) DCP failure, on one line."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+        return f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
