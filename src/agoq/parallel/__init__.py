@@ -1,1 +1,39 @@
-"""parallel."""
+"""Pipeline parallelism on torch.distributed and pipeline-stage-aware activation bits (DBCA-PP)."""
+
+from agoq.parallel.dbca import BIT_CANDIDATES, allocate_stage_bits, layer_bits, peak_bytes
+from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, schedule_order
+from agoq.parallel.pipeline import (
+    SCHEDULES,
+    build_schedule,
+    build_stages,
+    check_schedule,
+    is_multi_stage,
+    make_mesh,
+    rank_stages,
+    schedule_class,
+    schedule_name,
+    split_layers,
+    stage_to_rank,
+)
+
+__all__ = [
+    "BIT_CANDIDATES",
+    "SCHEDULES",
+    "InFlight",
+    "allocate_stage_bits",
+    "build_schedule",
+    "build_stages",
+    "check_schedule",
+    "count_inflight",
+    "inflight_microbatches",
+    "is_multi_stage",
+    "layer_bits",
+    "make_mesh",
+    "peak_bytes",
+    "rank_stages",
+    "schedule_class",
+    "schedule_name",
+    "schedule_order",
+    "split_layers",
+    "stage_to_rank",
+]

@@ -1,0 +1,116 @@
+"""Peak in-flight micro-batches per pipeline rank and stage, read off torch's own schedule order.
+
+A micro-batch is *in flight* on a stage from its forward until its backward has finished: its saved
+activations live that long. The count is taken from the per-rank action lists that
+``torch.distributed.pipelining`` itself executes (``schedule.pipeline_order``), not from a formula,
+so it follows whatever torch does (1F1B: p - r on rank r; interleaved 1F1B, 4 ranks x 2 chunks x
+8 micro-batches: 11, 9, 7, 5, the figures METHOD.md quotes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.pipelining import schedules as _schedules
+
+from agoq.parallel.pipeline import check_schedule, is_multi_stage, rank_stages, schedule_class, stage_to_rank
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Peak in-flight micro-batch counts of one schedule configuration."""
+
+    schedule: str
+    pp: int
+    n_microbatches: int
+    virtual_stages: int
+    # Peak over time of the micro-batches in flight on each pp rank (all its stages together).
+    per_rank: tuple[int, ...]
+    # Peak of each global stage on its own; a rank's stages peak at different times, so the sum
+    # over a rank's stages can exceed per_rank.
+    per_stage: tuple[int, ...]
+    stage_to_rank: tuple[int, ...]
+
+
+class _OrderOnlyStage:
+    """The attributes a schedule constructor reads from a stage; enough to build the action order."""
+
+    def __init__(self, stage_index: int, num_stages: int, pp: int, pp_rank: int) -> None:
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = pp
+        self.group_rank = pp_rank
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> dict[int, list[Any]]:
+    """torch's per-rank compute action lists (pipeline_order) for a schedule, without a process group."""
+    key = check_schedule(schedule, pp, n_microbatches, virtual_stages)
+    num_stages = pp * virtual_stages
+    # Every rank's list is computed by every rank's schedule object, so rank 0's copy suffices.
+    stages = [_OrderOnlyStage(s, num_stages, pp, 0) for s in rank_stages(key, 0, pp, virtual_stages)]
+    cls = schedule_class(key)
+    loss_fn = lambda output, target: output  # noqa: E731  (a loss makes the schedule include backwards)
+    try:
+        sched = cls(stages if is_multi_stage(key) else stages[0], n_microbatches, loss_fn=loss_fn)
+    except (ValueError, AssertionError, RuntimeError) as err:
+        raise ValueError(
+            f"torch cannot build schedule {key!r} for pp={pp}, virtual_stages={virtual_stages}, "
+            f"n_microbatches={n_microbatches}: {err}"
+        ) from err
+    if sched.pipeline_order is None:
+        raise ValueError(f"schedule {key!r} does not expose its action order in this torch version")
+    return {rank: list(actions) for rank, actions in sched.pipeline_order.items()}
+
+
+def count_inflight(pipeline_order: Mapping[int, Sequence[Any]], num_stages: int) -> tuple[list[int], list[int]]:
+    """Peak in-flight micro-batches (per rank, per global stage) of per-rank action lists.
+
+    A forward ``F`` starts a micro-batch; it ends with its full backward ``B`` or, where the
+    backward is split, with the weight gradient ``W`` (activations the weight gradient needs
+    outlive the input gradient ``I``). Overlapped ``F;B`` actions are taken in their listed order.
+    """
+    forward, done = _schedules.FORWARD, (_schedules.FULL_BACKWARD, _schedules.BACKWARD_WEIGHT)
+    per_rank = [0] * len(pipeline_order)
+    per_stage = [0] * num_stages
+    for rank, actions in pipeline_order.items():
+        live = [0] * num_stages
+        total = 0
+        stack = [a for a in reversed(actions) if a is not None]
+        while stack:
+            action = stack.pop()
+            if action.sub_actions:
+                stack.extend(reversed(action.sub_actions))
+                continue
+            s = action.stage_index
+            if action.computation_type == forward:
+                live[s] += 1
+                total += 1
+                per_stage[s] = max(per_stage[s], live[s])
+                per_rank[rank] = max(per_rank[rank], total)
+            elif action.computation_type in done:
+                if live[s] == 0:
+                    raise ValueError(f"rank {rank} runs {action} before any forward of stage {s}: not a valid order")
+                live[s] -= 1
+                total -= 1
+    return per_rank, per_stage
+
+
+def inflight_microbatches(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> InFlight:
+    """Each pp rank's and each stage's peak number of in-flight micro-batches under a torch schedule."""
+    key = check_schedule(schedule, pp, n_microbatches, virtual_stages)
+    per_rank, per_stage = count_inflight(schedule_order(key, pp, n_microbatches, virtual_stages), pp * virtual_stages)
+    return InFlight(
+        schedule=key,
+        pp=pp,
+        n_microbatches=n_microbatches,
+        virtual_stages=virtual_stages,
+        per_rank=tuple(per_rank),
+        per_stage=tuple(per_stage),
+        stage_to_rank=tuple(stage_to_rank(key, pp, virtual_stages)),
+    )

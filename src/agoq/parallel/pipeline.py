@@ -1,0 +1,176 @@
+"""Pipeline-parallel building blocks on torch.distributed: a (pp, dp) mesh, layer cuts, stages, schedules.
+
+Everything here is a thin, validated layer over ``torch.distributed.device_mesh`` and
+``torch.distributed.pipelining``; nothing replaces them. Stage ``s`` of ``pp * virtual_stages``
+holds the ``s``-th consecutive range of decoder layers; which stages a rank holds depends on the
+schedule (``loop`` placement ``rank, rank + pp, ...``; ``v`` placement ``rank, 2 * pp - 1 - rank``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
+
+# Names accepted in configs (case-insensitive) -> torch's schedule class.
+SCHEDULES: dict[str, type] = {
+    "gpipe": _schedules.ScheduleGPipe,
+    "1f1b": _schedules.Schedule1F1B,
+    "interleaved1f1b": _schedules.ScheduleInterleaved1F1B,
+    "loopedbfs": _schedules.ScheduleLoopedBFS,
+    "interleavedzerobubble": _schedules.ScheduleInterleavedZeroBubble,
+    "zbvzerobubble": _schedules.ScheduleZBVZeroBubble,
+    "dualpipev": _schedules.ScheduleDualPipeV,
+}
+# Schedules that place two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
+_V_SCHEDULES = ("zbvzerobubble", "dualpipev")
+# Multi-stage schedules that split each micro-batch into rounds of microbatches_per_round.
+_ROUND_SCHEDULES = ("interleaved1f1b", "interleavedzerobubble")
+
+
+def schedule_name(name: str) -> str:
+    """The canonical (lower-case) name of a pipeline schedule; ValueError for an unknown one."""
+    key = str(name).lower().replace("-", "").replace("_", "")
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    return key
+
+
+def schedule_class(name: str) -> type:
+    """torch.distributed.pipelining's class for a schedule name ('gpipe', '1f1b', 'interleaved1f1b', ...)."""
+    return SCHEDULES[schedule_name(name)]
+
+
+def is_multi_stage(name: str) -> bool:
+    """Whether the schedule can hold several (virtual) stages per rank."""
+    return issubclass(schedule_class(name), _schedules.PipelineScheduleMulti)
+
+
+def stage_to_rank(name: str, pp: int, virtual_stages: int = 1) -> list[int]:
+    """The pp rank that holds each global stage index under this schedule's placement."""
+    style = "v" if schedule_name(name) in _V_SCHEDULES else "loop"
+    mapping = generate_stage_to_rank_mapping(pp, pp * virtual_stages, style=style)
+    return [mapping[s] for s in range(pp * virtual_stages)]
+
+
+def rank_stages(name: str, pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Global stage indices held by pp rank ``pp_rank``, in increasing order."""
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp rank {pp_rank} is outside 0..{pp - 1}")
+    return [s for s, r in enumerate(stage_to_rank(name, pp, virtual_stages)) if r == pp_rank]
+
+
+def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> str:
+    """Validate a schedule configuration without any process group; return the canonical name.
+
+    Raises ValueError naming the bad value and the fix, before any process is started.
+    """
+    key = schedule_name(name)
+    for label, value in (("pp", pp), ("n_microbatches", n_microbatches), ("virtual_stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    num_stages = pp * virtual_stages
+    if not is_multi_stage(key) and virtual_stages != 1:
+        raise ValueError(
+            f"schedule {key!r} runs one stage per rank but virtual_stages={virtual_stages}; "
+            "set virtual_stages=1 or use 'interleaved1f1b'"
+        )
+    if key in _V_SCHEDULES and virtual_stages != 2:
+        raise ValueError(f"schedule {key!r} needs exactly 2 stages per rank; set virtual_stages=2 (got {virtual_stages})")
+    if key == "1f1b" and n_microbatches < pp:
+        raise ValueError(
+            f"schedule '1f1b' needs at least as many micro-batches as stages: n_microbatches={n_microbatches} < pp={pp}; "
+            f"raise n_microbatches to {pp} or more (or use 'gpipe')"
+        )
+    if key == "dualpipev" and n_microbatches < num_stages:
+        raise ValueError(
+            f"schedule 'dualpipev' needs n_microbatches >= 2 * pp = {num_stages}, got {n_microbatches}; raise n_microbatches"
+        )
+    if key in _ROUND_SCHEDULES:
+        # torch splits the micro-batches into max(1, n // pp) equal rounds.
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"schedule {key!r} with pp={pp} splits micro-batches into max(1, n_microbatches // pp) = {rounds} "
+                f"equal rounds, which n_microbatches={n_microbatches} does not divide; use a multiple of pp, e.g. {pp * rounds}"
+            )
+    return key
+
+
+def make_mesh(world_size: int, pp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A 2-D DeviceMesh with dims ('pp', 'dp'): rank r is pp stage r // dp, data replica r % dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not isinstance(pp, int) or pp < 1 or world_size % pp:
+        raise ValueError(
+            f"pipeline size pp={pp} must be a positive divisor of the world size {world_size}; "
+            f"pick pp among {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+
+
+def split_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
+    """Consecutive, equal layer ranges, one per global stage (pp * virtual_stages of them)."""
+    num_stages = pp * virtual_stages
+    if num_stages < 1 or n_layers < 1 or n_layers % num_stages:
+        raise ValueError(
+            f"{n_layers} layers cannot be cut into pp * virtual_stages = {pp} * {virtual_stages} = {num_stages} equal stages; "
+            f"make the layer count a multiple of {num_stages} or change pp / virtual_stages"
+        )
+    per = n_layers // num_stages
+    return [range(s * per, (s + 1) * per) for s in range(num_stages)]
+
+
+def build_stages(
+    modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    num_stages: int,
+    group: Any = None,
+    device: torch.device | str = "cpu",
+) -> list[PipelineStage]:
+    """PipelineStage objects wrapping this rank's stage modules (shapes are inferred on the first step)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if len(modules) != len(stage_indices):
+        raise ValueError(f"got {len(modules)} stage modules for {len(stage_indices)} stage indices; pass one module per stage")
+    for s in stage_indices:
+        if not 0 <= s < num_stages:
+            raise ValueError(f"stage index {s} is outside 0..{num_stages - 1}")
+    dev = torch.device(device)
+    return [PipelineStage(m, s, num_stages, dev, group=group) for m, s in zip(modules, stage_indices)]
+
+
+def build_schedule(
+    name: str,
+    stages: Sequence[PipelineStage],
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    scale_grads: bool = True,
+) -> Any:
+    """A torch.distributed.pipelining schedule over this rank's stages.
+
+    ``loss_fn(output, target)`` runs on each micro-batch of the last stage. With ``scale_grads``
+    (torch's default) gradients are divided by ``n_microbatches``, so a ``loss_fn`` that averages
+    over its micro-batch yields the full-batch mean gradient; pass ``scale_grads=False`` with a
+    summing loss.
+    """
+    if not stages:
+        raise ValueError("no pipeline stages given; build them with build_stages()")
+    key = check_schedule(name, stages[0].group_size, n_microbatches, len(stages))
+    if stages[0].num_stages != stages[0].group_size * len(stages):
+        raise ValueError(
+            f"{len(stages)} stage(s) per rank on {stages[0].group_size} pp ranks do not make {stages[0].num_stages} stages; "
+            "give each rank num_stages / pp stages"
+        )
+    cls = SCHEDULES[key]
+    if is_multi_stage(key):
+        return cls(list(stages), n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
