@@ -256,6 +256,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: Qua
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     gqa = k.shape[1] != q.shape[1]
+    if not q.transpose(1, 2).is_contiguous():
+        # Fused SDPA kernels lay the output out like q. In [batch, seq, heads, head_dim] order the
+        # caller's [batch, seq, hidden] view of the output is free, and the out-projection can
+        # save that view (the storage attention keeps anyway) instead of a copy.
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     with meter_scope(kind="attention"):
         if fmt is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
