@@ -7,7 +7,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agoq.activation import make_policy
-from agoq.parallel import allocate_stage_bits, inflight_microbatches, layer_bits, peak_bytes
+from agoq.models import get_config
+from agoq.parallel import (
+    allocate_rank_bits,
+    allocate_stage_bits,
+    inflight_microbatches,
+    layer_bits,
+    peak_bytes,
+    peak_inflight_bytes,
+    schedule_order,
+    split_layers,
+    stage_layer_bits,
+    stage_saved_bytes,
+)
 
 
 def proportional(bits: int) -> int:
@@ -92,3 +104,54 @@ def test_layer_bits_follow_the_stage_cut():
         layer_bits([4, 8], 5)
     with pytest.raises(ValueError, match="names ranks outside"):
         layer_bits([4, 8], 4, stage_to_rank=[0, 2])
+
+
+@pytest.mark.parametrize("schedule,pp,n,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 4, 1), ("interleaved1f1b", 4, 8, 2), ("zbvzerobubble", 2, 4, 2)])
+def test_timeline_allocation_with_equal_stages_equals_the_count_rule(schedule, pp, n, v):
+    order = schedule_order(schedule, pp, n, v)
+    counts = inflight_microbatches(schedule, pp, n, v).per_rank
+
+    def nbytes(b: int) -> int:
+        return 100 + 8 * b
+
+    assert allocate_rank_bits(order, lambda stage, b: nbytes(b), pp * v) == allocate_stage_bits(counts, nbytes)
+
+
+def test_a_heavy_last_stage_sets_the_peak_and_the_others_use_it():
+    # GPipe keeps all 4 micro-batches everywhere; the last stage's loss tensors (1000 bytes each)
+    # make it the peak (4 * (1000 + 4 * 10) = 4160), so rank 0 can afford 16 bits (4 * 160 = 640).
+    order = schedule_order("gpipe", 2, 4)
+    bits = allocate_rank_bits(order, lambda stage, b: 10 * b + (1000 if stage == 1 else 0), 2)
+    assert bits == [16, 4]
+    assert peak_inflight_bytes(order, [160, 1040]) == [640, 4160]
+
+
+@pytest.mark.parametrize("schedule,pp,n,v", [("1f1b", 4, 8, 1), ("interleaved1f1b", 4, 8, 2), ("interleaved1f1b", 2, 4, 2), ("gpipe", 2, 4, 1)])
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_llama_stage_bits_never_raise_the_peak(schedule, pp, n, v, fused_loss):
+    # LLaMA2-13B shapes, one 4096-token sequence per micro-batch: bytes from the activation accounting.
+    cfg = get_config("llama2-13b")
+    policy = make_policy("agoq", fused_loss=fused_loss)
+    per_layer = stage_layer_bits(cfg, schedule, pp, n, v, 1, 4096, policy)
+    assert len(per_layer) == cfg.n_layers and min(per_layer) == 4
+    ranges = split_layers(cfg.n_layers, pp, v)
+    order = schedule_order(schedule, pp, n, v)
+
+    def peaks(bits_of_layer) -> list[int]:
+        return peak_inflight_bytes(order, [
+            stage_saved_bytes(cfg, policy, r, s == len(ranges) - 1, bits_of_layer[r.start], 1, 4096) for s, r in enumerate(ranges)
+        ])
+
+    dbca, uniform = peaks(per_layer), peaks([4] * cfg.n_layers)
+    assert max(dbca) <= max(uniform)
+    # Where ranks keep different counts in flight, the lighter ones gain precision (GPipe keeps
+    # n everywhere: no slack unless the loss tensors make the last rank heavier).
+    if schedule != "gpipe":
+        assert max(per_layer) > 4
+
+
+def test_llama_interleaved_4x2x8_bits_per_rank():
+    cfg = get_config("llama2-13b")
+    per_layer = stage_layer_bits(cfg, "interleaved1f1b", 4, 8, 2, 1, 4096, make_policy("agoq"))
+    # 40 layers in 8 stages of 5; rank r holds stages r and r + 4.
+    assert per_layer == ([4] * 5 + [6] * 5 + [8] * 10) * 2

@@ -1,7 +1,15 @@
 """Pipeline parallelism on torch.distributed and pipeline-stage-aware activation bits (DBCA-PP)."""
 
-from agoq.parallel.dbca import BIT_CANDIDATES, allocate_stage_bits, layer_bits, peak_bytes
-from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, schedule_order
+from agoq.parallel.dbca import (
+    BIT_CANDIDATES,
+    allocate_rank_bits,
+    allocate_stage_bits,
+    layer_bits,
+    peak_bytes,
+    stage_layer_bits,
+    stage_saved_bytes,
+)
+from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, peak_inflight_bytes, schedule_order
 from agoq.parallel.pipeline import (
     SCHEDULES,
     build_schedule,
@@ -20,6 +28,7 @@ __all__ = [
     "BIT_CANDIDATES",
     "SCHEDULES",
     "InFlight",
+    "allocate_rank_bits",
     "allocate_stage_bits",
     "build_schedule",
     "build_stages",
@@ -30,10 +39,13 @@ __all__ = [
     "layer_bits",
     "make_mesh",
     "peak_bytes",
+    "peak_inflight_bytes",
     "rank_stages",
     "schedule_class",
     "schedule_name",
     "schedule_order",
     "split_layers",
+    "stage_layer_bits",
+    "stage_saved_bytes",
     "stage_to_rank",
 ]

@@ -68,14 +68,10 @@ def schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_stages: 
     return {rank: list(actions) for rank, actions in sched.pipeline_order.items()}
 
 
-def count_inflight(pipeline_order: Mapping[int, Sequence[Any]], num_stages: int) -> tuple[list[int], list[int]]:
-    """Peak in-flight micro-batches (per rank, per global stage) of per-rank action lists.
-
-    A forward ``F`` starts a micro-batch; it ends with its full backward ``B`` or, where the
-    backward is split, with the weight gradient ``W`` (activations the weight gradient needs
-    outlive the input gradient ``I``). Overlapped ``F;B`` actions are taken in their listed order.
-    """
+def _timeline_peaks(pipeline_order: Mapping[int, Sequence[Any]], stage_weights: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Per rank, the peak summed weight of in-flight micro-batches; per stage, the peak count."""
     forward, done = _schedules.FORWARD, (_schedules.FULL_BACKWARD, _schedules.BACKWARD_WEIGHT)
+    num_stages = len(stage_weights)
     per_rank = [0] * len(pipeline_order)
     per_stage = [0] * num_stages
     for rank, actions in pipeline_order.items():
@@ -90,15 +86,30 @@ def count_inflight(pipeline_order: Mapping[int, Sequence[Any]], num_stages: int)
             s = action.stage_index
             if action.computation_type == forward:
                 live[s] += 1
-                total += 1
+                total += stage_weights[s]
                 per_stage[s] = max(per_stage[s], live[s])
                 per_rank[rank] = max(per_rank[rank], total)
             elif action.computation_type in done:
                 if live[s] == 0:
                     raise ValueError(f"rank {rank} runs {action} before any forward of stage {s}: not a valid order")
                 live[s] -= 1
-                total -= 1
+                total -= stage_weights[s]
     return per_rank, per_stage
+
+
+def count_inflight(pipeline_order: Mapping[int, Sequence[Any]], num_stages: int) -> tuple[list[int], list[int]]:
+    """Peak in-flight micro-batches (per rank, per global stage) of per-rank action lists.
+
+    A forward ``F`` starts a micro-batch; it ends with its full backward ``B`` or, where the
+    backward is split, with the weight gradient ``W`` (activations the weight gradient needs
+    outlive the input gradient ``I``). Overlapped ``F;B`` actions are taken in their listed order.
+    """
+    return _timeline_peaks(pipeline_order, [1] * num_stages)
+
+
+def peak_inflight_bytes(pipeline_order: Mapping[int, Sequence[Any]], stage_bytes: Sequence[int]) -> list[int]:
+    """Each rank's peak over time of the bytes its in-flight micro-batches keep (stage s: stage_bytes[s] each)."""
+    return _timeline_peaks(pipeline_order, [int(b) for b in stage_bytes])[0]
 
 
 def inflight_microbatches(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> InFlight:
