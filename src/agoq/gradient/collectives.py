@@ -1,0 +1,466 @@
+"""8-bit collectives over torch.distributed, and the baselines they are measured against.
+
+The precision-preserving 8-bit all-reduce (METHOD.md part 3) never adds in 8 bits:
+
+1. the tensor is cut into W rank chunks of c values, each padded to whole quantization blocks, and
+   quantized block-wise (blocks never straddle chunks, so every chunk travels with its own scales);
+2. all-to-all: rank j receives chunk j of every rank (payload and scales in one message);
+3. each rank dequantizes the W received chunks and sums them in fp32, in rank order;
+4. re-quantizes its reduced chunk;
+5. all-gather of the reduced 8-bit chunks; every rank dequantizes the same bytes, so the result is
+   bit-identical everywhere.
+
+Steps 1-3 are an 8-bit reduce-scatter (:func:`reduce_scatter_8bit`, for ZeRO-1 optimizers).
+Error per element against the fp32 sum of the *original* inputs: at most sum_i s_i / 2 (each
+rank's input rounding, s_i its block scale) + s_out / 2 (the re-quantization), i.e. W + 1
+half-steps; against the fp32 sum of the *dequantized* inputs, only s_out / 2.
+
+Baselines in the same terms: :func:`all_reduce_fp` (torch's all-reduce in fp32 or bf16) and
+:func:`ring_all_reduce_8bit`, an FP8-LM-style ring whose partial sums are re-rounded to 8 bits
+with one shared scale at every hop, so its error grows with W.
+
+Every function records the bytes this rank sends in a :class:`CommCounter`. Non-finite inputs are
+never turned into finite values: the blocks holding them come out NaN on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, dequantize, parse_format, quantize
+
+from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
+
+DEFAULT_GRADIENT_FORMAT = QuantFormat("int", 8, DEFAULT_GRADIENT_BLOCK)
+
+Group = dist.ProcessGroup | None
+
+
+def world_of(group: Group = None) -> tuple[int, int]:
+    """(world size, rank) of ``group``; (1, 0) when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def parse_op(op: str | dist.ReduceOp) -> str:
+    """'sum' or 'avg' from a string or a torch.distributed.ReduceOp."""
+    if isinstance(op, str):
+        name = op.lower()
+        if name in ("sum", "avg"):
+            return name
+        if name == "mean":
+            return "avg"
+    elif op == dist.ReduceOp.SUM:
+        return "sum"
+    elif op == dist.ReduceOp.AVG:
+        return "avg"
+    raise ValueError(f"unsupported reduction {op!r}; use 'sum' or 'avg' (ReduceOp.SUM / ReduceOp.AVG)")
+
+
+def gradient_format(fmt: QuantFormat | str | None) -> QuantFormat:
+    """The wire format: ``fmt`` parsed (default int8/256), checked to fill whole bytes per block."""
+    if fmt is None:
+        fmt = DEFAULT_GRADIENT_FORMAT
+    elif isinstance(fmt, str) and "/" not in fmt:
+        # A bare 'int8' means the gradient default block, not the activation one.
+        fmt = parse_format(fmt, DEFAULT_GRADIENT_BLOCK)
+    else:
+        fmt = parse_format(fmt)
+    if fmt.block_size * fmt.bits % 8:
+        raise ValueError(
+            f"format {fmt.name}: a block of {fmt.block_size} values x {fmt.bits} bits is not whole bytes, "
+            "so chunks could not be cut at block boundaries; use a block size that is a multiple of 8"
+        )
+    return fmt
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How ``numel`` values are cut into ``world_size`` chunks of ``chunk`` values, padded to blocks."""
+
+    numel: int
+    world_size: int
+    chunk: int
+    padded_chunk: int
+    fmt: QuantFormat
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """Scales per chunk."""
+        return self.padded_chunk // self.fmt.block_size
+
+    @property
+    def row_payload_bytes(self) -> int:
+        """Packed code bytes of one chunk."""
+        return self.fmt.payload_bytes(self.padded_chunk)
+
+    @property
+    def row_scale_bytes(self) -> int:
+        """Scale bytes of one chunk."""
+        return SCALE_BYTES * self.blocks_per_chunk
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one chunk on the wire: payload then scales."""
+        return self.row_payload_bytes + self.row_scale_bytes
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the flat tensor that ``rank``'s chunk holds (empty past the end)."""
+        start = min(rank * self.chunk, self.numel)
+        return start, min(start + self.chunk, self.numel)
+
+
+def chunk_layout(numel: int, world_size: int, fmt: QuantFormat | str | None = None) -> ChunkLayout:
+    """The layout of a ``numel``-value tensor in an 8-bit collective over ``world_size`` ranks."""
+    fmt = gradient_format(fmt)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    chunk = -(-numel // world_size)
+    block = fmt.block_size
+    return ChunkLayout(numel, world_size, chunk, max(1, -(-chunk // block)) * block, fmt)
+
+
+@contextmanager
+def _timed(timings: dict[str, float] | None, key: str) -> Iterator[None]:
+    if timings is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    yield
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+def padded_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``x`` flattened as [world_size, padded_chunk], zero-padded at the end and per row."""
+    flat = x.detach().reshape(-1)
+    total = layout.world_size * layout.chunk
+    if total != flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, total - flat.numel()))
+    rows = flat.view(layout.world_size, layout.chunk)
+    if layout.padded_chunk != layout.chunk:
+        rows = torch.nn.functional.pad(rows, (0, layout.padded_chunk - layout.chunk))
+    return rows
+
+
+def to_wire(q: QTensor, rows: int) -> torch.Tensor:
+    """A quantized [rows x chunk] tensor as uint8 [rows, payload + scale bytes], one message per row."""
+    return torch.cat([q.payload.view(rows, -1), q.scales.view(rows, -1).view(torch.uint8)], dim=1)
+
+
+def from_wire(wire: torch.Tensor, layout: ChunkLayout) -> QTensor:
+    """Inverse of :func:`to_wire`: the rows of ``wire`` as one fp32 QTensor of rows x padded_chunk."""
+    rows = wire.shape[0]
+    pb = layout.row_payload_bytes
+    payload = wire[:, :pb].reshape(-1).contiguous()
+    scales = wire[:, pb:].contiguous().view(torch.float32).reshape(-1)
+    return QTensor(payload, scales, torch.Size([rows * layout.padded_chunk]), torch.float32, layout.fmt)
+
+
+class EightBitReduction:
+    """One 8-bit reduction in flight: :meth:`reduce` (steps 2-3), then :meth:`start_gather` (4-5).
+
+    Construction starts the all-to-all (async). Every rank must call the methods of its reductions
+    in the same order, as for any torch.distributed collective.
+    """
+
+    def __init__(
+        self,
+        wire: torch.Tensor,
+        layout: ChunkLayout,
+        op: str | dist.ReduceOp = "sum",
+        group: Group = None,
+        *,
+        counter: CommCounter | None = None,
+        name: str = "all_reduce_8bit",
+        timings: dict[str, float] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.op = parse_op(op)
+        self.group = group
+        self.counter = COMM_COUNTER if counter is None else counter
+        self.name = name
+        self.timings = timings
+        self.world_size, self.rank = world_of(group)
+        if self.world_size != layout.world_size:
+            raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
+        if tuple(wire.shape) != (layout.world_size, layout.row_bytes) or wire.dtype != torch.uint8:
+            raise ValueError(
+                f"wire tensor must be uint8 of shape {(layout.world_size, layout.row_bytes)}, "
+                f"got {wire.dtype} {tuple(wire.shape)}"
+            )
+        self._gather_work: dist.Work | None = None
+        self._gathered: torch.Tensor | None = None
+        w = self.world_size
+        self.counter.record(name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes)
+        if w == 1:
+            self._recv, self._a2a = wire, None
+            return
+        self._recv = torch.empty_like(wire)
+        with _timed(timings, "all_to_all"):
+            self._a2a = dist.all_to_all_single(self._recv, wire, group=group, async_op=True)
+            if timings is not None:
+                self._a2a.wait()
+
+    def reduce(self) -> torch.Tensor:
+        """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
+        if self._a2a is not None:
+            with _timed(self.timings, "all_to_all"):
+                self._a2a.wait()
+            self._a2a = None
+        with _timed(self.timings, "reduce"):
+            # Row by row, in rank order: the sum is the same on every rank and for every path, and
+            # no more than two chunks are ever in fp32 at once.
+            acc = dequantize(from_wire(self._recv[0:1], self.layout), torch.float32)
+            for i in range(1, self.world_size):
+                acc += dequantize(from_wire(self._recv[i : i + 1], self.layout), torch.float32)
+            if self.op == "avg":
+                acc /= self.world_size
+        return acc
+
+    def start_gather(self, reduced: torch.Tensor) -> None:
+        """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
+        layout = self.layout
+        with _timed(self.timings, "reduce"):
+            send = to_wire(quantize(reduced, layout.fmt, nonfinite="propagate"), 1)
+        w = self.world_size
+        self.counter.record(self.name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes, calls=0)
+        if w == 1:
+            self._gathered = send
+            return
+        flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8)
+        self._gathered = flat.view(w, layout.row_bytes)
+        with _timed(self.timings, "all_gather"):
+            self._gather_work = dist.all_gather_single(flat, send.reshape(-1), group=self.group, async_op=True)
+            if self.timings is not None:
+                self._gather_work.wait()
+
+    def gathered(self) -> torch.Tensor:
+        """The all-gathered wire bytes, uint8 [world_size, row_bytes], identical on every rank."""
+        if self._gathered is None:
+            raise RuntimeError("call start_gather() before gathered()")
+        if self._gather_work is not None:
+            with _timed(self.timings, "all_gather"):
+                self._gather_work.wait()
+            self._gather_work = None
+        return self._gathered
+
+
+def quantize_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``x`` cut into rank chunks and quantized, as wire bytes uint8 [world_size, row_bytes]."""
+    return to_wire(quantize(padded_rows(x, layout), layout.fmt, nonfinite="propagate"), layout.world_size)
+
+
+class PendingAllReduce:
+    """Handle of an async :func:`all_reduce_8bit`; :meth:`wait` finishes it into the tensor."""
+
+    def __init__(self, reduction: EightBitReduction, tensor: torch.Tensor) -> None:
+        self._reduction = reduction
+        self._tensor = tensor
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Reduce, re-quantize, all-gather and write the result into the tensor; return it."""
+        if not self._done:
+            r = self._reduction
+            r.start_gather(r.reduce())
+            wire = r.gathered()
+            layout = r.layout
+            with _timed(r.timings, "dequantize"):
+                out = dequantize(from_wire(wire, layout), torch.float32).view(layout.world_size, layout.padded_chunk)
+                out = out[:, : layout.chunk].reshape(-1)[: layout.numel]
+                self._tensor.copy_(out.view(self._tensor.shape))
+            self._done = True
+        return self._tensor
+
+
+def all_reduce_8bit(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    group: Group = None,
+    *,
+    fmt: QuantFormat | str | None = None,
+    async_op: bool = False,
+    counter: CommCounter | None = None,
+    timings: dict[str, float] | None = None,
+) -> PendingAllReduce | None:
+    """In-place precision-preserving 8-bit all-reduce (sum or avg) of a float tensor.
+
+    ``timings``, if given, receives seconds per phase (quantize, all_to_all, reduce, all_gather,
+    dequantize); each phase is then waited for, so it disables overlap.
+    """
+    _check_float(tensor, "all_reduce_8bit")
+    world_size, _ = world_of(group)
+    layout = chunk_layout(tensor.numel(), world_size, fmt)
+    with _timed(timings, "quantize"):
+        wire = quantize_rows(tensor, layout)
+    reduction = EightBitReduction(wire, layout, op, group, counter=counter, name="all_reduce_8bit", timings=timings)
+    pending = PendingAllReduce(reduction, tensor)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def reduce_scatter_8bit(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    group: Group = None,
+    *,
+    fmt: QuantFormat | str | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    counter: CommCounter | None = None,
+    timings: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """This rank's shard of the 8-bit-exchanged, fp32-summed ``tensor`` (see ChunkLayout.shard_range).
+
+    The shard covers flat elements [rank * c, (rank + 1) * c) with c = ceil(numel / W); when W
+    divides numel that is torch's reduce-scatter split.
+    """
+    _check_float(tensor, "reduce_scatter_8bit")
+    world_size, rank = world_of(group)
+    layout = chunk_layout(tensor.numel(), world_size, fmt)
+    with _timed(timings, "quantize"):
+        wire = quantize_rows(tensor, layout)
+    reduction = EightBitReduction(wire, layout, op, group, counter=counter, name="reduce_scatter_8bit", timings=timings)
+    start, end = layout.shard_range(rank)
+    return reduction.reduce()[: end - start].to(out_dtype)
+
+
+def all_reduce_fp(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    group: Group = None,
+    *,
+    wire_dtype: torch.dtype | None = None,
+    counter: CommCounter | None = None,
+) -> None:
+    """In-place torch.distributed all-reduce with ``wire_dtype`` (default: the tensor's) on the wire."""
+    _check_float(tensor, "all_reduce_fp")
+    op = parse_op(op)
+    wire_dtype = wire_dtype or tensor.dtype
+    world_size, _ = world_of(group)
+    buf = tensor if tensor.dtype == wire_dtype and tensor.is_contiguous() else tensor.to(wire_dtype).contiguous()
+    name = f"all_reduce_{_DTYPE_NAMES.get(wire_dtype, str(wire_dtype).removeprefix('torch.'))}"
+    (COMM_COUNTER if counter is None else counter).record(name, ring_all_reduce_bytes(buf.numel() * buf.element_size(), world_size))
+    if world_size > 1:
+        # SUM then divide: gloo has no AVG all-reduce.
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    if op == "avg":
+        buf.div_(world_size)
+    if buf is not tensor:
+        tensor.copy_(buf)
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+RING_KINDS = ("int8", "fp8")
+
+
+def _round_shared(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """Codes of x / scale on the 8-bit grid, as uint8 bytes for the wire.
+
+    agoq.quant derives a scale per block from the data; the FP8-LM ring instead fixes one scale
+    for the whole tensor on every rank (that is what lets partial sums be added), so it rounds here.
+    """
+    y = x / scale
+    if kind == "int8":
+        return torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _decode_shared(codes: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    vals = codes.view(torch.int8).float() if kind == "int8" else codes.view(torch.float8_e4m3fn).float()
+    return vals * scale
+
+
+def ring_all_reduce_8bit(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    group: Group = None,
+    *,
+    kind: str = "int8",
+    counter: CommCounter | None = None,
+) -> None:
+    """In-place FP8-LM-style ring all-reduce: one shared scale, partial sums re-rounded at each hop.
+
+    The shared scale is W * (global absmax) / max_code, from one max all-reduce, so no partial sum
+    overflows; each of the W - 1 reduce hops re-rounds, so the error grows with W. A baseline only.
+    """
+    _check_float(tensor, "ring_all_reduce_8bit")
+    if kind not in RING_KINDS:
+        raise ValueError(f"ring kind must be one of {RING_KINDS}, got {kind!r}")
+    op = parse_op(op)
+    counter = COMM_COUNTER if counter is None else counter
+    world_size, rank = world_of(group)
+    n = tensor.numel()
+    flat = tensor.detach().reshape(-1).float()
+    amax = flat.abs().amax().reshape(1) if n else torch.zeros(1)
+    if world_size > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    counter.record("ring_all_reduce_8bit", 0, ring_all_reduce_bytes(4, world_size))
+    max_code = 127.0 if kind == "int8" else 448.0
+    scale = float(amax) * world_size / max_code
+    if not 0.0 < scale < float("inf"):
+        # All zeros on every rank: the sum is zero. A non-finite value anywhere: it must not come
+        # out finite, so the whole result is NaN (the ring has a single scale).
+        tensor.fill_(0.0 if scale == 0.0 else float("nan"))
+        return
+    c = -(-n // world_size)
+    if c * world_size != n:
+        flat = torch.nn.functional.pad(flat, (0, c * world_size - n))
+    chunks = flat.view(world_size, c)
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    # Reduce-scatter ring: at hop h, send the partial sum of chunk (rank - h) and receive that of
+    # chunk (rank - h - 1); every received partial is dequantized, added to the local chunk in
+    # fp32 and re-rounded to 8 bits before it travels on.
+    partial = _round_shared(chunks[rank], scale, kind)
+    recv = torch.empty(c, dtype=torch.uint8)
+    for h in range(world_size - 1):
+        _ring_hop(partial, recv, nxt, prv, group)
+        counter.record("ring_all_reduce_8bit", c, 0, calls=0)
+        idx = (rank - h - 1) % world_size
+        partial = _round_shared(_decode_shared(recv, scale, kind) + chunks[idx], scale, kind)
+    # Rank r now holds chunk (r + 1) mod W fully reduced; the all-gather ring only moves codes.
+    out = torch.empty(world_size, c, dtype=torch.uint8)
+    own = (rank + 1) % world_size
+    out[own] = partial
+    for h in range(world_size - 1):
+        _ring_hop(out[(own - h) % world_size].contiguous(), recv, nxt, prv, group)
+        counter.record("ring_all_reduce_8bit", c, 0, calls=0)
+        out[(own - h - 1) % world_size] = recv
+    result = _decode_shared(out.reshape(-1)[:n], scale, kind)
+    if op == "avg":
+        result /= world_size
+    tensor.copy_(result.view(tensor.shape))
+
+
+def _ring_hop(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group: Group) -> None:
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=prv),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def agree_nonfinite(local_index: int | None, group: Group = None, *, counter: CommCounter | None = None) -> list[int | None]:
+    """Every rank's first non-finite item index (None where all finite), from one small all-reduce."""
+    world_size, rank = world_of(group)
+    flags = torch.zeros(world_size, dtype=torch.int64)
+    flags[rank] = 0 if local_index is None else local_index + 1
+    if world_size > 1:
+        (COMM_COUNTER if counter is None else counter).record("nonfinite_flags", ring_all_reduce_bytes(8 * world_size, world_size))
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    return [None if v == 0 else int(v) - 1 for v in flags.tolist()]
+
+
+def _check_float(tensor: torch.Tensor, where: str) -> None:
+    if not tensor.is_floating_point():
+        raise TypeError(f"{where} expects a floating-point tensor (fp32/bf16/fp16), got {tensor.dtype}")
