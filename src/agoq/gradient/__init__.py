@@ -7,7 +7,8 @@
 - adapters: :func:`quantized_allreduce_hook` for DDP, :func:`use_quantized_reduce_scatter` for FSDP2;
 - :data:`COMM_COUNTER`: bytes each rank sent, per collective.
 
-This package imports only agoq.quant.
+This package imports only agoq.quant. The FSDP2 adapter is loaded on first use (importing
+torch's FSDP costs about 1.5 s).
 """
 
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, QuantGradBuffer, Segment
@@ -24,7 +25,6 @@ from agoq.gradient.collectives import (
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.ddp import QuantHookState, quantized_allreduce_hook
-from agoq.gradient.fsdp import QuantizedReduceScatter, use_quantized_reduce_scatter
 
 __all__ = [
     "COMM_COUNTER",
@@ -47,3 +47,11 @@ __all__ = [
     "ring_all_reduce_bytes",
     "use_quantized_reduce_scatter",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name in ("QuantizedReduceScatter", "use_quantized_reduce_scatter"):
+        from agoq.gradient import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module 'agoq.gradient' has no attribute {name!r}")
