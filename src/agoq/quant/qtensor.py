@@ -2,33 +2,45 @@
 
 The input is flattened in memory order and cut into blocks of ``block_size`` consecutive values
 (the last block is zero-padded for the arithmetic only; padding is never stored). Each block keeps
-one fp32 scale = absmax / max_value, so the largest magnitude of the block is exactly
-representable and nothing clips.
+one fp32 scale s = absmax / max_value, rounded up by one ulp when needed so that |x| / s <= max_value
+holds exactly: the largest magnitude of the block is representable and nothing clips.
 
 Rounding rules (stated because kernels must match them):
-- ``nearest`` on int formats: ``torch.round`` (ties to even); on fp8: torch's float8_e4m3fn cast
-  (ties to even); on fp4 / nf4: the nearer table value, ties to the lower value.
+- ``nearest``: int formats use ``torch.round`` (ties to even); fp8 uses torch's float8_e4m3fn cast
+  (ties to even); fp4 takes the nearer E2M1 value with ties to the even code (as IEEE and the OCP
+  MX spec round); nf4 takes the nearer value with ties to the lower one (as bitsandbytes does).
+  Every element is then within half the gap around its value times its block scale (int: s / 2).
 - ``stochastic``: round up with probability equal to the distance from the lower neighbour over
-  the gap, so E[dequantize(quantize(x))] = x exactly (unbiased).
+  the gap, so E[dequantize(quantize(x))] = x (unbiased) and the variance is f(1-f) gap^2 s^2.
 
 Non-finite input is never turned into finite garbage: ``nonfinite="raise"`` (default) raises
 :class:`NonFiniteError` naming the first bad element; ``nonfinite="propagate"`` stores a NaN scale
 for every block holding a NaN or Inf, so the whole block dequantizes to NaN and a NaN loss or
-gradient check downstream sees it.
+gradient check downstream sees it; the other blocks are quantized as usual.
+
+Speed: the work runs over slabs of about a million elements (whole blocks, whole packing groups),
+so the fp32 temporaries of one slab stay in the CPU cache between the few vectorized passes; this
+is 2-3x faster than whole-tensor passes on CPU. On GPUs the slabs are large enough to be one or a
+few launches. There is no loop over blocks or elements.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables, parse_format
-from agoq.quant.packing import pack, unpack
+from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables, count_below, parse_format
+from agoq.quant.packing import group_shape, pack_into, unpack_into
 
 ROUNDINGS = ("nearest", "stochastic")
 NONFINITE_MODES = ("raise", "propagate")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# fp32 temporaries of 2**20 elements (4 MiB) stay in L2/L3 between passes; measured on this CPU
+# (64M bf16 int4 quantize): 2**16: 0.20 s, 2**18: 0.09 s, 2**20: 0.08 s, 2**22: 0.10 s, whole: 0.22 s.
+CPU_SLAB = 1 << 20
+DEVICE_SLAB = 1 << 26
 
 
 class NonFiniteError(ValueError):
@@ -48,10 +60,7 @@ class QTensor:
     @property
     def numel(self) -> int:
         """Number of values represented."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -72,21 +81,38 @@ class QTensor:
         return QTensor(self.payload.to(device), self.scales.to(device), self.shape, self.dtype, self.fmt)
 
 
-def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """x as fp32 [num_blocks, block] (zero-padded) and its element count."""
-    flat = x.detach().reshape(-1)
-    n = flat.numel()
-    nb = (n + block - 1) // block
-    flat = flat.float()
-    if nb * block != n:
-        flat = torch.nn.functional.pad(flat, (0, nb * block - n))
-    return flat.view(nb, block), n
+def _slab(fmt: QuantFormat, device: torch.device) -> int:
+    """Elements per slab: whole blocks and whole packing groups, about CPU_SLAB on CPU."""
+    unit = math.lcm(fmt.block_size, group_shape(fmt.bits)[0])
+    target = CPU_SLAB if device.type == "cpu" else DEVICE_SLAB
+    return max(1, target // unit) * unit
 
 
-def _first_nonfinite(x: torch.Tensor) -> str:
-    bad = (~torch.isfinite(x.detach().reshape(-1))).nonzero()
-    i = int(bad[0])
-    return f"{bad.numel()} non-finite value(s), the first at flat index {i} ({x.reshape(-1)[i].item()})"
+def _padded(m: int, fmt: QuantFormat) -> tuple[int, int]:
+    """(blocks, padded length) of a slab of m values: whole blocks, then whole packing groups."""
+    blocks = -(-m // fmt.block_size)
+    g = group_shape(fmt.bits)[0]
+    return blocks, -(-(blocks * fmt.block_size) // g) * g
+
+
+def block_scales(absmax: torch.Tensor, max_value: float) -> torch.Tensor:
+    """fp32 scales s with s * max_value >= absmax exactly, each within one ulp of absmax / max_value."""
+    s = absmax / max_value
+    # s * max_value is exact in fp64 (24 + at most 9 significant bits), so the test is exact; rounding
+    # s up where it came out low guarantees |x| / s <= max_value, even for subnormal scales.
+    low = s.double() * max_value < absmax.double()
+    return torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
+
+
+def _nonfinite_message(x: torch.Tensor, flat: torch.Tensor, index: int) -> str:
+    """Where the first non-finite value is, and how many there are."""
+    count = int((~torch.isfinite(flat.float())).sum())  # in fp32: fp64 values beyond its range count
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), x.shape)) if x.dim() else ()
+    return (
+        f"cannot quantize a tensor of shape {tuple(x.shape)} holding {count} value(s) that are not finite "
+        f"in fp32, the first at flat index {index} (index {where}, value {flat[index].item()}); check the "
+        "producer for overflow, or pass nonfinite='propagate' to store NaN for the blocks holding them"
+    )
 
 
 def quantize(
@@ -103,99 +129,162 @@ def quantize(
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"quantize expects a floating-point tensor (fp32/bf16/fp16), got {x.dtype}")
-    blocks, n = _blocks(x, fmt.block_size)
-    absmax = blocks.abs().amax(dim=1) if n else blocks.new_zeros(0)
-    bad = ~torch.isfinite(absmax)
-    any_bad = bool(bad.any()) if n else False
-    if any_bad:
-        if nonfinite == "raise":
-            raise NonFiniteError(
-                f"cannot quantize a tensor of shape {tuple(x.shape)} holding {_first_nonfinite(x)}; "
-                "check the producer for overflow, or pass nonfinite='propagate' to keep NaN blocks"
-            )
-        blocks = torch.where(bad[:, None], 0.0, blocks)
-        absmax = torch.where(bad, 0.0, absmax)
-    scale = (absmax / fmt.max_value).to(SCALE_DTYPE)
-    # An all-zero block has scale 0: divide by 1 instead so its codes are exact zeros, never NaN.
-    y = blocks / torch.where(scale > 0, scale, 1.0)[:, None]
-    if rounding == "stochastic":
-        noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
-    codes = _encode(y, fmt, noise if rounding == "stochastic" else None)
-    codes = codes.reshape(-1)[:n]
-    if any_bad:
-        scale = torch.where(bad, float("nan"), scale)
-    return QTensor(pack(codes, fmt.bits), scale.contiguous(), x.shape, x.dtype, fmt)
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"quantize expects a floating-point torch.Tensor (fp32/bf16/fp16), got {got}")
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    block, bits = fmt.block_size, fmt.bits
+    payload = torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(fmt.num_blocks(n), dtype=SCALE_DTYPE, device=x.device)
+    step = _slab(fmt, x.device)
+    for start in range(0, n, step):
+        m = min(step, n - start)
+        blocks, length = _padded(m, fmt)
+        y = (torch.empty if length == m else torch.zeros)(length, dtype=torch.float32, device=x.device)
+        y[:m].copy_(flat[start : start + m])
+        yb = y[: blocks * block].view(blocks, block)
+        absmax = torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg_())
+        finite = torch.isfinite(absmax)
+        bad = None
+        if not bool(finite.all()):
+            if nonfinite == "raise":
+                first = int((~torch.isfinite(y[:m])).nonzero()[0])
+                raise NonFiniteError(_nonfinite_message(x, flat, start + first))
+            bad = ~finite
+            yb.masked_fill_(bad[:, None], 0.0)
+            absmax.masked_fill_(bad, 0.0)
+        scale = block_scales(absmax, fmt.max_value)
+        # An all-zero block has scale 0: divide it by 1 so its codes are exact zeros, never 0/0.
+        yb.div_(torch.where(scale > 0, scale, 1.0)[:, None])
+        noise = None
+        if rounding == "stochastic":
+            noise = torch.rand(length, generator=generator, device=x.device, dtype=torch.float32)
+        codes = _encode(y, fmt, noise)
+        if length != m:
+            codes[m:] = 0  # padding never reaches the stored bits of the last byte
+        b0, nbytes = start * bits // 8, length * bits // 8
+        if b0 + nbytes <= payload.numel():
+            pack_into(codes, bits, payload[b0 : b0 + nbytes])
+        else:
+            tail = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+            pack_into(codes, bits, tail)
+            payload[b0:].copy_(tail[: payload.numel() - b0])
+        if bad is not None:
+            scale.masked_fill_(bad, math.nan)
+        scales[start // block : start // block + blocks] = scale
+    return QTensor(payload, scales, x.shape, x.dtype, fmt)
 
 
 def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None) -> torch.Tensor:
-    """Codes (uint8) of scaled values y, |y| <= max_value."""
+    """uint8 codes of scaled values y, |y| <= max_value (y is overwritten)."""
     if fmt.kind == "int":
-        q = torch.round(y) if noise is None else torch.floor(y + noise)
-        q = q.clamp_(-fmt.qmax, fmt.qmax)
-        return (q + (1 << (fmt.bits - 1))).to(torch.uint8)
+        # |y| <= qmax and noise < 1, so neither rounding can leave -qmax..qmax: no clamp needed.
+        if noise is None:
+            y.round_()
+        else:
+            y.add_(noise).floor_()
+        # q + 2**(b-1) in uint8 arithmetic: the two's-complement byte of q wraps to the code.
+        return y.to(torch.int8).view(torch.uint8).add_(1 << (fmt.bits - 1))
     if fmt.kind == "fp8" and noise is None:
         return y.to(torch.float8_e4m3fn).view(torch.uint8)
-    vals, codes, _ = codebook_tables(fmt.kind, y.device)
-    idx = torch.searchsorted(vals, y.contiguous()).clamp_(1, vals.numel() - 1)
-    lo, hi = vals[idx - 1], vals[idx]
+    t = codebook_tables(fmt.kind, y.device)
     if noise is None:
-        take_hi = (y - lo) > (hi - y)
+        # Value i wins iff exactly i boundaries lie below y; the tie rule is built into them.
+        idx = count_below(y, t.boundaries_lut, t.boundaries_ext)
     else:
-        take_hi = noise * (hi - lo) < (y - lo)
-    return codes[idx - 1 + take_hi.to(idx.dtype)]
+        # Neighbours values[i-1] < y <= values[i] (clamped at the ends, where the gap's draw is moot).
+        idx = count_below(y, t.values_lut, t.values_ext).clamp_(1, t.values.numel() - 1)
+        hi = t.values.index_select(0, idx)
+        idx.sub_(1)
+        lo = t.values.index_select(0, idx)
+        idx.add_(noise.mul_(hi.sub_(lo)) < y.sub_(lo))
+    return t.codes.index_select(0, idx)
 
 
-def decode(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """fp32 format values (before scaling) of uint8 codes."""
+def _decode_into(payload: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:
+    """Write the fp32 format values (before scaling) of whole packing groups of codes into ``out``."""
     if fmt.kind == "int":
-        return codes.float() - float(1 << (fmt.bits - 1))
-    if fmt.kind == "fp8":
-        return codes.view(torch.float8_e4m3fn).float()
-    _, _, by_code = codebook_tables(fmt.kind, codes.device)
-    return by_code[codes.long()]
+        unpack_into(payload, fmt.bits, out)
+        out.sub_(1 << (fmt.bits - 1))
+    else:
+        t = codebook_tables(fmt.kind, payload.device)
+        # One lookup per code position in a byte, straight from the packed bytes (no unpacking);
+        # 1-D index_select is 2-4x faster than a 2-D table lookup or a float8 cast on CPU.
+        index = payload.to(torch.int32)
+        per_byte = out.view(-1, t.byte_values.shape[0])
+        for i, row in enumerate(t.byte_values):
+            torch.index_select(row, 0, index, out=per_byte[:, i])
+
+
+def _check(q: QTensor) -> None:
+    """Raise if the payload or scales do not match the shape and format."""
+    fmt, n = q.fmt, q.numel
+    if q.payload.dtype != torch.uint8 or q.payload.numel() != fmt.payload_bytes(n):
+        raise ValueError(
+            f"quantized tensor has {q.payload.numel()} {q.payload.dtype} payload values but shape "
+            f"{tuple(q.shape)} in {fmt} needs {fmt.payload_bytes(n)} uint8 bytes; it is truncated or mismatched"
+        )
+    if q.scales.dtype != SCALE_DTYPE or q.scales.numel() != fmt.num_blocks(n):
+        raise ValueError(
+            f"quantized tensor has {q.scales.numel()} {q.scales.dtype} scales but shape {tuple(q.shape)} "
+            f"in {fmt} needs {fmt.num_blocks(n)} {SCALE_DTYPE}; it is truncated or mismatched"
+        )
+
+
+def _slab_values(q: QTensor, start: int, m: int) -> torch.Tensor:
+    """fp32 format values (unscaled, padded to whole blocks and groups) of elements start..start+m."""
+    fmt = q.fmt
+    _, length = _padded(m, fmt)
+    b0, nbytes = start * fmt.bits // 8, length * fmt.bits // 8
+    chunk = q.payload[b0 : b0 + nbytes]
+    if chunk.numel() < nbytes:
+        chunk = torch.nn.functional.pad(chunk, (0, nbytes - chunk.numel()))
+    v = torch.empty(length, dtype=torch.float32, device=q.device)
+    _decode_into(chunk, fmt, v)
+    return v
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The tensor ``q`` represents, in its original shape and dtype (or ``dtype``)."""
-    fmt = q.fmt
-    n = q.numel
-    codes = unpack(q.payload, fmt.bits, n)
-    if q.scales.numel() != fmt.num_blocks(n):
-        raise ValueError(
-            f"quantized tensor has {q.scales.numel()} scales but shape {tuple(q.shape)} with block "
-            f"{fmt.block_size} needs {fmt.num_blocks(n)}; it is truncated or mismatched"
-        )
-    vals = decode(codes, fmt)
-    nb = q.scales.numel()
-    if nb * fmt.block_size != n:
-        vals = torch.nn.functional.pad(vals, (0, nb * fmt.block_size - n))
-    out = (vals.view(nb, fmt.block_size) * q.scales[:, None]).reshape(-1)[:n]
-    return out.reshape(q.shape).to(dtype or q.dtype)
+    _check(q)
+    fmt, n, block = q.fmt, q.numel, q.fmt.block_size
+    out = torch.empty(n, dtype=dtype or q.dtype, device=q.device)
+    step = _slab(fmt, q.device)
+    for start in range(0, n, step):
+        m = min(step, n - start)
+        blocks, _ = _padded(m, fmt)
+        v = _slab_values(q, start, m)
+        vb = v[: blocks * block].view(blocks, block)
+        s = q.scales[start // block : start // block + blocks, None]
+        if m == blocks * block:
+            # Multiplied in fp32, rounded once into the output dtype.
+            torch.mul(vb, s, out=out[start : start + m].view(blocks, block))
+        else:
+            vb.mul_(s)
+            out[start : start + m].copy_(v[:m])
+    return out.view(q.shape)
 
 
 def quantization_error_bound(q: QTensor) -> torch.Tensor:
     """Per-element bound on |x - dequantize(quantize(x))| for nearest rounding, as fp32 in x's shape.
 
-    Half the gap between the two format values around the element, times its block's scale; for
-    int formats that is exactly scale / 2.
+    Half the gap between the format values around the element, times its block's scale; for int
+    formats that is exactly scale / 2.
     """
-    fmt = q.fmt
-    n = q.numel
+    _check(q)
+    fmt, n = q.fmt, q.numel
     nb = q.scales.numel()
     if fmt.kind == "int":
         half = torch.full((nb * fmt.block_size,), 0.5, device=q.device)
     else:
-        vals, _, by_code = codebook_tables(fmt.kind, q.device)
-        gaps = vals[1:] - vals[:-1]
-        # The element lies within half a gap of its code's value; take the larger adjacent gap.
-        v = decode(unpack(q.payload, fmt.bits, n), fmt)
-        idx = torch.searchsorted(vals, v.contiguous())
+        t = codebook_tables(fmt.kind, q.device)
+        gaps = t.values[1:] - t.values[:-1]
+        # The element lies within half a gap of its code's value on either side: take the larger.
+        v = _slab_values(q, 0, n)[: nb * fmt.block_size]
+        idx = torch.searchsorted(t.values, v)
         left = torch.where(idx > 0, gaps[(idx - 1).clamp(min=0)], 0.0)
         right = torch.where(idx < gaps.numel(), gaps[idx.clamp(max=gaps.numel() - 1)], 0.0)
         half = torch.maximum(left, right) / 2
-        if nb * fmt.block_size != n:
-            half = torch.nn.functional.pad(half, (0, nb * fmt.block_size - n))
     bound = (half.view(nb, fmt.block_size) * q.scales[:, None]).reshape(-1)[:n]
     return bound.reshape(q.shape)
