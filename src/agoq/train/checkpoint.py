@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
@@ -112,7 +113,7 @@ def save_checkpoint(
     root: str | os.PathLike,
     step: int,
     model: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Any,
     extra: dict,
     *,
     process_group: dist.ProcessGroup | None = None,
@@ -123,9 +124,11 @@ def save_checkpoint(
     """Write this rank's part of the step's checkpoint atomically; return the finished folder.
 
     Every rank of ``process_group`` (default: the whole job) must call it. ``model`` is this rank's
-    module (or list of pipeline chunks) with global parameter names; ``extra`` is this rank's own
-    picklable state; ``layout`` (e.g. ``{"pp": 2, "dp": 2}``) is checked on load; ``config`` (the
-    run's configuration as a JSON-able dict) is recorded. Keeps the newest ``keep`` checkpoints.
+    module (or list of pipeline chunks) with global parameter names; ``optimizer`` is a
+    ``torch.optim.Optimizer`` over those parameters, any object with ``state_dict`` /
+    ``load_state_dict`` keyed by global names, or None; ``extra`` is this rank's own picklable
+    state; ``layout`` (e.g. ``{"pp": 2, "dp": 2}``) is checked on load; ``config`` (the run's
+    configuration, JSON-able) is recorded. Keeps the newest ``keep`` checkpoints.
     """
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
@@ -137,8 +140,8 @@ def save_checkpoint(
     rank, world = _rank_world(process_group)
     name = step_dir_name(step)
     tmp, final = root / f"{name}.tmp", root / name
+    parts = _Parts(model, optimizer)
 
-    module = _as_one_module(model)
     blob, error = None, None
     try:
         buf = io.BytesIO()
@@ -156,7 +159,7 @@ def save_checkpoint(
             error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
     _agree(error, process_group)
 
-    msd, osd = _state_dicts(module, optimizer)
+    msd, osd = parts.state_dicts()
     state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): blob}}
     if optimizer is not None:
         state["optim"] = osd
@@ -164,7 +167,8 @@ def save_checkpoint(
         with _quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
                      no_dist=not _distributed())
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
+        _reraise_interrupts(e)
         raise CheckpointError(
             f"writing checkpoint {tmp} failed ({_short(e)}); the previous checkpoint is untouched, "
             "fix the cause (disk space, permissions) and save again"
@@ -174,7 +178,7 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
-            _publish(root, tmp, final, step, world, ranks, module, optimizer, layout, config, keep)
+            _publish(root, tmp, final, step, world, ranks, parts, layout, config, keep)
         except OSError as e:
             error = f"publishing checkpoint {final} failed ({e}); the previous checkpoint is still the latest"
     # Nobody returns before the checkpoint is published: a crash right after save_checkpoint
@@ -186,7 +190,7 @@ def save_checkpoint(
 def load_checkpoint(
     root_or_step_dir: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Any,
     *,
     process_group: dist.ProcessGroup | None = None,
     layout: dict | None = None,
@@ -197,27 +201,32 @@ def load_checkpoint(
     ``step_N`` folder. Every rank must call it. Checks the checkpoint against this job (files
     complete, world size, layout, model config, keys and shapes) before reading any tensor, and
     raises :class:`CheckpointError` on every rank when any rank finds a problem. With
-    ``optimizer=None`` only the model is loaded. Gradients are cleared.
+    ``optimizer=None`` only the model is loaded. Gradients of a torch optimizer are cleared.
     """
     rank, world = _rank_world(process_group)
-    module = _as_one_module(model)
-    step_dir, manifest, error = None, None, None
+    parts = _Parts(model, optimizer)
+    step_dir, manifest, metadata, error = None, None, None, None
     try:
         step_dir = _resolve(Path(root_or_step_dir))
         manifest = _read_manifest(step_dir)
         _check_files(step_dir, manifest)
+        metadata = _read_metadata(step_dir)
     except CheckpointError as e:
         error = str(e)
     _agree(error, process_group)
-    assert step_dir is not None and manifest is not None  # _agree raised otherwise
+    assert step_dir is not None and manifest is not None and metadata is not None  # _agree raised otherwise
 
-    if optimizer is not None:
+    if parts.optim_kind == "torch":
         # torch fills a fresh optimizer's state with a zero-gradient step only if no gradient is set;
         # otherwise its state dict would be empty and the saved moments silently skipped.
         optimizer.zero_grad(set_to_none=True)
-    msd, osd = _state_dicts(module, optimizer)
+    msd, osd = parts.state_dicts()
     try:
-        _check_compatible(step_dir, manifest, rank, world, module, msd, optimizer, osd, layout)
+        _check_job(step_dir, manifest, rank, world, parts, msd, layout)
+        _check_keys(step_dir, manifest, metadata, parts, msd, osd)
+        if parts.optim_kind == "stateful":
+            osd = _stateful_template(osd, metadata, msd)
+        _check_layout(step_dir, manifest, rank, msd, metadata)
         error = None
     except CheckpointError as e:
         error = str(e)
@@ -230,15 +239,13 @@ def load_checkpoint(
         with _quiet_single_process():
             dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), process_group=process_group,
                      no_dist=not _distributed())
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
+        _reraise_interrupts(e)
         raise CheckpointError(
             f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: "
             "delete that folder and load an earlier checkpoint"
         ) from None
-    if optimizer is None:
-        set_model_state_dict(module, msd, options=_OPTIONS)
-    else:
-        set_state_dict(module, optimizer, model_state_dict=msd, optim_state_dict=osd, options=_OPTIONS)
+    parts.load(msd, osd)
     extra = torch.load(io.BytesIO(state["extra"][_extra_key(rank)]), weights_only=False)
     return int(manifest["step"]), extra
 
@@ -315,19 +322,87 @@ def _as_one_module(model: nn.Module | Sequence[nn.Module]) -> nn.Module:
     return chunks[0] if len(chunks) == 1 else _Chunks(chunks)
 
 
-def _state_dicts(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    if optimizer is None:
-        return get_model_state_dict(module, options=_OPTIONS), {}
-    return get_state_dict(module, optimizer, options=_OPTIONS)
+def _plain_module(module: nn.Module) -> bool:
+    """Whether the module's state dict is exactly its registered parameters and buffers."""
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    return set(module.state_dict()) <= names
 
 
-def _config_of(module: nn.Module) -> dict | None:
-    cfgs = [m.cfg for m in module.modules() if hasattr(getattr(m, "cfg", None), "to_dict")]
-    return cfgs[0].to_dict() if cfgs else None
+class _Parts:
+    """How this rank's model and optimizer enter and leave a DCP state dict.
 
+    Native path: ``get_state_dict`` / ``set_state_dict`` (handles DDP/compile wrappers, shared
+    weights, and initialises a fresh optimizer's state so every moment has a tensor to load into).
+    Fallback: the objects' own ``state_dict`` / ``load_state_dict`` when the model's state is not
+    its registered parameters (e.g. a view over several stages' parameters) or the optimizer steps
+    other tensors than the model's (e.g. fp32 master copies); their keys must be global names.
+    """
 
-def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str | None:
-    return None if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    def __init__(self, model: nn.Module | Sequence[nn.Module], optimizer: Any) -> None:
+        self.module = _as_one_module(model)
+        self.optimizer = optimizer
+        self.native_model = _plain_module(self.module)
+        self.optim_kind: str | None = None
+        if optimizer is None:
+            return
+        if isinstance(optimizer, torch.optim.Optimizer):
+            own = {id(p) for p in self.module.parameters()}
+            if not self.native_model or any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+                # Its own state_dict is keyed by parameter index: pipeline ranks would collide on
+                # "state.0" and DCP would keep only one of them.
+                raise CheckpointError(
+                    f"the parameters of {type(optimizer).__name__} are not the model's registered parameters; "
+                    "pass the nn.Module that holds exactly the optimizer's parameters under their global names"
+                )
+            self.optim_kind = "torch"
+        elif callable(getattr(optimizer, "state_dict", None)) and callable(getattr(optimizer, "load_state_dict", None)):
+            self.optim_kind = "stateful"
+        else:
+            raise CheckpointError(
+                f"optimizer {type(optimizer).__name__} has no state_dict/load_state_dict; pass a torch optimizer, "
+                "an object with both methods, or None"
+            )
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """(model state, optimizer state) as the tensors to save into or load into."""
+        if self.native_model:
+            msd = get_model_state_dict(self.module, options=_OPTIONS)
+        else:
+            msd = dict(self.module.state_dict())
+        if self.optim_kind == "torch":
+            return msd, get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIONS)
+        if self.optim_kind == "stateful":
+            return msd, self.optimizer.state_dict()
+        return msd, {}
+
+    def load(self, msd: dict, osd: dict) -> None:
+        """Hand loaded state back to the model and optimizer."""
+        if self.optim_kind == "torch":
+            set_state_dict(self.module, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=_OPTIONS)
+            return
+        if self.native_model:
+            set_model_state_dict(self.module, msd, options=_OPTIONS)
+        else:
+            self.module.load_state_dict(msd)
+        if self.optim_kind == "stateful":
+            self.optimizer.load_state_dict(osd)
+
+    def model_config(self) -> dict | None:
+        """The agoq model config of the module, if it carries one."""
+        cfgs = [m.cfg for m in self.module.modules() if hasattr(getattr(m, "cfg", None), "to_dict")]
+        cfg = cfgs[0] if cfgs else getattr(self.module, "cfg", None)
+        return cfg.to_dict() if hasattr(cfg, "to_dict") else None
+
+    def optimizer_name(self) -> str | None:
+        """Class of the optimizer, and of the torch optimizer it wraps if any."""
+        if self.optimizer is None:
+            return None
+        name = f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}"
+        inner = getattr(self.optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            name += f"[{type(inner).__module__}.{type(inner).__qualname__}]"
+        return name
 
 
 def _rank_summary(rank: int, msd: dict) -> dict:
@@ -364,8 +439,8 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 def _publish(
-    root: Path, tmp: Path, final: Path, step: int, world: int, ranks: list[dict], module: nn.Module,
-    optimizer: torch.optim.Optimizer | None, layout: dict | None, config: dict | None, keep: int,
+    root: Path, tmp: Path, final: Path, step: int, world: int, ranks: list[dict], parts: _Parts,
+    layout: dict | None, config: dict | None, keep: int,
 ) -> None:
     """Manifest, rename, pointer, prune: run by one rank after every rank has written its files."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -374,8 +449,8 @@ def _publish(
         "step": step,
         "world_size": world,
         "layout": layout,
-        "model_config": _config_of(module),
-        "optimizer": _optimizer_name(optimizer),
+        "model_config": parts.model_config(),
+        "optimizer": parts.optimizer_name(),
         "torch_version": torch.__version__,
         "ranks": ranks,
         "files": files,
@@ -483,11 +558,20 @@ def _fmt_shape(shape: Any) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
 
 
-def _check_compatible(
-    step_dir: Path, manifest: dict, rank: int, world: int, module: nn.Module, msd: dict,
-    optimizer: torch.optim.Optimizer | None, osd: dict, layout: dict | None,
+def _read_metadata(step_dir: Path) -> Any:
+    try:
+        return dcp.FileSystemReader(step_dir).read_metadata()
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint index {step_dir / '.metadata'} is unreadable ({_short(e)}); "
+            f"delete {step_dir} and load an earlier checkpoint"
+        ) from None
+
+
+def _check_job(
+    step_dir: Path, manifest: dict, rank: int, world: int, parts: _Parts, msd: dict, layout: dict | None
 ) -> None:
-    """Raise CheckpointError naming the first way this rank's job differs from the checkpoint's."""
+    """Raise if the job (world size, layout, model config, optimizer) differs from the saved one."""
     if manifest["world_size"] != world:
         saved = f" (layout {manifest['layout']})" if manifest.get("layout") else ""
         raise CheckpointError(
@@ -499,38 +583,15 @@ def _check_compatible(
             f"checkpoint {step_dir} was saved with layout {manifest['layout']}, this job uses {dict(layout)}; "
             "resume with the saved layout"
         )
-    saved_cfg, cfg = manifest.get("model_config"), _config_of(module)
+    saved_cfg, cfg = manifest.get("model_config"), parts.model_config()
     if saved_cfg is not None and cfg is not None and saved_cfg != cfg:
         diffs = [f"{k}={saved_cfg.get(k)!r} (checkpoint) vs {cfg.get(k)!r} (model)"
                  for k in sorted(set(saved_cfg) | set(cfg)) if saved_cfg.get(k) != cfg.get(k)]
         raise CheckpointError(
             f"checkpoint {step_dir} holds a different model: {', '.join(diffs)}; build the model with the saved config"
         )
-    try:
-        metadata = dcp.FileSystemReader(step_dir).read_metadata()
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint index {step_dir / '.metadata'} is unreadable ({_short(e)}); delete {step_dir} and load an earlier checkpoint"
-        ) from None
-    saved = metadata.state_dict_metadata
-
-    def check(prefix: str, what: str, sd: dict) -> None:
-        for key, value in sd.items():
-            meta = saved.get(f"{prefix}.{key}")
-            if meta is None:
-                raise CheckpointError(
-                    f"checkpoint {step_dir} has no {what} '{key}' ({_count(saved, prefix)} {what}s saved); "
-                    "load it into the model (and optimizer) it was saved from"
-                )
-            if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
-                raise CheckpointError(
-                    f"{what} '{key}' has shape {_fmt_shape(meta.size)} in checkpoint {step_dir} but "
-                    f"{_fmt_shape(value.shape)} here; build the model with the saved config"
-                )
-
-    check("model", "model key", msd)
-    if optimizer is not None:
-        name = _optimizer_name(optimizer)
+    if parts.optimizer is not None:
+        name = parts.optimizer_name()
         if manifest.get("optimizer") is None:
             raise CheckpointError(
                 f"checkpoint {step_dir} holds no optimizer state; load it with optimizer=None and start the optimizer fresh"
@@ -540,19 +601,95 @@ def _check_compatible(
                 f"checkpoint {step_dir} holds {manifest['optimizer']} state, this job uses {name}; "
                 "resume with the saved optimizer, or load with optimizer=None to start it fresh"
             )
-        check("optim", "optimizer key", osd)
+
+
+def _flatten(value: Any, path: tuple = ()) -> Iterator[tuple[str, Any]]:
+    """(DCP key, leaf) pairs of a nested state dict, with the dotted keys DCP's planner uses."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _flatten(v, path + (k,))
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict)) for v in value):
+        for i, v in enumerate(value):
+            yield from _flatten(v, path + (i,))
+    else:
+        yield ".".join(str(p) for p in path), value
+
+
+def _check_keys(step_dir: Path, manifest: dict, metadata: Any, parts: _Parts, msd: dict, osd: dict) -> None:
+    """Raise naming the first model/optimizer key missing from the checkpoint or of another shape."""
+    saved = metadata.state_dict_metadata
+
+    def check(sd: dict, prefix: str, what: str) -> None:
+        for key, value in _flatten(sd, (prefix,)):
+            meta = saved.get(key)
+            short = key[len(prefix) + 1:]
+            if meta is None:
+                n = sum(1 for k in saved if k.startswith(prefix + "."))
+                raise CheckpointError(
+                    f"checkpoint {step_dir} has no {what} '{short}' ({n} {what}s saved); "
+                    "load it into the model (and optimizer) it was saved from"
+                )
+            if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{what} '{short}' has shape {_fmt_shape(meta.size)} in checkpoint {step_dir} but "
+                    f"{_fmt_shape(value.shape)} here; build the model with the saved config"
+                )
+
+    check(msd, "model", "model key")
+    check(osd, "optim", "optimizer key")
+    if parts.optim_kind == "torch":
         # The reverse direction: saved moments of this rank's parameters that it would not load.
-        mine = {f"optim.state.{k}." for k in msd}
+        prefixes = tuple(f"optim.state.{k}." for k in msd)
         for key in saved:
-            if key.startswith("optim.state.") and key.rsplit(".", 1)[0] + "." in mine and key[len("optim."):] not in osd:
+            if key.startswith(prefixes) and key[len("optim."):] not in osd:
                 raise CheckpointError(
                     f"checkpoint {step_dir} has optimizer state '{key[len('optim.'):]}' that this optimizer lacks; "
                     "resume with the saved optimizer settings"
                 )
-    if f"extra.{_extra_key(rank)}" not in saved:
+
+
+def _set_path(root: dict, path: tuple, value: Any) -> None:
+    node: Any = root
+    for key, nxt in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = [] if isinstance(nxt, int) else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def _stateful_template(own: dict, metadata: Any, msd: dict) -> dict:
+    """The object's own state dict plus, from the checkpoint's index, every saved entry it will need.
+
+    A fresh optimizer has no moments yet; its state dict alone would make DCP skip them. Entries
+    of parameters held by other ranks are left out, entries of no parameter are shared and kept.
+    """
+    saved, paths = metadata.state_dict_metadata, metadata.planner_data or {}
+    all_params = {path[1] for path in paths.values() if path and path[0] == "model" and len(path) == 2}
+    have = {key for key, _ in _flatten(own, ("optim",))}
+    template = dict(own)
+    for key, path in paths.items():
+        if not path or path[0] != "optim" or key in have:
+            continue
+        owner = path[1] if len(path) > 2 else None
+        if owner in all_params and owner not in msd:
+            continue
+        meta = saved[key]
+        value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype) if hasattr(meta, "size") else None
+        _set_path(template, path[1:], value)
+    return template
+
+
+def _check_layout(step_dir: Path, manifest: dict, rank: int, msd: dict, metadata: Any) -> None:
+    """Raise if this rank holds other model keys than the same rank held when saving."""
+    if f"extra.{_extra_key(rank)}" not in metadata.state_dict_metadata:
         raise CheckpointError(f"checkpoint {step_dir} has no extra state for rank {rank}; resume with the saved world size")
-    mine = _rank_summary(rank, msd)
-    theirs = manifest["ranks"][rank]
+    mine, theirs = _rank_summary(rank, msd), manifest["ranks"][rank]
     if mine["keys_digest"] != theirs["keys_digest"]:
         raise CheckpointError(
             f"checkpoint {step_dir} was saved with a different parallel layout: rank {rank} held "
@@ -562,16 +699,24 @@ def _check_compatible(
         )
 
 
-def _count(saved: dict, prefix: str) -> int:
-    return sum(1 for k in saved if k.startswith(prefix + "."))
+def _failures(e: BaseException) -> list[tuple[int, BaseException]]:
+    failures = e.failures if isinstance(e, CheckpointException) else {}
+    return [(rank, pair[0] if isinstance(pair, tuple) else pair) for rank, pair in sorted(failures.items())]
+
+
+def _reraise_interrupts(e: BaseException) -> None:
+    """DCP wraps every failure, Ctrl-C and SystemExit included; those must stay what they are."""
+    for _, inner in _failures(e):
+        if not isinstance(inner, Exception):
+            raise inner
 
 
 def _short(e: BaseException) -> str:
     """The innermost message of a (possibly multi-rank) DCP failure, on one line."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, inner = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
-        exc = inner[0] if isinstance(inner, tuple) else inner
-        return f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    failures = _failures(e)
+    if failures:
+        rank, inner = failures[0]
+        text = str(inner).strip().splitlines()
+        return f"rank {rank}: {type(inner).__name__}: {text[0] if text else ''}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[-1] if text else ''}"
