@@ -10,8 +10,9 @@ Rounding rules (stated because kernels must match them):
   (ties to even); fp4 takes the nearer E2M1 value with ties to the even code (as IEEE and the OCP
   MX spec round); nf4 takes the nearer value with ties to the lower one (as bitsandbytes does).
   Every element is then within half the gap around its value times its block scale (int: s / 2).
-- ``stochastic``: round up with probability equal to the distance from the lower neighbour over
-  the gap, so E[dequantize(quantize(x))] = x (unbiased) and the variance is f(1-f) gap^2 s^2.
+- ``stochastic``: round up iff a uniform draw u in [0, 1) is below f = (y - lower) / gap, the
+  distance from the lower neighbour over the gap; so E[dequantize(quantize(x))] = x (unbiased, to
+  the 2**-24 granularity of u) and the variance is f(1-f) gap^2 s^2.
 
 Non-finite input is never turned into finite garbage: ``nonfinite="raise"`` (default) raises
 :class:`NonFiniteError` naming the first bad element; ``nonfinite="propagate"`` stores a NaN scale
@@ -179,11 +180,14 @@ def quantize(
 def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None) -> torch.Tensor:
     """uint8 codes of scaled values y, |y| <= max_value (y is overwritten)."""
     if fmt.kind == "int":
-        # |y| <= qmax and noise < 1, so neither rounding can leave -qmax..qmax: no clamp needed.
+        # |y| <= qmax, so neither rounding can leave -qmax..qmax: no clamp needed.
         if noise is None:
             y.round_()
         else:
-            y.add_(noise).floor_()
+            # Up with probability frac(y): compare the draw with the exact fraction. (floor(y + u)
+            # is not safe: in fp32, 127 + 0.99999994 rounds to 128, past the top code.)
+            q = torch.floor(y)
+            y = q.add_(noise.lt_(y.sub_(q)))
         # q + 2**(b-1) in uint8 arithmetic: the two's-complement byte of q wraps to the code.
         return y.to(torch.int8).view(torch.uint8).add_(1 << (fmt.bits - 1))
     if fmt.kind == "fp8" and noise is None:
