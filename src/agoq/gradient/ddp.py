@@ -7,8 +7,8 @@ after, so communication overlaps backward while every rank issues collectives in
 (DDP calls hooks in bucket order). The last bucket (``bucket.is_last()``) completes everything.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's annotations
+# with dist.GradBucket and Future[Tensor] as objects, and rejects strings.
 from dataclasses import dataclass, field
 
 import torch
