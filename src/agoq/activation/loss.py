@@ -1,0 +1,301 @@
+"""LM head + cross-entropy that never keeps [tokens, vocab] logits.
+
+The plain path (``F.linear`` then ``F.cross_entropy(logits.float())``) keeps the fp32
+log-softmax of every token for backward: 4 * V bytes per token, 16U at vocab 8 x hidden and 62U
+for LLaMA3-8B (vocab 128256, hidden 4096), more than ten 4-bit decoder layers. Quantizing it is
+not an option: it was the single most harmful compression measured (DESIGN.md).
+
+The fused path walks the tokens in chunks. For each chunk it computes the logits (in the hidden
+dtype, upcast to fp32 exactly as the plain path does), the loss, and, still in forward, the
+gradient with respect to the chunk's hidden states and the chunk's share of the LM-head weight
+gradient; then the chunk's logits are freed. Backward only scales the two saved gradients by
+``grad_output``. What autograd keeps is the hidden-state gradient ([tokens, hidden], the size of
+the hidden states the plain path's GEMM keeps anyway) and the weight gradient ([vocab, hidden],
+the gradient the backward would create at that point anyway).
+
+With ``recompute=True`` (forced for ``reduction="none"``, whose per-token ``grad_output`` cannot
+scale a precomputed weight gradient) the forward keeps the hidden states and targets instead and
+the backward recomputes each chunk's logits: nothing vocab-sized is kept at all, for one more GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# A chunk's fp32 logits take at most this many bytes. The chunk's working set is about three
+# times that (the logits in the hidden dtype, their fp32 copy turned in place into log-probs and
+# then the gradient, and the gradient cast back), so 32 MiB keeps it near 100 MiB whatever the
+# vocab, small beside the activations of one decoder layer at any realistic token count, while
+# leaving GEMMs of >= 64 rows up to vocab 128K. On this CPU the step time is flat from 16 to
+# 256 MiB (``agoq bench loss --chunk-sweep``).
+CHUNK_LOGITS_BYTES = 32 * 2**20
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# Elements of the reused blocks through which a low-precision weight gradient reaches its fp32 sum.
+_BLOCK_ELEMENTS = 2**21
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Tokens per chunk such that a chunk's fp32 logits fit in CHUNK_LOGITS_BYTES."""
+    if vocab < 1:
+        raise ValueError(f"vocab must be a positive number of classes, got {vocab}")
+    rows = CHUNK_LOGITS_BYTES // (4 * vocab)
+    # Multiples of 8 rows keep GEMM tiles whole; below 8 the budget is simply exceeded.
+    return max(8, rows - rows % 8)
+
+
+def plain_lm_head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of hidden @ weight.T against targets, through full [tokens, vocab] logits (the reference path)."""
+    _check_args(hidden, weight, targets, reduction, label_smoothing, chunk_size)
+    logits = F.linear(hidden, weight)
+    loss = F.cross_entropy(
+        logits.float().flatten(0, -2),
+        targets.flatten(),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    return loss.view(targets.shape) if reduction == "none" else loss
+
+
+def chunked_lm_head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    chunk_size: int | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy of hidden @ weight.T against targets, equal to the plain path, keeping no logits."""
+    _check_args(hidden, weight, targets, reduction, label_smoothing, chunk_size)
+    vocab = weight.shape[0]
+    _check_targets(targets, vocab, ignore_index)
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(vocab)
+    grad_on = torch.is_grad_enabled()
+    need_hidden = grad_on and hidden.requires_grad
+    need_weight = grad_on and weight.requires_grad
+    if recompute or reduction == "none":
+        return _RecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
+    return _PrecomputedLoss.apply(
+        hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight
+    )
+
+
+def loss_saved_bytes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, fused: bool, *, recompute: bool = False) -> int:
+    """Bytes autograd keeps for the LM head + cross-entropy of ``tokens`` tokens (no label smoothing, trainable head)."""
+    if min(tokens, hidden, vocab) < 0:
+        raise ValueError(f"tokens, hidden and vocab must be >= 0, got {tokens}, {hidden}, {vocab}")
+    es = torch.empty((), dtype=dtype).element_size()
+    index = torch.empty((), dtype=torch.long).element_size()
+    if not fused:
+        # The head GEMM keeps its input; log_softmax keeps its fp32 output; nll_loss keeps the
+        # targets and a 0-dim fp32 total weight.
+        return tokens * hidden * es + tokens * vocab * 4 + tokens * index + 4
+    if recompute:
+        return tokens * hidden * es + tokens * index
+    # The hidden-state gradient, and the weight gradient in the weight's dtype (not per token).
+    return tokens * hidden * es + vocab * hidden * es
+
+
+class _PrecomputedLoss(torch.autograd.Function):
+    """Loss with both gradients computed chunk by chunk in forward; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight):
+        shape = hidden.shape
+        h = hidden.reshape(-1, shape[-1])
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        scale = _reduction_scale(valid, reduction)
+        need_grad = need_hidden or need_weight
+        grad_h = torch.empty_like(h) if need_hidden else None
+        grad_w = _WeightGradSum(weight) if need_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            h_c = h[s : s + chunk]
+            coef = scale if need_grad else None
+            loss_c, g = _chunk_loss_and_logit_grad(h_c, weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, coef)
+            total += loss_c.sum()
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[s : s + chunk])
+            if grad_w is not None:
+                grad_w.add(g, h_c)
+            del g, loss_c
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.result(weight.dtype))
+        ctx.hidden_shape = shape
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else (grad_h * grad_out).view(ctx.hidden_shape)
+        gw = None if grad_w is None else grad_w * grad_out
+        return gh, gw, None, None, None, None, None, None, None
+
+
+class _RecomputedLoss(torch.autograd.Function):
+    """Loss that keeps hidden states and targets and recomputes each chunk's logits in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            losses[s : s + chunk], _ = _chunk_loss_and_logit_grad(
+                h[s : s + chunk], weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, None
+            )
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.args = (ignore_index, reduction, label_smoothing, chunk)
+        if reduction == "none":
+            return losses.view(targets.shape)
+        return losses.sum() * _reduction_scale(valid, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        ignore_index, reduction, label_smoothing, chunk = ctx.args
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        coef = grad_out.reshape(-1) if reduction == "none" else grad_out * _reduction_scale(valid, reduction)
+        grad_h = torch.empty_like(h) if need_hidden else None
+        grad_w = _WeightGradSum(weight) if need_weight else None
+        for s in range(0, h.shape[0], chunk):
+            h_c = h[s : s + chunk]
+            coef_c = coef[s : s + chunk] if reduction == "none" else coef
+            _, g = _chunk_loss_and_logit_grad(h_c, weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, coef_c)
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[s : s + chunk])
+            if grad_w is not None:
+                grad_w.add(g, h_c)
+            del g
+        gh = None if grad_h is None else grad_h.view(hidden.shape)
+        gw = None if grad_w is None else grad_w.result(weight.dtype)
+        return gh, gw, None, None, None, None, None
+
+
+def _chunk_loss_and_logit_grad(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    label_smoothing: float,
+    coef: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token fp32 losses of one chunk and, given coef, d(sum coef * loss)/d(logits) in h's dtype."""
+    # Same arithmetic as the plain path: logits rounded to the hidden dtype, then fp32 log_softmax.
+    logp = torch.log_softmax(F.linear(h, weight).float(), dim=-1)
+    safe = torch.where(valid, targets, 0).unsqueeze(1)
+    loss = -logp.gather(1, safe).squeeze(1)
+    eps = label_smoothing
+    vocab = logp.shape[1]
+    if eps > 0:
+        # F.cross_entropy: (1 - eps) * nll + eps / V * (-sum of log-probs), ignored tokens excluded.
+        loss = (1 - eps) * loss - (eps / vocab) * logp.sum(dim=1)
+    loss = torch.where(valid, loss, 0.0)
+    if coef is None:
+        return loss, None
+    grad = logp.exp_()
+    grad.scatter_add_(1, safe, torch.full_like(safe, -(1 - eps), dtype=grad.dtype))
+    if eps > 0:
+        grad.sub_(eps / vocab)
+    # where, not a product: with every token ignored, mean's coef is 1/0 and must not reach a row.
+    grad.mul_(torch.where(valid, coef, 0.0).unsqueeze(1))
+    return loss, grad.to(h.dtype)
+
+
+class _WeightGradSum:
+    """The fp32 sum over chunks of g.T @ h, the LM-head weight gradient."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        vocab, hidden = weight.shape
+        # Low-precision products go through small reused blocks of vocab rows: one [vocab, hidden]
+        # temporary per chunk, plus its mixed-dtype add, cost as much as the GEMM itself on CPU.
+        self.rows = min(vocab, max(1, _BLOCK_ELEMENTS // hidden))
+        if weight.dtype != torch.float32:
+            self.block = torch.empty(self.rows, hidden, dtype=weight.dtype, device=weight.device)
+            self.block32 = torch.empty(self.rows, hidden, dtype=torch.float32, device=weight.device)
+
+    def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
+        """Add one chunk's g.T @ h ([chunk, vocab] and [chunk, hidden])."""
+        if g.dtype == torch.float32:
+            self.total.addmm_(g.t(), h)
+            return
+        # Each block's product is rounded to g's dtype once, as the plain path's single GEMM is,
+        # and summed over chunks in fp32, so the error stays within one rounding per chunk.
+        gt = g.t()
+        for v in range(0, gt.shape[0], self.rows):
+            n = min(self.rows, gt.shape[0] - v)
+            torch.mm(gt[v : v + n], h, out=self.block[:n])
+            self.block32[:n].copy_(self.block[:n])
+            self.total[v : v + n].add_(self.block32[:n])
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The summed gradient in ``dtype``."""
+        return self.total if dtype == torch.float32 else self.total.to(dtype)
+
+
+def _reduction_scale(valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The factor from summed token losses to the reduced loss: 1/valid tokens for mean (inf for none, as torch's NaN)."""
+    if reduction == "mean":
+        return valid.sum().float().reciprocal()
+    return torch.ones((), dtype=torch.float32, device=valid.device)
+
+
+def _check_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str,
+    label_smoothing: float,
+    chunk_size: int | None,
+) -> None:
+    """Raise a ValueError naming the bad argument and the fix."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [vocab, hidden], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's hidden size {weight.shape[1]}, got hidden shape {tuple(hidden.shape)}"
+        )
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one floating dtype; cast one of them"
+        )
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    if targets.dtype != torch.long:
+        raise ValueError(f"targets must be int64 class indices, got {targets.dtype}; use targets.long()")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive number of tokens or None (default from the vocab), got {chunk_size!r}")
+
+
+def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise a ValueError if a target that is not ignore_index lies outside [0, vocab)."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise ValueError(f"target {value} is out of range for vocab {vocab} (ignore_index is {ignore_index})")

@@ -1,0 +1,173 @@
+"""Step time and saved bytes of the LM head + cross-entropy: plain path vs chunked fused loss."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable, Iterable
+
+DESCRIPTION = "LM head + cross-entropy: step time and bytes kept for backward, plain vs fused (chunked, no logits kept)"
+
+_DTYPES = ("bf16", "fp32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``agoq bench loss``."""
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (batch x seq)")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size")
+    parser.add_argument("--vocabs", default="4096,32000,128256", help="comma-separated vocab sizes")
+    parser.add_argument("--dtype", choices=_DTYPES, default="bf16", help="dtype of hidden states and head weight")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per path (median reported), after one warm-up")
+    parser.add_argument("--chunk-sweep", action="store_true", help="also time the fused loss over a range of chunk sizes")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
+
+
+def saved_bytes(fn: Callable[[], Any], exclude: Iterable[Any] = ()) -> tuple[int, Any]:
+    """Bytes of the tensors autograd saves while fn runs (by storage, once each, minus exclude's storages), and fn's result."""
+    import torch
+
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure both paths for each vocab size, print a table, write benchmarks/results/loss.json."""
+    import torch
+
+    from agoq.activation.loss import (
+        chunked_lm_head_cross_entropy,
+        default_chunk_size,
+        loss_saved_bytes,
+        plain_lm_head_cross_entropy,
+    )
+    from agoq.bench._common import write_result
+
+    try:
+        vocabs = [int(v) for v in args.vocabs.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--vocabs must be comma-separated integers, got {args.vocabs!r}")
+    if args.tokens < 1 or args.hidden < 1 or args.repeats < 1 or not vocabs or min(vocabs) < 1:
+        raise SystemExit("--tokens, --hidden, --repeats and every vocab must be positive")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    n, hdim = args.tokens, args.hidden
+
+    paths = {
+        "plain": lambda h, w, t, c: plain_lm_head_cross_entropy(h, w, t),
+        "fused": lambda h, w, t, c: chunked_lm_head_cross_entropy(h, w, t, chunk_size=c),
+        "fused_recompute": lambda h, w, t, c: chunked_lm_head_cross_entropy(h, w, t, chunk_size=c, recompute=True),
+    }
+    rows: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    for vocab in vocabs:
+        gen = torch.Generator().manual_seed(vocab)
+        hidden = torch.randn(n, hdim, generator=gen).to(dtype).requires_grad_()
+        weight = (torch.randn(vocab, hdim, generator=gen) * hdim**-0.5).to(dtype).requires_grad_()
+        targets = torch.randint(0, vocab, (n,), generator=gen)
+        chunk = default_chunk_size(vocab)
+        row: dict[str, Any] = {"vocab": vocab, "tokens": n, "hidden": hdim, "dtype": args.dtype, "chunk_size": chunk}
+        losses = {}
+        for name, fn in paths.items():
+            measured, loss = saved_bytes(lambda: fn(hidden, weight, targets, chunk), exclude=[weight])
+            loss.backward()
+            hidden.grad = weight.grad = None
+            del loss
+            fused, recompute = name != "plain", name == "fused_recompute"
+            row[f"{name}_saved_bytes"] = measured
+            row[f"{name}_saved_bytes_model"] = loss_saved_bytes(n, hdim, vocab, dtype, fused, recompute=recompute)
+            seconds, losses[name] = _time_step(lambda: fn(hidden, weight, targets, chunk), hidden, weight, args.repeats)
+            row[f"{name}_step_s"] = seconds
+        row["fused_loss_rel_diff"] = abs(losses["fused"] - losses["plain"]) / abs(losses["plain"])
+        row["saved_ratio"] = row["plain_saved_bytes"] / row["fused_saved_bytes"]
+        row["saved_ratio_recompute"] = row["plain_saved_bytes"] / row["fused_recompute_saved_bytes"]
+        row["time_ratio"] = row["fused_step_s"] / row["plain_step_s"]
+        row["time_ratio_recompute"] = row["fused_recompute_step_s"] / row["plain_step_s"]
+        rows.append(row)
+        if args.chunk_sweep:
+            for mib in (4, 16, 32, 64, 256):
+                c = max(8, (mib * 2**20 // (4 * vocab)) // 8 * 8)
+                seconds, _ = _time_step(lambda: paths["fused"](hidden, weight, targets, c), hidden, weight, args.repeats)
+                sweep.append({"vocab": vocab, "chunk_logits_mib": mib, "chunk_size": c, "fused_step_s": seconds})
+        del hidden, weight, targets
+
+    results = {"rows": rows, "chunk_sweep": sweep}
+    write_result("loss", results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(_table(rows))
+        if sweep:
+            print()
+            print(_sweep_table(sweep))
+    mismatched = [r["vocab"] for r in rows for p in paths if r[f"{p}_saved_bytes"] != r[f"{p}_saved_bytes_model"]]
+    if mismatched:
+        print(f"saved bytes differ from loss_saved_bytes for vocab {sorted(set(mismatched))}")
+        return 1
+    return 0
+
+
+def _time_step(step: Callable[[], Any], hidden: Any, weight: Any, repeats: int) -> tuple[float, float]:
+    """Median seconds of forward + backward over ``repeats`` runs after one warm-up, and the loss."""
+    times = []
+    loss_value = float("nan")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        loss = step()
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        loss_value = float(loss)
+        hidden.grad = weight.grad = None
+        del loss
+        if i:
+            times.append(elapsed)
+    return statistics.median(times), loss_value
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of saved MiB and step times, with ratios."""
+    lines = [
+        "| vocab | chunk | saved MiB plain | saved MiB fused | (recompute) | plain / fused | step s plain | step s fused | (recompute) | fused / plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['vocab']} | {r['chunk_size']} | {_mib(r['plain_saved_bytes'])} | {_mib(r['fused_saved_bytes'])} "
+            f"| {_mib(r['fused_recompute_saved_bytes'])} | {r['saved_ratio']:.1f}x ({r['saved_ratio_recompute']:.0f}x) "
+            f"| {r['plain_step_s']:.3f} | {r['fused_step_s']:.3f} | {r['fused_recompute_step_s']:.3f} "
+            f"| {r['time_ratio']:.2f}x ({r['time_ratio_recompute']:.2f}x) |"
+        )
+    r0 = rows[0]
+    lines.append("")
+    lines.append(f"{r0['tokens']} tokens, hidden {r0['hidden']}, {r0['dtype']}; step = forward + backward of the loss.")
+    return "\n".join(lines)
+
+
+def _sweep_table(sweep: list[dict[str, Any]]) -> str:
+    """The markdown table of fused step time against the chunk's fp32-logit budget."""
+    lines = ["| vocab | chunk fp32 logits MiB | chunk | step s fused |", "|---|---|---|---|"]
+    for s in sweep:
+        lines.append(f"| {s['vocab']} | {s['chunk_logits_mib']} | {s['chunk_size']} | {s['fused_step_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the benchmark (the ``benchmarks/loss.py`` entry point)."""
+    parser = argparse.ArgumentParser(prog="benchmarks/loss.py", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
