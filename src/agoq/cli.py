@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"agoq {agoq.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train a LLaMA model (default: tiny model on the KJV Bible, 4 local processes, pp=2 x dp=2)",
+        description="Train a LLaMA model with AGoQ. With no arguments: the embedded default run. "
+        "Override any config value with --section.key=value, e.g. --train.steps=50 --parallel.pp=1.",
+    )
+    train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
+    train.add_argument("--max-restarts", type=int, default=0, help="restart the local workers this many times after a failure")
     bench = sub.add_parser("bench", help="run a measurement that backs a claim in the README")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, module in sorted(_bench_modules().items()):
@@ -44,12 +52,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agoq`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        return _train(args, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         if getattr(args, "_bench_run", None) is None:
             parser.parse_args(["bench", "--help"])
         return int(args._bench_run(args) or 0)
     parser.print_help()
+    return 0
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from agoq.train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"agoq train: {e}", file=sys.stderr)
+        return 2
+    from agoq.train.run import launch
+
+    launch(cfg, max_restarts=args.max_restarts)
     return 0
 
 

@@ -8,6 +8,7 @@ index, so a stage's state dict uses the same names as the full model's.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -140,16 +141,20 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int | None = None) -> None:
-        """Initialise weights: N(0, 0.02), residual outputs scaled by 1/sqrt(2 * n_layers)."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Initialise weights: N(0, 0.02), residual outputs scaled by 1/sqrt(2 * n_layers).
+
+        Each parameter draws from a generator seeded by (seed, its global name), so a pipeline
+        stage gets exactly the weights the same layers have in the full model.
+        """
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                continue
+            std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
 
     def set_policy(self, policy: ActivationPolicy) -> None:
         """Switch the activation precision policy (takes effect on the next forward)."""

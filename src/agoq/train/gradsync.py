@@ -1,0 +1,124 @@
+"""Data-parallel gradient reduction for the trainer: QuanGrad's 8-bit path or a plain all-reduce.
+
+Both fold each parameter's gradient into a buffer the moment autograd finishes it (so the model's
+own .grad never accumulates across micro-batches in bf16), reduce the buffer over the dp group
+after the last micro-batch, and agree across every rank whether any gradient was non-finite.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from agoq.train.config import TrainConfig
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of nbytes over world ranks: 2 (W-1)/W nbytes."""
+    return 0 if world <= 1 else 2 * (world - 1) * nbytes // world
+
+
+class GradientSync:
+    """Interface the trainer uses; see :class:`PlainGradientSync` and :class:`QuantizedGradientSync`."""
+
+    wire_bytes_last_step: int = 0
+
+    def start_step(self) -> None:
+        """Prepare to receive one step's gradients."""
+
+    def reduce(self) -> bool:
+        """Reduce over dp; False if any rank saw a non-finite gradient (the step must be skipped)."""
+        raise NotImplementedError
+
+    def local_grad_sq_norm(self) -> float:
+        """Sum of squares of this rank's reduced gradients."""
+        raise NotImplementedError
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(parameter index, reduced fp32 gradient), one parameter at a time."""
+        raise NotImplementedError
+
+    def finish_step(self) -> None:
+        """Drop this step's gradients."""
+
+    def fp32_wire_bytes(self) -> int:
+        """What an fp32 ring all-reduce of the same gradients would send per rank."""
+        raise NotImplementedError
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the persistent gradient storage."""
+        raise NotImplementedError
+
+
+class PlainGradientSync(GradientSync):
+    """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, wire_dtype: torch.dtype) -> None:
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.wire_dtype = wire_dtype
+        total = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(total, dtype=torch.float32, device=device)
+        self.views = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._fold(i)) for i, p in enumerate(self.params)]
+
+    def _fold(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            self.views[i].add_(p.grad)
+            p.grad = None
+
+        return hook
+
+    def reduce(self) -> bool:
+        bad = torch.tensor([0.0 if bool(torch.isfinite(self.buffer).all()) else 1.0], device=self.buffer.device)
+        dist.all_reduce(bad)  # every rank (all pp and dp) learns of it in the same step
+        if bad.item() > 0:
+            local = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
+            if local:
+                warnings.warn(f"non-finite gradient in {local[0]} ({len(local)} parameter(s)); step skipped", stacklevel=2)
+            return False
+        if self.world > 1:
+            if self.wire_dtype == torch.float32:
+                dist.all_reduce(self.buffer, group=self.group)
+            else:
+                low = self.buffer.to(self.wire_dtype)
+                dist.all_reduce(low, group=self.group)
+                self.buffer.copy_(low)
+            self.buffer.div_(self.world)
+        self.wire_bytes_last_step = ring_allreduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
+        return True
+
+    def local_grad_sq_norm(self) -> float:
+        return float(self.buffer.double().square().sum())
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        yield from enumerate(self.views)
+
+    def finish_step(self) -> None:
+        self.buffer.zero_()
+
+    def fp32_wire_bytes(self) -> int:
+        return ring_allreduce_bytes(self.buffer.numel() * 4, self.world)
+
+    def buffer_bytes(self) -> int:
+        return self.buffer.numel() * 4
+
+
+def make_gradient_sync(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device) -> GradientSync:
+    """The gradient path the config asks for."""
+    mode = cfg.precision.gradients
+    if mode == "int8":
+        from agoq.train.gradsync_quantized import QuantizedGradientSync
+
+        return QuantizedGradientSync(params, group, device, cfg.precision.gradient_block)
+    return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

@@ -1,0 +1,136 @@
+"""AdamW over fp32 master weights for a model computing in bf16, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from agoq.train.config import OptimSection
+
+
+def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at total_steps (step counts from 0)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _no_decay(name: str, param: torch.Tensor) -> bool:
+    # Norm gains and embeddings are not decayed (the LLaMA recipe).
+    return param.ndim < 2 or name.endswith("norm.weight") or name.endswith("embed.weight")
+
+
+class MasterWeightOptimizer:
+    """AdamW on fp32 copies of the model's parameters; the model's (bf16) weights follow each step.
+
+    Gradients are handed in one parameter at a time (``set_grad``) so the caller can read them out
+    of a compressed buffer without materialising all of them; ``step`` then updates every master
+    that received a gradient and copies it back into the model's dtype.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimSection) -> None:
+        self.cfg = cfg
+        self.params: list[nn.Parameter] = []
+        self.names: list[str] = []
+        self.masters: list[torch.Tensor] = []
+        decay, no_decay = [], []
+        for name, p in named_params:
+            if not p.requires_grad:
+                continue
+            master = p.detach().float().clone().requires_grad_(True) if p.dtype != torch.float32 else p
+            self.params.append(p)
+            self.names.append(name)
+            self.masters.append(master)
+            (no_decay if _no_decay(name, p) else decay).append(master)
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        betas = (cfg.beta1, cfg.beta2)
+        if cfg.name == "adamw8bit":
+            try:
+                from torchao.optim import AdamW8bit
+            except ImportError as e:
+                raise RuntimeError(
+                    "optim.name='adamw8bit' needs torchao: pip install 'agoq[optim8bit]' (or torchao), or use optim.name='adamw'"
+                ) from e
+            self.optimizer: torch.optim.Optimizer = AdamW8bit(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=False)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every group."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def set_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Give parameter ``index`` its (reduced, clipped) gradient, as fp32."""
+        self.masters[index].grad = grad.to(torch.float32).view_as(self.masters[index])
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the masters that have gradients, copy them into the model, drop the gradients."""
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            if m.grad is not None:
+                if m is not p:
+                    p.copy_(m)
+                m.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state plus fp32 master copies (not counting the model's own weights)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    total += _tensor_bytes(v)
+        total += sum(m.numel() * 4 for m, p in zip(self.masters, self.params) if m is not p)
+        return total
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter state keyed by the parameter's global name (master weights and moments).
+
+        Keys are names, not optimizer indices, so pipeline ranks holding different layers never
+        collide in a distributed checkpoint.
+        """
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p, m in zip(self.names, self.params, self.masters):
+            entry = {k: v for k, v in self.optimizer.state.get(m, {}).items() if isinstance(v, torch.Tensor)}
+            if m is not p:
+                entry["master"] = m.detach()
+            out[name] = entry
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore what :meth:`state_dict` returned (and the model weights from the masters)."""
+        missing = [n for n in self.names if n not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks parameter {missing[0]!r} ({len(missing)} missing)")
+        for name, p, m in zip(self.names, self.params, self.masters):
+            entry = dict(state[name])
+            master = entry.pop("master", None)
+            if master is not None:
+                m.copy_(master)
+                p.copy_(m)
+            if entry:
+                self.optimizer.state[m] = {k: v.clone() for k, v in entry.items()}
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of a tensor, including quantized subclasses that expose their parts."""
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is not None and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def count_bytes(tensors: Iterable[torch.Tensor], key: Callable[[torch.Tensor], int] = _tensor_bytes) -> int:
+    """Total storage bytes of tensors."""
+    return sum(key(t) for t in tensors)

@@ -1,0 +1,144 @@
+"""A whole training run: launch the ranks, train, evaluate, checkpoint, summarise."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agoq.train.config import TrainConfig
+from agoq.train.metrics import Progress, peak_rss_bytes, plot_loss, summary_table
+
+
+def _describe(cfg: TrainConfig) -> str:
+    p, pr = cfg.parallel, cfg.precision
+    return (
+        f"model {cfg.model.preset}, pp={p.pp} x dp={p.dp} ({p.schedule}, {p.microbatches} micro-batches), "
+        f"activations {pr.activations} ({pr.activation_format}, stage bits {pr.stage_bits}), gradients {pr.gradients}, "
+        f"{cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
+    )
+
+
+def _measure_baseline(trainer: Any) -> dict[str, Any]:
+    """Saved-activation peak of one step under the bf16 policy, on a held-out batch, no update."""
+    from agoq.activation import make_policy
+
+    policy = trainer.policy
+    for m in trainer.modules:
+        m.set_policy(make_policy("bf16"))
+    x, y = trainer.val[0]
+    trainer.sync.start_step()
+    with trainer.tracker:
+        trainer.forward_backward(x, y)
+    peak = trainer.tracker.peak_bytes
+    trainer.sync.finish_step()
+    for m in trainer.modules:
+        m.set_policy(policy)
+    return {"peak_saved_bytes": peak}
+
+
+def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Entry point of every rank; rank 0 returns the run summary."""
+    from agoq.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    ctx = trainer.ctx
+    ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
+    state = trainer.checkpoint_state()
+    if cfg.checkpoint.every or cfg.checkpoint.resume:
+        from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    if cfg.checkpoint.resume and latest_checkpoint(ckpt_root) is not None:
+        step, extra = load_checkpoint(ckpt_root, state["model"], state["optimizer"])
+        trainer.load_extra(step, extra)
+    baseline = _measure_baseline(trainer) if cfg.train.baseline and cfg.precision.activations != "bf16" else None
+    progress = Progress(cfg.train.steps, initial=trainer.step, enabled=ctx.rank == 0)
+    records: list[dict[str, Any]] = []
+    peak_saved = 0
+    while trainer.step < cfg.train.steps:
+        rec = trainer.train_step()
+        peak_saved = max(peak_saved, rec["peak_saved_bytes"])
+        last = trainer.step == cfg.train.steps
+        if cfg.train.eval_every and (trainer.step % cfg.train.eval_every == 0 or last):
+            rec["val_loss"] = trainer.evaluate()
+        trainer.metrics.write(rec)
+        records.append(rec)
+        progress.update(trainer.step, rec["loss"], rec["tokens_per_s"])
+        if cfg.checkpoint.every and (trainer.step % cfg.checkpoint.every == 0 or last):
+            save_checkpoint(ckpt_root, trainer.step, state["model"], state["optimizer"], trainer.extra_state(), keep=cfg.checkpoint.keep)
+    progress.close()
+    mine = {
+        "rank": ctx.rank,
+        "pp_rank": ctx.pp_rank,
+        "dp_rank": ctx.dp_rank,
+        "stages": ctx.stages,
+        "layer_bits": trainer.stage_layer_bits(),
+        "peak_saved_bytes": peak_saved,
+        "wire_bytes_per_step": trainer.sync.wire_bytes_last_step,
+        "fp32_wire_bytes_per_step": trainer.sync.fp32_wire_bytes(),
+        "grad_buffer_bytes": trainer.sync.buffer_bytes(),
+        "optimizer_bytes": trainer.optimizer.state_bytes(),
+        "param_bytes": sum(p.numel() * p.element_size() for _, p in trainer.params),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "baseline_peak_saved_bytes": None if baseline is None else baseline["peak_saved_bytes"],
+    }
+    gathered: list[Any] = [None] * ctx.world
+    dist.all_gather_object(gathered, mine)
+    summary = None
+    if ctx.rank == 0 and records:
+        timed = records[1:] or records  # the first step includes one-time setup
+        run = {
+            "final_loss": records[-1]["loss"],
+            "val_loss": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
+            "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
+            "steps": trainer.step,
+        }
+        base = None
+        if baseline is not None:
+            base = {"ranks": {str(g["rank"]): {"peak_saved_bytes": g["baseline_peak_saved_bytes"]} for g in gathered}}
+        summary = {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": gathered, "baseline": base}
+        out = Path(cfg.train.out_dir)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_loss(records, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
+        print("\n" + summary_table(summary), flush=True)
+        print(f"\nmetrics: {out / 'metrics'}/rank*.jsonl, summary: {out / 'summary.json'}, loss curve: {out / 'loss.png'}", flush=True)
+    trainer.metrics.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
+    """Run the training: in place under torchrun, else spawn pp x dp local processes with torch's launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return train_worker(cfg)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    Path(cfg.train.out_dir).mkdir(parents=True, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.world_size,
+        run_id=f"agoq-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        start_method="spawn",
+        monitor_interval=0.5,
+    )
+    results = elastic_launch(config, train_worker)(cfg)
+    return results.get(0)

@@ -1,0 +1,78 @@
+"""Live and peak bytes of the activations autograd keeps for backward, as the run holds them."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class _Held:
+    """A saved tensor held by the graph; releases its bytes from the tracker when the graph frees it."""
+
+    __slots__ = ("tensor", "key", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, key: int | None, tracker: "SavedActivationTracker") -> None:
+        self.tensor = tensor
+        self.key = key
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.tracker._release(self.key)
+
+
+class SavedActivationTracker:
+    """Context manager counting the bytes held for backward, de-duplicated by storage; keeps the peak.
+
+    A storage saved several times (a tensor and its views) counts once while any saver holds it;
+    parameters are excluded (they are not activation memory). The peak spans every forward and
+    backward run inside the context, e.g. one pipeline schedule step with its in-flight micro-batches.
+    """
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = None
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes held now."""
+        self.peak_bytes = self.live_bytes
+
+    def _pack(self, t: torch.Tensor) -> _Held:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._param_storages or storage.nbytes() == 0:
+            return _Held(t, None, self)
+        if ptr in self._refs:
+            self._refs[ptr] += 1
+        else:
+            self._refs[ptr] = 1
+            self._sizes[ptr] = storage.nbytes()
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return _Held(t, ptr, self)
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def _release(self, ptr: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            self.live_bytes -= self._sizes.pop(ptr)
+
+    def __enter__(self) -> "SavedActivationTracker":
+        self.reset_peak()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+        self._hooks = None

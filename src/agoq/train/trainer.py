@@ -1,0 +1,321 @@
+"""The training loop of one rank: pipeline x data parallel, AGoQ activations and gradients.
+
+Reads top to bottom: set up the process groups and data, build this rank's pipeline stage(s) under
+the activation policy, then for each step run the pipeline schedule, reduce gradients over the
+data-parallel group (8-bit or plain), clip by the global norm, and step AdamW on fp32 masters.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from agoq.activation import ActivationPolicy, make_policy
+from agoq.models import Llama, LlamaConfig
+from agoq.train.config import TrainConfig
+from agoq.train.gradsync import GradientSync, make_gradient_sync
+from agoq.train.metrics import JsonlWriter, Progress, peak_rss_bytes
+from agoq.train.optim import MasterWeightOptimizer, count_bytes, lr_at
+from agoq.train.saved import SavedActivationTracker
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class StageForward(nn.Module):
+    """What a pipeline stage runs: the Llama slice's hidden states (the loss takes the last one)."""
+
+    def __init__(self, model: Llama) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.hidden_states(x)
+
+
+@dataclass
+class RankContext:
+    """Where this process sits in the (pp, dp) layout."""
+
+    rank: int
+    world: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: Any
+    dp_group: Any
+    device: torch.device
+    stages: list[int] = field(default_factory=list)
+
+
+def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -> tuple[int, ...] | None:
+    """Per-layer bit widths: uniform, or stage-aware (DBCA) from the schedule's in-flight counts."""
+    pr, p = cfg.precision, cfg.parallel
+    if pr.activations == "bf16":
+        return None
+    from agoq.quant import parse_format
+
+    base_bits = parse_format(pr.activation_format).bits
+    if pr.stage_bits == "uniform" or p.pp == 1 or parse_format(pr.activation_format).kind != "int":
+        return None
+    from agoq.parallel.dbca import stage_layer_bits
+
+    return tuple(
+        stage_layer_bits(model_cfg, p.schedule, p.pp, p.microbatches, p.virtual_stages, micro_batch, cfg.data.seq_len, make_policy_for(cfg), base_bits)
+    )
+
+
+def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None) -> ActivationPolicy:
+    """The activation policy a config asks for."""
+    pr = cfg.precision
+    overrides = {}
+    if pr.activations != "bf16":
+        for kind in ("norm_input", "act_input", "out_proj_input"):
+            overrides[kind] = pr.activation_format
+        if pr.activations == "uniform4":
+            overrides["attention"] = pr.activation_format
+    policy = make_policy(pr.activations, overrides=overrides, layer_bits=layer_bits, fused_loss=pr.fused_loss)
+    return policy
+
+
+def _setup_distributed(cfg: TrainConfig) -> RankContext:
+    """Join the process group that torchrun (or the local launcher) described in the environment."""
+    from agoq.parallel.pipeline import make_mesh, rank_stages
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        # Share the cores: more threads than cores per process only thrashes.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if world != cfg.world_size:
+        raise RuntimeError(
+            f"the launcher started {world} processes but parallel.pp x parallel.dp = {cfg.world_size}; "
+            f"launch with --nproc-per-node x nodes = {cfg.world_size} or change the config"
+        )
+    mesh = make_mesh(world, cfg.parallel.pp, device.type)
+    pp_rank = mesh["pp"].get_local_rank()
+    dp_rank = mesh["dp"].get_local_rank()
+    return RankContext(
+        rank=dist.get_rank(),
+        world=world,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        pp_group=mesh["pp"].get_group(),
+        dp_group=mesh["dp"].get_group(),
+        device=device,
+        stages=rank_stages(cfg.parallel.schedule, pp_rank, cfg.parallel.pp, cfg.parallel.virtual_stages),
+    )
+
+
+def _prepare_data(cfg: TrainConfig, ctx: RankContext):
+    """Tokenizer and packed tokens; rank 0 builds the cache, the others then read it."""
+    from agoq.train.data import prepare_data
+
+    d = cfg.data
+
+    def build():
+        return prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+
+    if ctx.rank == 0:
+        data = build()
+        dist.barrier()
+    else:
+        dist.barrier()
+        data = build()
+    return data
+
+
+class Trainer:
+    """One rank's share of a training run."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from agoq.parallel.pipeline import build_schedule, build_stages, split_layers
+        from agoq.train.data import TrainSampler, validation_batches
+
+        self.cfg = cfg
+        self.ctx = ctx = _setup_distributed(cfg)
+        torch.manual_seed(cfg.train.seed)
+        self.data = _prepare_data(cfg, ctx)
+        p = cfg.parallel
+        overrides = dict(cfg.model.overrides)
+        overrides["vocab_size"] = self.data.tokenizer.vocab_size
+        cfg.model.overrides = overrides
+        self.model_cfg = cfg.model_config()
+        self.local_batch = cfg.data.batch_size // p.dp
+        self.micro_batch = self.local_batch // p.microbatches
+        self.layer_bits = layer_bits_for(cfg, self.model_cfg, self.micro_batch)
+        self.policy = make_policy_for(cfg, self.layer_bits)
+        dtype = DTYPES[cfg.precision.compute_dtype]
+        ranges = split_layers(self.model_cfg.n_layers, p.pp, p.virtual_stages)
+        num_stages = p.pp * p.virtual_stages
+        self.modules = []
+        for s in ctx.stages:
+            m = Llama(self.model_cfg, self.policy, layers=ranges[s], embed=s == 0, head=s == num_stages - 1)
+            m.reset_parameters(cfg.train.seed)
+            self.modules.append(m.to(device=ctx.device, dtype=dtype))
+        self.last = self.modules[-1] if ctx.stages[-1] == num_stages - 1 else None
+        self.params = [(n, prm) for m in self.modules for n, prm in m.named_parameters()]
+        self.pipelined = p.pp > 1
+        if self.pipelined:
+            self.stages = build_stages([StageForward(m) for m in self.modules], ctx.stages, num_stages, group=ctx.pp_group, device=ctx.device)
+            # Every rank passes the loss: torch enables the backward passes only where one is given.
+            self.schedule = build_schedule(p.schedule, self.stages, p.microbatches, self._stage_loss)
+        self.sync: GradientSync = make_gradient_sync(cfg, self.params, ctx.dp_group, ctx.device)
+        self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
+        self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
+        self.val = validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
+        self.tracker = SavedActivationTracker([prm for _, prm in self.params])
+        self.out_dir = Path(cfg.train.out_dir)
+        self.metrics = JsonlWriter(self.out_dir / "metrics" / f"rank{ctx.rank}.jsonl")
+        self.step = 0
+
+    # ---------------------------------------------------------------------------- one step
+
+    def _stage_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch loss, computed by the last stage (fused chunked path under agoq)."""
+        if self.last is None:
+            raise RuntimeError("the loss runs on the last pipeline stage only")
+        return self.last.loss(hidden, targets)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Run every micro-batch forward and backward; the mean loss on the last stage, else None."""
+        p = self.cfg.parallel
+        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        if self.pipelined:
+            losses: list[torch.Tensor] = []
+            first = 0 in self.ctx.stages
+            args = (inputs,) if first else ()
+            self.schedule.step(*args, target=targets if self.last is not None else None, losses=losses)
+            return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
+        total = 0.0
+        model = self.modules[0]
+        for x, y in zip(inputs.chunk(p.microbatches), targets.chunk(p.microbatches)):
+            loss = model(x, y)
+            (loss / p.microbatches).backward()
+            total += float(loss.detach()) / p.microbatches
+        return total
+
+    def _global_loss(self, loss: float | None) -> float:
+        """The step's loss, known on every rank (it lives on the last pipeline stage)."""
+        t = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], device=self.ctx.device, dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0] / t[1])
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over one global batch."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        inputs, targets = self.sampler.next_batch()
+        self.sync.start_step()
+        with self.tracker:
+            local_loss = self.forward_backward(inputs, targets)
+        reduced = self.sync.reduce()
+        grad_sq = self.sync.local_grad_sq_norm()
+        # Global norm over every pp and dp rank: dp replicas hold identical reduced gradients, so
+        # sum over pp only, after dividing the dp duplicates out of a world all-reduce.
+        norm_t = torch.tensor([grad_sq / cfg.parallel.dp], device=self.ctx.device, dtype=torch.float64)
+        dist.all_reduce(norm_t)
+        grad_norm = math.sqrt(norm_t.item()) if math.isfinite(norm_t.item()) else float("nan")
+        skipped = not (reduced and math.isfinite(grad_norm))
+        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        if not skipped:
+            clip = cfg.optim.grad_clip
+            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            self.optimizer.set_lr(lr)
+            for i, grad in self.sync.gradients():
+                self.optimizer.set_grad(i, grad * coef if coef != 1.0 else grad)
+            self.optimizer.step()
+        self.sync.finish_step()
+        loss = self._global_loss(local_loss)
+        dt = time.perf_counter() - t0
+        self.step += 1
+        tokens = cfg.data.batch_size * cfg.data.seq_len
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "step_time_s": dt,
+            "tokens_per_s": tokens / dt,
+            "peak_saved_bytes": self.tracker.peak_bytes,
+            "wire_bytes": self.sync.wire_bytes_last_step,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed validation batches (every rank gets it)."""
+        for m in self.modules:
+            m.eval()
+        losses = []
+        for x, y in self.val:
+            if self.pipelined:
+                out: list[torch.Tensor] = []
+                args = (x.to(self.ctx.device),) if 0 in self.ctx.stages else ()
+                self.schedule.eval(*args, target=y.to(self.ctx.device) if self.last is not None else None, losses=out)
+                local = float(torch.stack([l.float() for l in out]).mean()) if out else None
+            else:
+                local = float(self.modules[0](x.to(self.ctx.device), y.to(self.ctx.device)))
+            losses.append(self._global_loss(local))
+        for m in self.modules:
+            m.train()
+        return sum(losses) / len(losses)
+
+    # ---------------------------------------------------------------------------- state
+
+    def stage_layer_bits(self) -> list[int] | str:
+        """Bit width of each of this rank's layers (16 = kept bf16), or the policy name if uniform."""
+        if self.policy.name == "bf16":
+            return "bf16"
+        layers = [i for m in self.modules for i in m.layer_range]
+        if self.layer_bits is None:
+            from agoq.quant import parse_format
+
+            return [parse_format(self.cfg.precision.activation_format).bits] * len(layers)
+        return [self.layer_bits[i] for i in layers]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds for this rank: model weights (global names) and optimizer state."""
+        return {"model": _NamedParams(self.params), "optimizer": self.optimizer}
+
+    def extra_state(self) -> dict[str, Any]:
+        """Step, data position and RNG of this rank."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "rng": torch.get_rng_state()}
+
+    def load_extra(self, step: int, extra: dict[str, Any]) -> None:
+        """Continue from a checkpoint's step, data position and RNG."""
+        self.step = int(step)
+        self.sampler.load_state_dict(extra["sampler"])
+        if "rng" in extra:
+            torch.set_rng_state(extra["rng"])
+
+
+class _NamedParams(nn.Module):
+    """The parameters of this rank's stages under their global names (a checkpointable module)."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        self._named = params
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {n: p.detach() for n, p in self._named}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        for n, p in self._named:
+            p.copy_(state[n])
