@@ -313,3 +313,24 @@ def test_nonfinite_activation_reaches_the_gradient_as_nan() -> None:
         x[0, 1, 5] = float("nan")
     (gw,) = torch.autograd.grad(saved_input_linear(x, w, parse_format("int4/128")).sum(), [w])
     assert bool(torch.isnan(gw).any())
+
+
+def test_quantized_attention_passes_what_it_keeps_through_outer_hooks() -> None:
+    """An outer saved-tensor hook (a meter, an offloader) sees the payloads and scales, and gradients are unchanged."""
+    fmt = parse_format("int4/128")
+    q, k, v = (_rand(1, h, 12, 16, dtype=torch.float32, seed=h) for h in (2, 1, 1))
+    g = torch.randn(1, 2, 12, 16, generator=torch.Generator().manual_seed(3))
+    plain = _grads(causal_attention(q, k, v, fmt), [q, k, v], g)
+    seen: list[torch.dtype] = []
+
+    def pack(t: torch.Tensor) -> tuple:
+        seen.append(t.dtype)
+        return ("wrapped", t.clone())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box[1]):
+        out = causal_attention(q, k, v, fmt)
+    wrapped = _grads(out, [q, k, v], g)
+    # q, k, v, output: a uint8 payload and fp32 scales each; the fp32 log-sum-exp as is.
+    assert sorted(map(str, seen)) == sorted(["torch.uint8"] * 4 + ["torch.float32"] * 5)
+    for a, b in zip(wrapped, plain):
+        assert torch.equal(a, b)

@@ -1,7 +1,7 @@
 """LAAQ: layer-aware quantization of the activations kept for backward (METHOD.md part 1)."""
 
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
-from agoq.activation.meter import METER_KINDS, SavedBytesMeter, meter_scope, note_saved
+from agoq.activation.meter import METER_KINDS, SavedBytesMeter, meter_scope
 from agoq.activation.ops import (
     causal_attention,
     kept_by_attention,
@@ -26,7 +26,6 @@ __all__ = [
     "layer_saved_bytes",
     "make_policy",
     "meter_scope",
-    "note_saved",
     "rms_norm",
     "rms_norm_linear",
     "rotary_embedding",

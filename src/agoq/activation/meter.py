@@ -2,8 +2,8 @@
 
 :class:`SavedBytesMeter` installs ``saved_tensors_hooks`` for the duration of a forward pass and
 sees every tensor autograd saves (plain saved tensors and the payloads and scales the fused LAAQ
-ops save). Our own quantizing hooks (the attention core under a quantized policy) replace the
-meter's hook while they are active, so they report what they keep through :func:`note_saved`.
+ops save). The attention core's quantizing hooks (a quantized policy) pass what they keep through
+the hooks that were active outside them, so the meter sees those payloads too.
 
 What is counted is what is really held: the whole storage behind a saved tensor (a view keeps its
 whole storage alive), once per storage however many times and through however many views it is
@@ -14,7 +14,7 @@ no single layer and is reported as ``shared``.
 Attribution: :func:`meter_scope` marks a region with a layer index and/or a kind; the ops of
 :mod:`agoq.activation.ops` set the kind themselves, and the meter can set the layer index through
 module hooks (``SavedBytesMeter(model, layers={i: layer})``) so the model needs no change. With no
-meter active, :func:`meter_scope` and :func:`note_saved` cost one list check.
+meter active, :func:`meter_scope` costs one list check.
 """
 
 from __future__ import annotations
@@ -78,12 +78,6 @@ def meter_scope(layer: int | None = None, kind: str | None = None) -> contextlib
     if kind is not None and kind not in METER_KINDS:
         raise ValueError(f"unknown saved-tensor kind {kind!r}; use one of {', '.join(METER_KINDS)}")
     return _push_scope(layer, kind)
-
-
-def note_saved(t: torch.Tensor) -> None:
-    """Report a tensor kept for backward outside autograd's own saving (e.g. by a quantizing hook)."""
-    for meter in _active:
-        meter._record(t)
 
 
 class SavedBytesMeter:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from agoq.activation.meter import meter_scope, note_saved
+from agoq.activation.meter import meter_scope
 from agoq.quant import QTensor, QuantFormat, dequantize, quantize
 
 # Set on an attention output whose storage the attention core itself keeps unquantized for
@@ -229,22 +229,35 @@ def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat |
 # ---- attention core ------------------------------------------------------------------------------
 
 
+def _outer_hooks() -> tuple[Any, Any] | None:
+    """The saved-tensor hooks active outside ours (a meter, an offloader), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 def _attention_hooks(fmt: QuantFormat, ndim: int) -> torch.autograd.graph.saved_tensors_hooks:
-    """Hooks that store every floating [batch, heads, seq, head_dim] tensor attention saves as fmt."""
+    """Hooks that store every floating [batch, heads, seq, head_dim] tensor attention saves as fmt.
+
+    Hooks do not nest in autograd (the innermost pair replaces the others), so whatever hooks were
+    active outside are applied to what these keep (payloads, scales, statistics): a meter counts
+    them and an offloading hook moves them.
+    """
+    outer = _outer_hooks()
+    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
     def pack(t: torch.Tensor) -> Any:
         # Softmax statistics (fp32, one per query row) and RNG state stay exact: quantizing the
         # log-sum-exp would scale whole probability rows.
         if not t.is_floating_point() or t.dim() != ndim:
-            note_saved(t)
-            return t
+            return (outer_pack(t),)
         q = _quantize_saved(t, fmt)
-        note_saved(q.payload)
-        note_saved(q.scales)
-        return q
+        return (outer_pack(q.payload), outer_pack(q.scales), q.shape, q.dtype, q.fmt)
 
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.dequantize() if isinstance(saved, QTensor) else saved
+    def unpack(saved: tuple) -> torch.Tensor:
+        if len(saved) == 1:
+            return outer_unpack(saved[0])
+        payload, scales, shape, dtype, qfmt = saved
+        return dequantize(QTensor(outer_unpack(payload), outer_unpack(scales), shape, dtype, qfmt))
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
