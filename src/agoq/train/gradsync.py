@@ -14,12 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import TrainConfig
-
-
-def ring_allreduce_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of nbytes over world ranks: 2 (W-1)/W nbytes."""
-    return 0 if world <= 1 else 2 * (world - 1) * nbytes // world
 
 
 class GradientSync:
@@ -95,7 +91,7 @@ class PlainGradientSync(GradientSync):
                 dist.all_reduce(low, group=self.group)
                 self.buffer.copy_(low)
             self.buffer.div_(self.world)
-        self.wire_bytes_last_step = ring_allreduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
+        self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
         return True
 
     def local_grad_sq_norm(self) -> float:
@@ -108,17 +104,52 @@ class PlainGradientSync(GradientSync):
         self.buffer.zero_()
 
     def fp32_wire_bytes(self) -> int:
-        return ring_allreduce_bytes(self.buffer.numel() * 4, self.world)
+        return ring_all_reduce_bytes(self.buffer.numel() * 4, self.world)
 
     def buffer_bytes(self) -> int:
         return self.buffer.numel() * 4
+
+
+class QuantizedGradientSync(GradientSync):
+    """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, microbatches: int, block: int) -> None:
+        from agoq.gradient.buffer import QuantGradBuffer
+
+        self.counter = CommCounter()
+        self.index = {name: i for i, (name, _) in enumerate(params)}
+        self.buffer = QuantGradBuffer(params, fmt=f"int8/{block}", group=group, op="avg", microbatches=microbatches, counter=self.counter)
+        self.world = self.buffer.world_size
+
+    def start_step(self) -> None:
+        self.counter.reset()
+        self.buffer.zero_grad()
+
+    def reduce(self) -> bool:
+        ok = self.buffer.finish()
+        self.wire_bytes_last_step = self.counter.bytes()
+        return ok
+
+    def local_grad_sq_norm(self) -> float:
+        return self.buffer.grad_norm() ** 2
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for name, _, grad in self.buffer.grads():
+            yield self.index[name], grad
+
+    def finish_step(self) -> None:
+        self.buffer.zero_grad()
+
+    def fp32_wire_bytes(self) -> int:
+        return ring_all_reduce_bytes(self.buffer.numel * 4, self.world)
+
+    def buffer_bytes(self) -> int:
+        return self.buffer.storage_bytes
 
 
 def make_gradient_sync(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device) -> GradientSync:
     """The gradient path the config asks for."""
     mode = cfg.precision.gradients
     if mode == "int8":
-        from agoq.train.gradsync_quantized import QuantizedGradientSync
-
-        return QuantizedGradientSync(params, group, device, cfg.precision.gradient_block)
+        return QuantizedGradientSync(params, group, cfg.parallel.microbatches, cfg.precision.gradient_block)
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

@@ -27,6 +27,7 @@ from agoq.train.optim import MasterWeightOptimizer, count_bytes, lr_at
 from agoq.train.saved import SavedActivationTracker
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+STEP_GROUP_BYTES = 25 * 2**20  # fp32 gradient bytes handed to the optimizer per partial step
 
 
 class StageForward(nn.Module):
@@ -174,7 +175,10 @@ class Trainer:
         if self.pipelined:
             self.stages = build_stages([StageForward(m) for m in self.modules], ctx.stages, num_stages, group=ctx.pp_group, device=ctx.device)
             # Every rank passes the loss: torch enables the backward passes only where one is given.
-            self.schedule = build_schedule(p.schedule, self.stages, p.microbatches, self._stage_loss)
+            # Gradients leave p.grad as soon as they accumulate (into the fp32 or 8-bit buffer), so
+            # torch's post-step division by the micro-batch count would find nothing: the loss is
+            # divided instead, and the recorded losses are summed back.
+            self.schedule = build_schedule(p.schedule, self.stages, p.microbatches, self._stage_loss, scale_grads=False)
         self.sync: GradientSync = make_gradient_sync(cfg, self.params, ctx.dp_group, ctx.device)
         self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
@@ -190,7 +194,7 @@ class Trainer:
         """The micro-batch loss, computed by the last stage (fused chunked path under agoq)."""
         if self.last is None:
             raise RuntimeError("the loss runs on the last pipeline stage only")
-        return self.last.loss(hidden, targets)
+        return self.last.loss(hidden, targets) / self.cfg.parallel.microbatches
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Run every micro-batch forward and backward; the mean loss on the last stage, else None."""
@@ -201,7 +205,7 @@ class Trainer:
             first = 0 in self.ctx.stages
             args = (inputs,) if first else ()
             self.schedule.step(*args, target=targets if self.last is not None else None, losses=losses)
-            return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
+            return float(torch.stack([l.detach().float() for l in losses]).sum()) if losses else None
         total = 0.0
         model = self.modules[0]
         for x, y in zip(inputs.chunk(p.microbatches), targets.chunk(p.microbatches)):
@@ -237,9 +241,16 @@ class Trainer:
             clip = cfg.optim.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             self.optimizer.set_lr(lr)
+            # Step in groups of about one bucket, so fp32 gradients never all exist at once.
+            pending = 0
             for i, grad in self.sync.gradients():
                 self.optimizer.set_grad(i, grad * coef if coef != 1.0 else grad)
-            self.optimizer.step()
+                pending += grad.numel() * 4
+                if pending >= STEP_GROUP_BYTES:
+                    self.optimizer.step()
+                    pending = 0
+            if pending:
+                self.optimizer.step()
         self.sync.finish_step()
         loss = self._global_loss(local_loss)
         dt = time.perf_counter() - t0
@@ -268,7 +279,7 @@ class Trainer:
                 out: list[torch.Tensor] = []
                 args = (x.to(self.ctx.device),) if 0 in self.ctx.stages else ()
                 self.schedule.eval(*args, target=y.to(self.ctx.device) if self.last is not None else None, losses=out)
-                local = float(torch.stack([l.float() for l in out]).mean()) if out else None
+                local = float(torch.stack([l.float() for l in out]).sum()) if out else None
             else:
                 local = float(self.modules[0](x.to(self.ctx.device), y.to(self.ctx.device)))
             losses.append(self._global_loss(local))
