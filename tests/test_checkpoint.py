@@ -95,6 +95,19 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
     assert _same(a.params(), b.params()) and _same(a.moments(), b.moments())
 
 
+def test_saving_before_the_first_step_does_not_touch_the_optimizer(tmp_path):
+    torch.manual_seed(1)
+    a = _Run(seed=0)
+    save_checkpoint(tmp_path, 0, a.model, a.opt, {"rng": capture_rng_state()})
+    assert not a.opt.state  # torch's helper would have made a zero step (AdamW step count 1)
+    losses = [a.step() for _ in range(2)]
+    b = _Run(seed=5)
+    _, extra = load_checkpoint(tmp_path, b.model, b.opt)
+    assert not b.opt.state
+    restore_rng_state(extra["rng"])
+    assert [b.step() for _ in range(2)] == losses and _same(a.moments(), b.moments())
+
+
 def test_pipeline_chunks_of_one_rank_load_by_global_name(tmp_path):
     full = _Run(seed=0)
     full.step()

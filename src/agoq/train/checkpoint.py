@@ -140,14 +140,18 @@ def save_checkpoint(
     rank, world = _rank_world(process_group)
     name = step_dir_name(step)
     tmp, final = root / f"{name}.tmp", root / name
-    parts = _Parts(model, optimizer)
 
-    blob, error = None, None
+    # Every problem found on one rank is agreed on before the first collective write, or the
+    # other ranks would wait in it forever.
+    parts, blob, error = None, None, None
     try:
+        parts = _Parts(model, optimizer)
         buf = io.BytesIO()
         torch.save(extra, buf)
         blob = buf.getvalue()
-    except Exception as e:  # agree before any collective write, or the other ranks would hang
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:
         error = f"extra state of rank {rank} cannot be pickled ({type(e).__name__}: {e}); keep only tensors and plain values in it"
     if rank == 0 and error is None:
         try:
@@ -158,10 +162,14 @@ def save_checkpoint(
         except OSError as e:
             error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
     _agree(error, process_group)
+    assert parts is not None  # _agree raised otherwise
 
-    msd, osd = parts.state_dicts()
+    # A torch optimizer that has not stepped yet has no state; torch's state_dict helper would
+    # create it with a zero-gradient step, which advances AdamW's step count and changes the run.
+    stepped = parts.optim_kind != "torch" or bool(optimizer.state)
+    msd, osd = parts.state_dicts(optimizer_state=stepped)
     state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): blob}}
-    if optimizer is not None:
+    if optimizer is not None and stepped:
         state["optim"] = osd
     try:
         with _quiet_single_process():
@@ -174,7 +182,7 @@ def save_checkpoint(
             "fix the cause (disk space, permissions) and save again"
         ) from None
 
-    ranks = _gather(_rank_summary(rank, msd), process_group)
+    ranks = _gather({**_rank_summary(rank, msd), "optimizer_state": optimizer is not None and stepped}, process_group)
     error = None
     if rank == 0:
         try:
@@ -204,9 +212,9 @@ def load_checkpoint(
     ``optimizer=None`` only the model is loaded. Gradients of a torch optimizer are cleared.
     """
     rank, world = _rank_world(process_group)
-    parts = _Parts(model, optimizer)
-    step_dir, manifest, metadata, error = None, None, None, None
+    parts, step_dir, manifest, metadata, error = None, None, None, None, None
     try:
+        parts = _Parts(model, optimizer)
         step_dir = _resolve(Path(root_or_step_dir))
         manifest = _read_manifest(step_dir)
         _check_files(step_dir, manifest)
@@ -214,13 +222,15 @@ def load_checkpoint(
     except CheckpointError as e:
         error = str(e)
     _agree(error, process_group)
-    assert step_dir is not None and manifest is not None and metadata is not None  # _agree raised otherwise
+    assert parts is not None and step_dir is not None and manifest is not None and metadata is not None
 
-    if parts.optim_kind == "torch":
+    # Saved before the optimizer's first step: the fresh optimizer already equals the saved one.
+    stepped = manifest["ranks"][rank].get("optimizer_state", True) if rank < len(manifest["ranks"]) else True
+    if parts.optim_kind == "torch" and stepped:
         # torch fills a fresh optimizer's state with a zero-gradient step only if no gradient is set;
         # otherwise its state dict would be empty and the saved moments silently skipped.
         optimizer.zero_grad(set_to_none=True)
-    msd, osd = parts.state_dicts()
+    msd, osd = parts.state_dicts(optimizer_state=stepped)
     try:
         _check_job(step_dir, manifest, rank, world, parts, msd, layout)
         _check_keys(step_dir, manifest, metadata, parts, msd, osd)
@@ -233,7 +243,7 @@ def load_checkpoint(
     _agree(error, process_group)
 
     state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): b""}}
-    if optimizer is not None:
+    if optimizer is not None and stepped:
         state["optim"] = osd
     try:
         with _quiet_single_process():
@@ -245,7 +255,7 @@ def load_checkpoint(
             f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: "
             "delete that folder and load an earlier checkpoint"
         ) from None
-    parts.load(msd, osd)
+    parts.load(msd, osd if stepped else None)
     extra = torch.load(io.BytesIO(state["extra"][_extra_key(rank)]), weights_only=False)
     return int(manifest["step"]), extra
 
@@ -364,28 +374,30 @@ class _Parts:
                 "an object with both methods, or None"
             )
 
-    def state_dicts(self) -> tuple[dict, dict]:
+    def state_dicts(self, optimizer_state: bool = True) -> tuple[dict, dict]:
         """(model state, optimizer state) as the tensors to save into or load into."""
         if self.native_model:
             msd = get_model_state_dict(self.module, options=_OPTIONS)
         else:
             msd = dict(self.module.state_dict())
+        if not optimizer_state:
+            return msd, {}
         if self.optim_kind == "torch":
             return msd, get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIONS)
         if self.optim_kind == "stateful":
             return msd, self.optimizer.state_dict()
         return msd, {}
 
-    def load(self, msd: dict, osd: dict) -> None:
-        """Hand loaded state back to the model and optimizer."""
-        if self.optim_kind == "torch":
+    def load(self, msd: dict, osd: dict | None) -> None:
+        """Hand loaded state back to the model and (unless osd is None) the optimizer."""
+        if self.optim_kind == "torch" and osd is not None:
             set_state_dict(self.module, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=_OPTIONS)
             return
         if self.native_model:
             set_model_state_dict(self.module, msd, options=_OPTIONS)
         else:
             self.module.load_state_dict(msd)
-        if self.optim_kind == "stateful":
+        if self.optim_kind == "stateful" and osd is not None:
             self.optimizer.load_state_dict(osd)
 
     def model_config(self) -> dict | None:
