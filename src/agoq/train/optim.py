@@ -119,7 +119,17 @@ class MasterWeightOptimizer:
                 m.copy_(master)
                 p.copy_(m)
             if entry:
-                self.optimizer.state[m] = {k: v.clone() for k, v in entry.items()}
+                self.optimizer.state[m] = {k: self._restore(m, k, v) for k, v in entry.items()}
+
+    def _restore(self, master: torch.Tensor, key: str, saved: torch.Tensor) -> torch.Tensor:
+        """A state tensor in the optimizer's own storage: 8-bit AdamW moments come back 8-bit."""
+        new_buffer = getattr(self.optimizer, "_new_buffer", None)
+        if new_buffer is not None and key in ("exp_avg", "exp_avg_sq"):
+            # A checkpoint may hand back the moments dequantized; requantize into torchao's state.
+            buf = new_buffer(master, signed=key == "exp_avg")
+            buf.copy_(saved.to(master.device) if type(saved) is torch.Tensor else saved)
+            return buf
+        return saved.clone()
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -56,7 +56,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
     if cfg.checkpoint.every or cfg.checkpoint.resume:
         from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     if cfg.checkpoint.resume and latest_checkpoint(ckpt_root) is not None:
-        step, extra = load_checkpoint(ckpt_root, state["model"], state["optimizer"])
+        step, extra = load_checkpoint(ckpt_root, state["model"], state["optimizer"], layout=trainer.layout())
         trainer.load_extra(step, extra)
     baseline = _measure_baseline(trainer) if cfg.train.baseline and cfg.precision.activations != "bf16" else None
     progress = Progress(cfg.train.steps, initial=trainer.step, enabled=ctx.rank == 0)
@@ -72,7 +72,10 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
         records.append(rec)
         progress.update(trainer.step, rec["loss"], rec["tokens_per_s"])
         if cfg.checkpoint.every and (trainer.step % cfg.checkpoint.every == 0 or last):
-            save_checkpoint(ckpt_root, trainer.step, state["model"], state["optimizer"], trainer.extra_state(), keep=cfg.checkpoint.keep)
+            save_checkpoint(
+                ckpt_root, trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
+                keep=cfg.checkpoint.keep, layout=trainer.layout(), config=cfg.to_dict(),
+            )
     progress.close()
     mine = {
         "rank": ctx.rank,
@@ -129,6 +132,15 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     Path(cfg.train.out_dir).mkdir(parents=True, exist_ok=True)
+    # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,
+    # and the workers only read the cache.
+    from agoq.train.data import prepare_data
+
+    d = cfg.data
+    prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+    # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted gloo
+    # workers the dead round's addresses ("Connection refused"); a fresh store per round avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

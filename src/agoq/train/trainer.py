@@ -302,26 +302,36 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds for this rank: model weights (global names) and optimizer state."""
-        return {"model": _NamedParams(self.params), "optimizer": self.optimizer}
+        return {"model": _NamedParams(self.params, self.model_cfg), "optimizer": self.optimizer}
+
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout a checkpoint must be loaded into."""
+        p = self.cfg.parallel
+        return {"pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "schedule": p.schedule}
 
     def extra_state(self) -> dict[str, Any]:
         """Step, data position and RNG of this rank."""
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "rng": torch.get_rng_state()}
+        from agoq.train.checkpoint import capture_rng_state
+
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "rng": capture_rng_state()}
 
     def load_extra(self, step: int, extra: dict[str, Any]) -> None:
         """Continue from a checkpoint's step, data position and RNG."""
         self.step = int(step)
         self.sampler.load_state_dict(extra["sampler"])
         if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
+            from agoq.train.checkpoint import restore_rng_state
+
+            restore_rng_state(extra["rng"])
 
 
 class _NamedParams(nn.Module):
     """The parameters of this rank's stages under their global names (a checkpointable module)."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], cfg: LlamaConfig) -> None:
         super().__init__()
         self._named = params
+        self.cfg = cfg
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return {n: p.detach() for n, p in self._named}
