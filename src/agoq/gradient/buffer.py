@@ -115,6 +115,10 @@ class QuantGradBuffer:
         self.names, self.params = _named(params)
         if not self.params:
             raise ValueError("QuantGradBuffer got no parameters that require grad")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; build one buffer per device")
+        self.device = devices.pop()
         if bucket_numel is not None and bucket_bytes is not None:
             raise ValueError("give bucket_numel or bucket_bytes, not both")
         if bucket_numel is None:
@@ -150,13 +154,13 @@ class QuantGradBuffer:
                 remaining -= take
                 poff += take
         buckets = []
-        zero = quantize(torch.zeros(block), self.fmt).payload[:1]
+        zero = quantize(torch.zeros(block, device=self.device), self.fmt).payload[:1]
         for b, segs in enumerate(per_bucket):
             used = max((s.offset + _round_up(s.numel, block) for s in segs), default=block)
             layout = chunk_layout(_round_up(used, self.world_size * block), self.world_size, self.fmt)
             n = layout.world_size * layout.padded_chunk
             payload = zero.expand(self.fmt.payload_bytes(n)).clone()
-            scales = torch.zeros(self.fmt.num_blocks(n), dtype=torch.float32)
+            scales = torch.zeros(self.fmt.num_blocks(n), dtype=torch.float32, device=self.device)
             buckets.append(_Bucket(b, layout, payload, scales, segs))
         return buckets, segments
 
@@ -207,7 +211,7 @@ class QuantGradBuffer:
             b.shard = None
         self._folds = [0] * len(self.params)
         self._next = 0
-        self._bad: int | None = None
+        self._bad_mask = torch.zeros(len(self.params), dtype=torch.bool, device=self.device)
         self._finished = False
         self._ok = True
 
@@ -230,6 +234,11 @@ class QuantGradBuffer:
                 f"parameter {self.names[pi]!r} received gradient {self._folds[pi] + 1} of a step configured "
                 f"for microbatches={self.microbatches}; call finish() and zero_grad() between steps, or "
                 "pass the right count to zero_grad(microbatches=...)"
+            )
+        if any(self.buckets[seg.bucket].state != "open" for seg in self.segments[pi]):
+            raise RuntimeError(
+                f"parameter {self.names[pi]!r} received a gradient after its bucket was reduced "
+                "(finish() ran or the bucket's collective started); call zero_grad() before the next step"
             )
         flat = grad.detach().reshape(-1)
         piece = max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
@@ -259,19 +268,18 @@ class QuantGradBuffer:
             x = g
         elif first:
             # The padding of a parameter's last block must hold the code of zero.
-            x = torch.zeros(n, dtype=torch.float32)
+            x = torch.zeros(n, dtype=torch.float32, device=self.device)
             x[:k] = g
         else:
             x = dequantize(QTensor(pay, sc, torch.Size([n]), torch.float32, self.fmt))
             x[:k] += g
         self._piece_peak = max(self._piece_peak, 4 * n if x is not g else 0)
         q = quantize(x, self.fmt, nonfinite="propagate")
+        # A NaN scale marks a block that held NaN/Inf. Keep it off the wire (finish() makes every
+        # rank skip this step) and remember the parameter, without a host sync per fold.
         bad = torch.isnan(q.scales)
-        if bool(bad.any()):
-            # Keep NaN off the wire; finish() makes every rank skip this step.
-            q.scales[bad] = 0.0
-            if self._bad is None:
-                self._bad = pi
+        q.scales.masked_fill_(bad, 0.0)
+        self._bad_mask[pi] |= bad.any()
         pay.copy_(q.payload)
         sc.copy_(q.scales)
 
@@ -350,7 +358,9 @@ class QuantGradBuffer:
             self._progress(bucket)
         for bucket in self.buckets:
             self._complete(bucket)
-        flags = agree_nonfinite(self._bad, self.group, counter=self.counter)
+        bad_params = self._bad_mask.nonzero()
+        first_bad = int(bad_params[0]) if bad_params.numel() else None
+        flags = agree_nonfinite(first_bad, self.group, device=self.device, counter=self.counter)
         self._finished = True
         bad = [(r, i) for r, i in enumerate(flags) if i is not None]
         if bad:
@@ -381,7 +391,7 @@ class QuantGradBuffer:
         self._check_readable()
         pi = self._index(param)
         p = self.params[pi]
-        out = torch.empty(p.numel(), dtype=dtype)
+        out = torch.empty(p.numel(), dtype=dtype, device=self.device)
         block = self.fmt.block_size
         for seg in self.segments[pi]:
             bucket = self.buckets[seg.bucket]
@@ -407,7 +417,7 @@ class QuantGradBuffer:
     def grad_norm(self) -> float:
         """L2 norm of the stored gradients, computed one bucket at a time (padding holds zeros)."""
         self._check_readable()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in self.buckets:
             n = b.layout.world_size * b.layout.padded_chunk
             vals = dequantize(QTensor(b.payload, b.scales, torch.Size([n]), torch.float32, self.fmt))

@@ -234,7 +234,7 @@ class EightBitReduction:
         if w == 1:
             self._gathered = send
             return
-        flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8)
+        flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
         self._gathered = flat.view(w, layout.row_bytes)
         with _timed(self.timings, "all_gather"):
             self._gather_work = dist.all_gather_single(flat, send.reshape(-1), group=self.group, async_op=True)
@@ -401,7 +401,7 @@ def ring_all_reduce_8bit(
     world_size, rank = world_of(group)
     n = tensor.numel()
     flat = tensor.detach().reshape(-1).float()
-    amax = flat.abs().amax().reshape(1) if n else torch.zeros(1)
+    amax = flat.abs().amax().reshape(1) if n else torch.zeros(1, device=flat.device)
     if world_size > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     counter.record("ring_all_reduce_8bit", 0, ring_all_reduce_bytes(4, world_size))
@@ -421,14 +421,14 @@ def ring_all_reduce_8bit(
     # chunk (rank - h - 1); every received partial is dequantized, added to the local chunk in
     # fp32 and re-rounded to 8 bits before it travels on.
     partial = _round_shared(chunks[rank], scale, kind)
-    recv = torch.empty(c, dtype=torch.uint8)
+    recv = torch.empty(c, dtype=torch.uint8, device=flat.device)
     for h in range(world_size - 1):
         _ring_hop(partial, recv, nxt, prv, group)
         counter.record("ring_all_reduce_8bit", c, 0, calls=0)
         idx = (rank - h - 1) % world_size
         partial = _round_shared(_decode_shared(recv, scale, kind) + chunks[idx], scale, kind)
     # Rank r now holds chunk (r + 1) mod W fully reduced; the all-gather ring only moves codes.
-    out = torch.empty(world_size, c, dtype=torch.uint8)
+    out = torch.empty(world_size, c, dtype=torch.uint8, device=flat.device)
     own = (rank + 1) % world_size
     out[own] = partial
     for h in range(world_size - 1):
@@ -450,10 +450,19 @@ def _ring_hop(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group:
         work.wait()
 
 
-def agree_nonfinite(local_index: int | None, group: Group = None, *, counter: CommCounter | None = None) -> list[int | None]:
-    """Every rank's first non-finite item index (None where all finite), from one small all-reduce."""
+def agree_nonfinite(
+    local_index: int | None,
+    group: Group = None,
+    *,
+    device: torch.device | str = "cpu",
+    counter: CommCounter | None = None,
+) -> list[int | None]:
+    """Every rank's first non-finite item index (None where all finite), from one small all-reduce.
+
+    ``device`` must be one the group's backend accepts (CUDA for NCCL).
+    """
     world_size, rank = world_of(group)
-    flags = torch.zeros(world_size, dtype=torch.int64)
+    flags = torch.zeros(world_size, dtype=torch.int64, device=device)
     flags[rank] = 0 if local_index is None else local_index + 1
     if world_size > 1:
         (COMM_COUNTER if counter is None else counter).record("nonfinite_flags", ring_all_reduce_bytes(8 * world_size, world_size))

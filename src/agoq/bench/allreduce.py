@@ -1,0 +1,454 @@
+"""8-bit all-reduce against fp32 and bf16 all-reduce: bytes on the wire and time (paper Table 4).
+
+Two settings, side by side in one run:
+
+- ``local``: W gloo ranks on this machine over loopback. Per message size: time of torch's fp32
+  and bf16 all-reduce, of the 8-bit all-reduce, and of its phases run one after another
+  (quantize, all-to-all, reduce = dequantize + fp32 sum + re-quantize, all-gather, dequantize),
+  with the bytes each rank sends (agoq.gradient's counters) and the 8-bit result's error.
+- ``netns``: two simulated hosts, network namespaces joined by a veth pair whose egress is shaped
+  with ``tc qdisc tbf`` (1 Gbit, 100 Mbit), 2 ranks per host. Besides the counted bytes, the bytes
+  that actually crossed the link (veth tx counters, TCP headers included) are read per operation.
+  Needs root and iproute2; it is skipped with the reason otherwise. Namespaces are always removed.
+
+Times are the slowest rank's, median over ``--reps``. Each rank uses one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = "8-bit vs fp32/bf16 all-reduce: wire bytes and time per phase, locally and over two tc-shaped network namespaces"
+
+METHODS = ("fp32", "bf16", "8bit")
+PARTS = ("quantize", "all_to_all", "reduce", "all_gather", "dequantize")
+DEFAULT_SIZES = "32K,256K,2M,16M,64M"
+DEFAULT_NETNS_SIZES = "1M,8M,32M"
+DEFAULT_RATES = "1gbit,100mbit"
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    try:
+        return int(float(text.rstrip("KMG")) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad message size {text!r}; use e.g. 32K, 2M, 64M") from None
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [_parse_size(s) for s in text.split(",") if s.strip()]
+    if any(s < 4 for s in sizes):
+        raise argparse.ArgumentTypeError(f"message sizes must be at least 4 bytes, got {text!r}")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``agoq bench allreduce``."""
+    parser.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES), help=f"fp32 message sizes, local run (default {DEFAULT_SIZES})")
+    parser.add_argument("--ranks", type=int, default=4, help="local ranks (default 4)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per size and method; median reported (default 3)")
+    parser.add_argument("--netns-sizes", type=_sizes, default=_sizes(DEFAULT_NETNS_SIZES), help=f"fp32 message sizes over the shaped link (default {DEFAULT_NETNS_SIZES})")
+    parser.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates for tc tbf, comma-separated (default {DEFAULT_RATES}; empty: skip)")
+    parser.add_argument("--only", choices=("local", "netns"), default=None, help="run one setting only")
+    parser.add_argument("--fmt", default="int8/256", help="8-bit wire format (default int8/256)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown tables")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    # Internal: one rank of the netns run, started by this module inside a namespace.
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--link", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+
+
+# ---- measurement, run on every rank -----------------------------------------------------------
+
+
+def _tx_bytes(link: str) -> int:
+    return int(Path(f"/sys/class/net/{link}/statistics/tx_bytes").read_text()) if link else 0
+
+
+def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: str = "") -> list[dict[str, Any]]:
+    """Rows of measurements for each size and method (every rank returns the same rows)."""
+    import torch
+    import torch.distributed as dist
+
+    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_fp
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    rows = []
+    for size in sizes:
+        n = size // 4
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(n, generator=gen)
+        exact = x.double()
+        dist.all_reduce(exact)
+        for method in METHODS:
+            base = x.bfloat16() if method == "bf16" else x
+            counter = CommCounter()
+
+            def op(t: torch.Tensor, timings: dict[str, float] | None = None) -> None:
+                if method == "8bit":
+                    all_reduce_8bit(t, fmt=fmt, counter=counter, timings=timings)
+                else:
+                    all_reduce_fp(t, counter=counter)
+
+            y = base.clone()
+            op(y)  # warm-up, and the result whose error is reported
+            err = float((y.double() - exact).norm() / exact.norm())
+            counter.reset()
+            times = []
+            dist.barrier()
+            tx0 = _tx_bytes(link)
+            for _ in range(reps):
+                y = base.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                op(y)
+                times.append(slowest(time.perf_counter() - t0))
+            dist.barrier()
+            tx = (_tx_bytes(link) - tx0) / reps
+            row: dict[str, Any] = {
+                "size_bytes": size, "numel": n, "method": method, "time_s": statistics.median(times),
+                "times_s": times, "wire_bytes_per_rank": counter.bytes() // reps,
+                "payload_bytes_per_rank": sum(counter.payload.values()) // reps,
+                "scale_bytes_per_rank": sum(counter.scales.values()) // reps,
+                "rel_l2_error": err,
+            }
+            if link:
+                row["link_tx_bytes_per_op"] = tx
+            if method == "8bit":
+                parts: dict[str, list[float]] = {p: [] for p in PARTS}
+                for _ in range(reps):
+                    timings: dict[str, float] = {}
+                    dist.barrier()
+                    op(x.clone(), timings)
+                    for p in PARTS:
+                        parts[p].append(slowest(timings.get(p, 0.0)))
+                row["parts_s"] = {p: statistics.median(v) for p, v in parts.items()}
+            rows.append(row)
+    return rows
+
+
+def _local_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, fmt: str, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = measure(rank, world, sizes, reps, fmt)
+        queue.put((rank, "ok", rows))
+    except BaseException as e:  # reported to the parent, which fails the run
+        queue.put((rank, "error", repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_local(world: int, sizes: list[int], reps: int, fmt: str) -> list[dict[str, Any]]:
+    """Rows of :func:`measure` from ``world`` spawned local gloo ranks."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_local_worker, args=(r, world, port, sizes, reps, fmt, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict()
+    for _ in range(world):
+        rank, status, value = queue.get()
+        if status != "ok":
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed: {value}")
+        results[rank] = value
+    for p in procs:
+        p.join()
+    return results[0]
+
+
+# ---- two simulated hosts ----------------------------------------------------------------------
+
+
+def netns_unavailable() -> str | None:
+    """Why the netns run cannot happen here, or None."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root (run as root, or use --only local)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' not found; install iproute2 (apt-get install -y iproute2)"
+    return None
+
+
+class _TwoHosts:
+    """Namespaces A and B joined by a veth pair shaped to ``rate`` each way; removed on exit."""
+
+    def __init__(self, rate: str) -> None:
+        # benchmarks/netns_allreduce.sh passes its own pid so that its trap knows the names.
+        tag = os.environ.get("AGOQ_NETNS_TAG") or f"{os.getpid() % 100000}"
+        self.ns = (f"agoq-a{tag}", f"agoq-b{tag}")
+        self.links = (f"agq{tag}a", f"agq{tag}b")
+        self.addrs = ("10.213.0.1", "10.213.0.2")
+        self.rate = rate
+
+    def __enter__(self) -> "_TwoHosts":
+        try:
+            for ns in self.ns:
+                _sh("ip", "netns", "add", ns)
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "link", "add", self.links[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.links[1], "netns", self.ns[1])
+            rate_bytes = _rate_bytes(self.rate)
+            burst = max(32 * 1024, rate_bytes // 100)  # 10 ms of traffic
+            for ns, link, addr in zip(self.ns, self.links, self.addrs):
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+                _sh("ip", "-n", ns, "link", "set", link, "up")
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", self.rate, "burst", str(burst), "latency", "100ms")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Deleting a namespace deletes its end of the veth pair, and with it the peer.
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _rate_bytes(rate: str) -> int:
+    r = rate.lower().removesuffix("bit")
+    mult = {"k": 1e3, "m": 1e6, "g": 1e9}.get(r[-1:], 1)
+    return int(float(r.rstrip("kmg")) * mult / 8)
+
+
+def _sh(*cmd: str) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+
+
+def run_netns(rate: str, sizes: list[int], reps: int, fmt: str, timeout_s: float = 900) -> list[dict[str, Any]]:
+    """Rows of :func:`measure` from 4 ranks, 2 in each of two namespaces linked at ``rate``."""
+    with _TwoHosts(rate) as hosts, tempfile.TemporaryDirectory() as tmp:
+        port = 29500 + os.getpid() % 1000
+        procs = []
+        for rank in range(4):
+            host = rank // 2
+            out = os.path.join(tmp, f"rank{rank}.json")
+            cmd = [
+                "ip", "netns", "exec", hosts.ns[host], sys.executable, "-m", "agoq.bench.allreduce",
+                "--worker", str(rank), "--world", "4", "--master", hosts.addrs[0], "--port", str(port),
+                "--link", hosts.links[host], "--out", out, "--reps", str(reps), "--fmt", fmt,
+                "--netns-sizes", ",".join(str(s) for s in sizes),
+            ]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + timeout_s
+        logs = []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError("netns rank failed:\n" + "\n".join(logs))
+        rows = json.loads(Path(tmp, "rank0.json").read_text())
+        # Rank 0 counted host A's egress, rank 2 host B's: report both directions.
+        rows_b = json.loads(Path(tmp, "rank2.json").read_text())
+        for a, b in zip(rows, rows_b):
+            a["link_tx_bytes_per_op"] = {"a_to_b": a.pop("link_tx_bytes_per_op"), "b_to_a": b["link_tx_bytes_per_op"]}
+        return rows
+
+
+def _netns_worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.worker, world_size=args.world
+    )
+    try:
+        rows = measure(args.worker, args.world, args.netns_sizes, args.reps, args.fmt, args.link)
+    finally:
+        dist.destroy_process_group()
+    Path(args.out).write_text(json.dumps(rows))
+    return 0
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def _by(rows: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["size_bytes"], {})[r["method"]] = r
+    return out
+
+
+def _human(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def local_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: times, parts and bytes per size, with ratios to fp32."""
+    lines = [
+        "| message (fp32) | fp32 ms | bf16 ms | 8-bit ms | 8-bit / fp32 time | quantize | all-to-all | reduce | all-gather | dequantize | bytes/rank fp32 | bf16 | 8-bit | 8-bit / fp32 bytes | 8-bit rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, m in sorted(_by(rows).items()):
+        f, b, q = m["fp32"], m["bf16"], m["8bit"]
+        parts = " | ".join(f"{1e3 * q['parts_s'][p]:.2f}" for p in PARTS)
+        lines.append(
+            f"| {_human(size)} | {1e3 * f['time_s']:.2f} | {1e3 * b['time_s']:.2f} | {1e3 * q['time_s']:.2f} | "
+            f"{q['time_s'] / f['time_s']:.2f}x | {parts} | {_human(f['wire_bytes_per_rank'])} | "
+            f"{_human(b['wire_bytes_per_rank'])} | {_human(q['wire_bytes_per_rank'])} | "
+            f"{q['wire_bytes_per_rank'] / f['wire_bytes_per_rank']:.3f}x | {q['rel_l2_error']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
+def netns_table(by_rate: dict[str, Any]) -> str:
+    """Markdown: per link rate and size, times and the bytes that crossed the link."""
+    lines = [
+        "| link | message (fp32) | fp32 ms | bf16 ms | 8-bit ms | fp32 / 8-bit time | bf16 / 8-bit time | link bytes per op fp32 | bf16 | 8-bit | 8-bit / fp32 link bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rate, res in by_rate.items():
+        if "skipped" in res:
+            lines.append(f"| {rate} | skipped: {res['skipped']} |||||||||")
+            continue
+        for size, m in sorted(_by(res["rows"]).items()):
+            f, b, q = m["fp32"], m["bf16"], m["8bit"]
+            link = {k: sum(v["link_tx_bytes_per_op"].values()) for k, v in m.items()}
+            lines.append(
+                f"| {rate} | {_human(size)} | {1e3 * f['time_s']:.1f} | {1e3 * b['time_s']:.1f} | {1e3 * q['time_s']:.1f} | "
+                f"{f['time_s'] / q['time_s']:.2f}x | {b['time_s'] / q['time_s']:.2f}x | {_human(link['fp32'])} | "
+                f"{_human(link['bf16'])} | {_human(link['8bit'])} | {link['8bit'] / link['fp32']:.3f}x |"
+            )
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("local gloo, loopback", results.get("local", {}).get("rows"))]
+    panels += [(f"two hosts, {rate}", res.get("rows")) for rate, res in results.get("netns", {}).items()]
+    panels = [(t, r) for t, r in panels if r]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        by = _by(rows)
+        sizes = sorted(by)
+        for method in METHODS:
+            ax.plot([s / 2**20 for s in sizes], [1e3 * by[s][method]["time_s"] for s in sizes], marker="o", label=method)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("message (fp32 MiB)")
+        ax.set_ylabel("all-reduce time, slowest rank (ms)")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; write benchmarks/results/allreduce.json (+ .png); print tables."""
+    if args.worker is not None:
+        return _netns_worker(args)
+    from agoq.bench._common import RESULTS_DIR, write_result
+
+    if args.ranks < 2:
+        raise SystemExit(f"--ranks must be at least 2, got {args.ranks}")
+    # Times on a shared machine depend on its load: record it beside them.
+    results: dict[str, Any] = {"fmt": args.fmt, "reps": args.reps, "loadavg_before": os.getloadavg()}
+    if args.only in (None, "local"):
+        t0 = time.monotonic()
+        results["local"] = {"ranks": args.ranks, "backend": "gloo", "link": "loopback", "rows": run_local(args.ranks, args.sizes, args.reps, args.fmt)}
+        results["local"]["seconds"] = round(time.monotonic() - t0, 1)
+    if args.only in (None, "netns"):
+        results["netns"] = {}
+        reason = netns_unavailable()
+        # SIGTERM must unwind through the namespaces' __exit__ like Ctrl-C does.
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
+                if reason:
+                    results["netns"][rate] = {"skipped": reason}
+                    continue
+                t0 = time.monotonic()
+                rows = run_netns(rate, args.netns_sizes, args.reps, args.fmt)
+                results["netns"][rate] = {"ranks": 4, "hosts": 2, "ranks_per_host": 2, "rows": rows, "seconds": round(time.monotonic() - t0, 1)}
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if reason:
+            print(f"two-host run skipped: {reason}", file=sys.stderr)
+    results["loadavg_after"] = os.getloadavg()
+    path = write_result("allreduce", results)
+    if not args.no_plot:
+        _plot(results, Path(RESULTS_DIR) / "allreduce.png")
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    if "local" in results:
+        print(f"### 8-bit vs fp32/bf16 all-reduce, {args.ranks} gloo ranks on one machine ({args.fmt})\n")
+        print(local_table(results["local"]["rows"]))
+        print()
+    if results.get("netns"):
+        print("### Two simulated hosts (veth + tc tbf), 2 ranks per host\n")
+        print(netns_table(results["netns"]))
+        print()
+    print(f"results: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the benchmark (the ``benchmarks/allreduce.py`` entry point)."""
+    parser = argparse.ArgumentParser(prog="benchmarks/allreduce.py", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
