@@ -127,6 +127,12 @@ def test_more_backward_passes_than_microbatches_is_an_error_that_says_what_to_do
     model(torch.randn(2, 24)).sum().backward()
     with pytest.raises(RuntimeError, match="microbatches=1.*zero_grad"):
         model(torch.randn(2, 24)).sum().backward()
+    buf.finish()
+    with pytest.raises(RuntimeError, match="'0.bias' received a gradient after.*finish\\(\\) already ran.*zero_grad"):
+        buf.fold("0.bias", torch.zeros(300))
+    buf.zero_grad()
+    buf.fold("0.bias", torch.full((300,), 127.0))  # scale 1: exactly representable
+    assert torch.equal(buf.grad("0.bias"), torch.full((300,), 127.0))
     with pytest.raises(ValueError, match="bucket_numel or bucket_bytes"):
         QuantGradBuffer(model, bucket_numel=10, bucket_bytes=10)
 

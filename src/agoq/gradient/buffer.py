@@ -228,17 +228,18 @@ class QuantGradBuffer:
         pi = self._index(param)
         if grad.numel() != self.params[pi].numel():
             raise ValueError(f"gradient of {self.names[pi]!r} has {grad.numel()} values, the parameter {self.params[pi].numel()}")
+        if any(self.buckets[seg.bucket].state != "open" for seg in self.segments[pi]):
+            raise RuntimeError(
+                f"parameter {self.names[pi]!r} received a gradient after its bucket's reduction started "
+                f"(more backward passes than microbatches={self.microbatches}, or finish() already ran); "
+                "call zero_grad() before the next step, or zero_grad(microbatches=...) to change the count"
+            )
         first = self._folds[pi] == 0
         if self._folds[pi] >= self.microbatches:
             raise RuntimeError(
                 f"parameter {self.names[pi]!r} received gradient {self._folds[pi] + 1} of a step configured "
                 f"for microbatches={self.microbatches}; call finish() and zero_grad() between steps, or "
                 "pass the right count to zero_grad(microbatches=...)"
-            )
-        if any(self.buckets[seg.bucket].state != "open" for seg in self.segments[pi]):
-            raise RuntimeError(
-                f"parameter {self.names[pi]!r} received a gradient after its bucket was reduced "
-                "(finish() ran or the bucket's collective started); call zero_grad() before the next step"
             )
         flat = grad.detach().reshape(-1)
         piece = max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
