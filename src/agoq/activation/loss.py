@@ -23,13 +23,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# A chunk's fp32 logits take at most this many bytes. The chunk's working set is about three
-# times that (the logits in the hidden dtype, their fp32 copy turned in place into log-probs and
-# then the gradient, and the gradient cast back), so 32 MiB keeps it near 100 MiB whatever the
-# vocab, small beside the activations of one decoder layer at any realistic token count, while
-# leaving GEMMs of >= 64 rows up to vocab 128K. On this CPU the step time is flat from 16 to
-# 256 MiB (``agoq bench loss --chunk-sweep``).
-CHUNK_LOGITS_BYTES = 32 * 2**20
+# A chunk's fp32 logits take at most this many bytes; the chunk's working set is about three times
+# that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
+# the gradient cast back). Some costs are paid once per chunk whatever its size, in proportion to
+# the weight: the pass over the fp32 [vocab, hidden] gradient sum, and on CPU the GEMM library's
+# re-layout of the weight. Chunks must be large enough for the GEMMs to dwarf them: at vocab 128256
+# (hidden 512, bf16) on this CPU, 128-token chunks (64 MiB) made the step 3.4x slower than the plain
+# path, 512 tokens 1.2x, 1024 tokens 1.04x (``agoq bench loss --chunk-sweep``). 256 MiB keeps the
+# working set under 1 GiB, below what the plain path keeps for 2048 tokens at that vocab alone.
+CHUNK_LOGITS_BYTES = 256 * 2**20
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -37,11 +39,11 @@ REDUCTIONS = ("mean", "sum", "none")
 _BLOCK_ELEMENTS = 2**21
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Tokens per chunk such that a chunk's fp32 logits fit in CHUNK_LOGITS_BYTES."""
+def default_chunk_size(vocab: int, *, logits_bytes: int = CHUNK_LOGITS_BYTES) -> int:
+    """Tokens per chunk such that a chunk's fp32 logits fit in ``logits_bytes``."""
     if vocab < 1:
         raise ValueError(f"vocab must be a positive number of classes, got {vocab}")
-    rows = CHUNK_LOGITS_BYTES // (4 * vocab)
+    rows = logits_bytes // (4 * vocab)
     # Multiples of 8 rows keep GEMM tiles whole; below 8 the budget is simply exceeded.
     return max(8, rows - rows % 8)
 
