@@ -1,0 +1,171 @@
+"""Quantize and dequantize throughput of every agoq.quant format, against a plain copy of the same bytes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+DESCRIPTION = "quantize/dequantize throughput of every format on a large bf16 tensor, as GB/s and as a ratio to tensor.clone()"
+
+DEFAULT_FORMATS = "int2,int3,int4,int5,int6,int8,fp4,nf4,fp8,int8/256"
+
+
+def parse_count(text: str) -> int:
+    """An element count such as '64M', '512K' or '1000000' (K/M/G are powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower()
+    try:
+        n = int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count such as 64M or 1000000, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"the count must be positive, got {text!r}")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``agoq bench quant-throughput``."""
+    parser.add_argument("--numel", type=parse_count, default=parse_count("64M"), help="elements of the bf16 tensor (default 64M)")
+    parser.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated formats (default {DEFAULT_FORMATS}; block 128 unless /BLOCK)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, after one warm-up; the median is reported")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="device of the tensor (cpu, cuda)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
+
+
+def _timer(device: Any) -> Any:
+    import torch
+
+    def timed(fn: Any) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    return timed
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time clone, quantize and dequantize per format, print a table, write quant_throughput.json/.png."""
+    import json
+
+    import torch
+
+    from agoq.bench._common import RESULTS_DIR, write_result
+    from agoq.quant import dequantize, parse_format, quantize
+
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        formats = [parse_format(f) for f in args.formats.split(",") if f.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--formats: {e}")
+    device = torch.device(args.device)
+    n = args.numel
+    timed = _timer(device)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
+    in_bytes = n * x.element_size()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+    rows: list[dict[str, Any]] = []
+    for fmt in formats:
+        q = quantize(x, fmt)  # warm-up (tables, allocator)
+        dequantize(q)
+        clone_t, q_t, dq_t = [], [], []
+        # Interleaved, so that the copy and the format see the same machine load.
+        for _ in range(args.repeats):
+            clone_t.append(timed(lambda: x.clone()))
+            q_t.append(timed(lambda: quantize(x, fmt)))
+            dq_t.append(timed(lambda: dequantize(q)))
+        c, tq, tdq = (statistics.median(t) for t in (clone_t, q_t, dq_t))
+        y = dequantize(q, torch.float32)
+        xf = x.float()
+        rows.append(
+            {
+                "format": fmt.name,
+                "numel": n,
+                "input_bytes": in_bytes,
+                "stored_bytes": q.nbytes,
+                "bits_per_value": round(8 * q.nbytes / n, 4),
+                "rel_l2_error_gaussian": float((xf - y).norm() / xf.norm()),
+                "clone_s": c,
+                "quantize_s": tq,
+                "dequantize_s": tdq,
+                "clone_gbps": in_bytes / c / 1e9,
+                "quantize_gbps": in_bytes / tq / 1e9,
+                "dequantize_gbps": in_bytes / tdq / 1e9,
+                "quantize_vs_clone": c / tq,
+                "dequantize_vs_clone": c / tdq,
+                "quantize_s_all": q_t,
+                "dequantize_s_all": dq_t,
+                "clone_s_all": clone_t,
+            }
+        )
+        del q, y, xf
+    results = {
+        "numel": n,
+        "dtype": "bfloat16",
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "load_average_1min_at_start": load,
+        "rows": rows,
+    }
+    path = write_result("quant_throughput", results)
+    _plot(rows, n, RESULTS_DIR / "quant_throughput.png")
+    print(json.dumps(results, indent=2) if args.json else _markdown(rows, n, device, results["threads"]))
+    print(f"\nwritten: {path}")
+    return 0
+
+
+def _markdown(rows: list[dict[str, Any]], n: int, device: Any, threads: int) -> str:
+    lines = [
+        f"{n / 2**20:g}M bf16 elements on {device} ({threads} threads); GB/s of bf16 input; median of repeats",
+        "",
+        "| format | bits/value | quantize GB/s | x clone | dequantize GB/s | x clone | clone GB/s | rel. L2 error (N(0,1)) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['format']} | {r['bits_per_value']:.3f} | {r['quantize_gbps']:.2f} | {r['quantize_vs_clone']:.2f} "
+            f"| {r['dequantize_gbps']:.2f} | {r['dequantize_vs_clone']:.2f} | {r['clone_gbps']:.2f} | {r['rel_l2_error_gaussian']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, Any]], n: int, path: Any) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [r["format"] for r in rows]
+    pos = range(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar([p - 0.2 for p in pos], [r["quantize_gbps"] for r in rows], width=0.4, label="quantize")
+    ax.bar([p + 0.2 for p in pos], [r["dequantize_gbps"] for r in rows], width=0.4, label="dequantize")
+    ax.axhline(statistics.median(r["clone_gbps"] for r in rows), color="k", linestyle="--", label="tensor.clone()")
+    ax.set_xticks(list(pos), names, rotation=30)
+    ax.set_ylabel("GB/s of bf16 input")
+    ax.set_title(f"agoq.quant throughput, {n / 2**20:g}M bf16 elements")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the benchmark (the ``benchmarks/quant_throughput.py`` entry point)."""
+    parser = argparse.ArgumentParser(prog="benchmarks/quant_throughput.py", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
