@@ -298,13 +298,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
     if pr.compute_dtype not in DTYPES:
         raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use bf16 or fp32")
-    try:
-        from agoq.quant import parse_format
+    from agoq.quant import parse_format
 
-        parse_format(pr.activation_format)
-        parse_format(f"int8/{pr.gradient_block}")
-    except ValueError as e:
-        raise ConfigError(f"precision: {e}") from None
+    for key, spec in (("activation_format", pr.activation_format), ("gradient_block", f"int8/{pr.gradient_block}")):
+        try:
+            parse_format(spec)
+        except ValueError as e:
+            raise ConfigError(f"precision.{key}={getattr(pr, key)!r} is invalid: {e}") from None
     if p.zero1 and pr.gradients == "bf16":
         raise ConfigError("parallel.zero1=true works with precision.gradients = int8 or fp32, not bf16")
     if o.name not in OPTIMIZERS:

@@ -27,7 +27,7 @@ class GradientSync:
         """Prepare to receive one step's gradients."""
 
     def reduce(self) -> bool:
-        """Reduce over dp; False if any rank saw a non-finite gradient (the step must be skipped)."""
+        """Reduce over dp; False if this dp group saw a non-finite gradient (the trainer agrees over all ranks)."""
         raise NotImplementedError
 
     def local_grad_sq_norm(self) -> float:
@@ -76,14 +76,12 @@ class PlainGradientSync(GradientSync):
         return hook
 
     def reduce(self) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(self.buffer).all()) else 1.0], device=self.buffer.device)
-        dist.all_reduce(bad)  # every rank (all pp and dp) learns of it in the same step
-        if bad.item() > 0:
-            local = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
-            if local:
-                warnings.warn(f"non-finite gradient in {local[0]} ({len(local)} parameter(s)); step skipped", stacklevel=2)
-            return False
+        ok = bool(torch.isfinite(self.buffer).all())
+        if not ok:
+            bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
+            warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
         if self.world > 1:
+            # Issued whatever this rank saw: every dp rank must call the same collectives.
             if self.wire_dtype == torch.float32:
                 dist.all_reduce(self.buffer, group=self.group)
             else:
@@ -92,7 +90,7 @@ class PlainGradientSync(GradientSync):
                 self.buffer.copy_(low)
             self.buffer.div_(self.world)
         self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
-        return True
+        return ok and bool(torch.isfinite(self.buffer).all())
 
     def local_grad_sq_norm(self) -> float:
         return float(self.buffer.double().square().sum())

@@ -45,8 +45,8 @@ def _measure_baseline(trainer: Any) -> dict[str, Any]:
     return {"peak_saved_bytes": peak}
 
 
-def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
-    """Entry point of every rank; rank 0 returns the run summary."""
+def train_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Entry point of every rank; rank 0 returns the run summary, the others their records and stats."""
     from agoq.train.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -107,7 +107,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
         base = None
         if baseline is not None:
             base = {"ranks": {str(g["rank"]): {"peak_saved_bytes": g["baseline_peak_saved_bytes"]} for g in gathered}}
-        summary = {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": gathered, "baseline": base}
+        summary = {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": gathered, "baseline": base, "records": records}
         out = Path(cfg.train.out_dir)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_loss(records, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
@@ -115,8 +115,9 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
         print(f"\nmetrics: {out / 'metrics'}/rank*.jsonl, summary: {out / 'summary.json'}, loss curve: {out / 'loss.png'}", flush=True)
     trainer.metrics.close()
     dist.barrier()
-    dist.destroy_process_group()
-    return summary
+    if ctx.owns_group:
+        dist.destroy_process_group()
+    return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
 
 
 def _free_port() -> int:

@@ -53,6 +53,7 @@ class RankContext:
     dp_group: Any
     device: torch.device
     stages: list[int] = field(default_factory=list)
+    owns_group: bool = False  # this run created the process group (and destroys it at the end)
 
 
 def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -> tuple[int, ...] | None:
@@ -100,7 +101,8 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
         # Share the cores: more threads than cores per process only thrashes.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend)
     world = dist.get_world_size()
     if world != cfg.world_size:
@@ -120,6 +122,7 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
         dp_group=mesh["dp"].get_group(),
         device=device,
         stages=rank_stages(cfg.parallel.schedule, pp_rank, cfg.parallel.pp, cfg.parallel.virtual_stages),
+        owns_group=owns_group,
     )
 
 
@@ -229,13 +232,14 @@ class Trainer:
         with self.tracker:
             local_loss = self.forward_backward(inputs, targets)
         reduced = self.sync.reduce()
-        grad_sq = self.sync.local_grad_sq_norm()
-        # Global norm over every pp and dp rank: dp replicas hold identical reduced gradients, so
-        # sum over pp only, after dividing the dp duplicates out of a world all-reduce.
-        norm_t = torch.tensor([grad_sq / cfg.parallel.dp], device=self.ctx.device, dtype=torch.float64)
-        dist.all_reduce(norm_t)
-        grad_norm = math.sqrt(norm_t.item()) if math.isfinite(norm_t.item()) else float("nan")
-        skipped = not (reduced and math.isfinite(grad_norm))
+        grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
+        # One small all-reduce over every rank gives the global gradient norm and whether any pp
+        # stage or dp group saw a non-finite gradient: all ranks then skip or step together. dp
+        # replicas hold identical reduced gradients, so their squares are divided out.
+        agree = torch.tensor([grad_sq / cfg.parallel.dp, 0.0 if reduced else 1.0], device=self.ctx.device, dtype=torch.float64)
+        dist.all_reduce(agree)
+        grad_norm = math.sqrt(agree[0].item()) if agree[1].item() == 0 and math.isfinite(agree[0].item()) else float("nan")
+        skipped = not math.isfinite(grad_norm)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         if not skipped:
             clip = cfg.optim.grad_clip
