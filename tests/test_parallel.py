@@ -130,3 +130,13 @@ def test_stage_placement_loop_and_v():
 def test_mesh_size_must_divide_world():
     with pytest.raises(ValueError, match=r"pp=3 must be a positive divisor of the world size 4; pick pp among \[1, 2, 4\]"):
         make_mesh(4, 3)
+
+
+def test_build_schedule_refuses_a_rank_without_loss_fn():
+    # torch would silently run that rank forward-only and the other ranks would wait forever.
+    from agoq.parallel import build_schedule
+
+    with pytest.raises(ValueError, match="pass the loss function on every pp rank"):
+        build_schedule("1f1b", [object()], 4, None)
+    with pytest.raises(ValueError, match="no pipeline stages given"):
+        build_schedule("1f1b", [], 4, lambda out, target: out)

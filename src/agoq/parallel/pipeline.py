@@ -152,18 +152,24 @@ def build_schedule(
     name: str,
     stages: Sequence[PipelineStage],
     n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     scale_grads: bool = True,
 ) -> Any:
     """A torch.distributed.pipelining schedule over this rank's stages.
 
-    ``loss_fn(output, target)`` runs on each micro-batch of the last stage. With ``scale_grads``
-    (torch's default) gradients are divided by ``n_microbatches``, so a ``loss_fn`` that averages
-    over its micro-batch yields the full-batch mean gradient; pass ``scale_grads=False`` with a
-    summing loss.
+    ``loss_fn(output, target)`` runs on each micro-batch of the last stage, but every rank must
+    pass one: torch runs backward only on ranks whose schedule has a loss function, and a rank
+    without one would leave the others waiting forever. With ``scale_grads`` (torch's default)
+    gradients are divided by ``n_microbatches``, so a ``loss_fn`` that averages over its
+    micro-batch yields the full-batch mean gradient; pass ``scale_grads=False`` with a summing loss.
     """
     if not stages:
         raise ValueError("no pipeline stages given; build them with build_stages()")
+    if loss_fn is None:
+        raise ValueError(
+            "loss_fn is None: pass the loss function on every pp rank, also those without the last stage "
+            "(torch only calls it on the last stage, but a rank without one skips backward and the pipeline hangs)"
+        )
     key = check_schedule(name, stages[0].group_size, n_microbatches, len(stages))
     if stages[0].num_stages != stages[0].group_size * len(stages):
         raise ValueError(
