@@ -24,8 +24,8 @@ import torch
 from agoq.activation.accounting import layer_saved_bytes
 from agoq.activation.loss import loss_saved_bytes
 from agoq.activation.policy import ActivationPolicy
-from agoq.parallel.inflight import peak_inflight_bytes, schedule_order, stage_to_rank
-from agoq.parallel.pipeline import check_schedule, split_layers
+from agoq.parallel.inflight import peak_inflight_bytes, schedule_order
+from agoq.parallel.pipeline import check_schedule, split_layers, stage_to_rank
 
 if TYPE_CHECKING:
     from agoq.models import LlamaConfig

@@ -26,7 +26,9 @@ class InFlight:
     pp: int
     n_microbatches: int
     virtual_stages: int
-    # Peak over time of the micro-batches in flight on each pp rank (all its stages together).
+    # Peak over time of the micro-batches in flight on each pp rank, all its stages together: one
+    # micro-batch in flight on two of a rank's stages counts twice (each stage keeps its own layers'
+    # activations), so with v stages per rank the unit is 1/v of the rank's layers.
     per_rank: tuple[int, ...]
     # Peak of each global stage on its own; a rank's stages peak at different times, so the sum
     # over a rank's stages can exceed per_rank.
