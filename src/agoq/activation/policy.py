@@ -42,6 +42,10 @@ class ActivationPolicy:
     layer_bits: tuple[int, ...] | None = None
     # Chunked LM head + cross-entropy that never keeps [tokens, vocab] logits.
     fused_loss: bool = False
+    # With the fused loss, recompute each chunk's logits in backward instead of keeping a
+    # precomputed [vocab, hidden] weight gradient per in-flight micro-batch: the loss then keeps
+    # only the hidden states (tokens x hidden), for one more LM-head GEMM in backward.
+    loss_recompute: bool = True
 
     def layer(self, index: int) -> LayerPrecision:
         """The formats of decoder layer ``index``."""
@@ -65,6 +69,7 @@ def make_policy(
     overrides: dict[str, str | QuantFormat | None] | None = None,
     layer_bits: list[int] | tuple[int, ...] | None = None,
     fused_loss: bool | None = None,
+    loss_recompute: bool = True,
 ) -> ActivationPolicy:
     """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits."""
     if name not in POLICIES:
@@ -90,4 +95,5 @@ def make_policy(
         formats=formats,
         layer_bits=layer_bits,
         fused_loss=(name != "bf16") if fused_loss is None else fused_loss,
+        loss_recompute=loss_recompute,
     )

@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=parse_count, default=parse_count("64M"), help="elements of the bf16 tensor (default 64M)")
     parser.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated formats (default {DEFAULT_FORMATS}; block 128 unless /BLOCK)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, after one warm-up; the median is reported")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    # One thread by default: on a shared or oversubscribed CPU, every multi-threaded op waits at a
+    # barrier for a descheduled thread (measured here: medians 10x the minimum with 2 threads).
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's default)")
     parser.add_argument("--device", default="cpu", help="device of the tensor (cpu, cuda)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
 

@@ -112,7 +112,7 @@ def stage_saved_bytes(
     per_layer = sum(
         layer_saved_bytes(micro_batch, seq_len, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, dtype, precision).values()
     )
-    loss = loss_saved_bytes(micro_batch * seq_len, c.hidden, c.vocab_size, dtype, policy.fused_loss) if last else 0
+    loss = loss_saved_bytes(micro_batch * seq_len, c.hidden, c.vocab_size, dtype, policy.fused_loss, recompute=policy.loss_recompute) if last else 0
     return len(layers) * per_layer + loss
 
 

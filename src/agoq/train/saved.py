@@ -36,11 +36,22 @@ class SavedActivationTracker:
         self._sizes: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.start_bytes = 0
         self._hooks = None
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes held now."""
         self.peak_bytes = self.live_bytes
+        self.start_bytes = self.live_bytes
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Peak bytes held for backward by what ran inside the context, above what was held before.
+
+        torch's pipeline keeps the graph of its first-step shape inference alive on the first stage
+        (about one micro-batch); it is held before every later step and so is not counted here.
+        """
+        return self.peak_bytes - self.start_bytes
 
     def _pack(self, t: torch.Tensor) -> _Held:
         storage = t.untyped_storage()

@@ -69,7 +69,10 @@ def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -
     from agoq.parallel.dbca import stage_layer_bits
 
     return tuple(
-        stage_layer_bits(model_cfg, p.schedule, p.pp, p.microbatches, p.virtual_stages, micro_batch, cfg.data.seq_len, make_policy_for(cfg), base_bits)
+        stage_layer_bits(
+            model_cfg, p.schedule, p.pp, p.microbatches, p.virtual_stages, micro_batch, cfg.data.seq_len,
+            make_policy_for(cfg), base_bits, dtype=DTYPES[pr.compute_dtype],
+        )
     )
 
 
@@ -268,7 +271,7 @@ class Trainer:
             "skipped": skipped,
             "step_time_s": dt,
             "tokens_per_s": tokens / dt,
-            "peak_saved_bytes": self.tracker.peak_bytes,
+            "peak_saved_bytes": self.tracker.step_peak_bytes,
             "wire_bytes": self.sync.wire_bytes_last_step,
         }
 
