@@ -273,6 +273,9 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "peak_saved_bytes": self.tracker.step_peak_bytes,
             "wire_bytes": self.sync.wire_bytes_last_step,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "pp_rank": self.ctx.pp_rank,
+            "dp_rank": self.ctx.dp_rank,
         }
 
     @torch.no_grad()

@@ -1,0 +1,31 @@
+"""The shipped config files load; the tiny one is exactly the embedded default."""
+
+from pathlib import Path
+
+import pytest
+
+from agoq.train.config import ConfigError, TrainConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_tiny_config_file_is_the_embedded_default():
+    assert load_config(CONFIGS / "tiny_cpu.toml").to_dict() == load_config(None).to_dict() == TrainConfig().to_dict()
+
+
+def test_gpu_example_is_valid_apart_from_its_data_paths():
+    with pytest.raises(ConfigError, match="data.corpus='/data/my_corpus' does not exist"):
+        load_config(CONFIGS / "llama3-8b_gpu.toml")
+    cfg = load_config(CONFIGS / "llama3-8b_gpu.toml", ["--data.corpus=kjv", "--data.tokenizer=none"])
+    assert cfg.model_config().n_layers % (cfg.parallel.pp * cfg.parallel.virtual_stages) == 0
+
+
+def test_overrides_beat_the_file_and_bad_files_are_named(tmp_path):
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", ["--train.steps=7"])
+    assert cfg.train.steps == 7
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = \n")
+    with pytest.raises(ConfigError, match="bad.toml is not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
