@@ -168,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
         "defaults": {"activation_block": DEFAULT_ACTIVATION_BLOCK, "gradient_block": DEFAULT_GRADIENT_BLOCK},
         "rows": rows,
     }
-    path = write_result("quant_block_size", results)
+    command = "agoq bench quant-block-size " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k not in ("json", "_bench_run", "command", "bench")
+    )
+    path = write_result("quant_block_size", results, command=command)
     _plot(rows, RESULTS_DIR / "quant_block_size.png")
     print(json.dumps(results, indent=2) if args.json else _markdown(rows, blocks, info))
     print(f"\nwritten: {path}")

@@ -121,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
         "load_average_1min_at_start": load,
         "rows": rows,
     }
-    path = write_result("quant_throughput", results)
+    command = (
+        f"agoq bench quant-throughput --numel {n} --formats {','.join(f.name for f in formats)} "
+        f"--repeats {args.repeats} --threads {args.threads} --device {args.device}"
+    )
+    path = write_result("quant_throughput", results, command=command)
     _plot(rows, n, RESULTS_DIR / "quant_throughput.png")
     print(json.dumps(results, indent=2) if args.json else _markdown(rows, n, device, results["threads"]))
     print(f"\nwritten: {path}")
