@@ -111,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
                 "clone_s_all": clone_t,
             }
         )
-        del q, y, xf
     results = {
         "numel": n,
         "dtype": "bfloat16",
