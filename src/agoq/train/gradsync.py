@@ -22,6 +22,9 @@ class GradientSync:
     """Interface the trainer uses; see :class:`PlainGradientSync` and :class:`QuantizedGradientSync`."""
 
     wire_bytes_last_step: int = 0
+    # True when each dp rank holds only its shard of the reduced gradients (ZeRO-1): gradients()
+    # then yields (bucket index, shard) for agoq.train.zero1.Zero1Optimizer.
+    sharded: bool = False
 
     def start_step(self) -> None:
         """Prepare to receive one step's gradients."""

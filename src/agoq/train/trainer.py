@@ -185,8 +185,14 @@ class Trainer:
             # torch's post-step division by the micro-batch count would find nothing: the loss is
             # divided instead, and the recorded losses are summed back.
             self.schedule = build_schedule(p.schedule, self.stages, p.microbatches, self._stage_loss, scale_grads=False)
-        self.sync: GradientSync = make_gradient_sync(cfg, self.params, ctx.dp_group, ctx.device)
-        self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
+        if p.zero1:
+            from agoq.train.zero1 import Zero1Optimizer, make_sharded_sync
+
+            self.sync: GradientSync = make_sharded_sync(cfg, self.params, ctx.dp_group, ctx.device)
+            self.optimizer = Zero1Optimizer(self.params, cfg.optim, self.sync)
+        else:
+            self.sync = make_gradient_sync(cfg, self.params, ctx.dp_group, ctx.device)
+            self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
         self.tracker = SavedActivationTracker([prm for _, prm in self.params])
@@ -238,8 +244,9 @@ class Trainer:
         grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
         # One small all-reduce over every rank gives the global gradient norm and whether any pp
         # stage or dp group saw a non-finite gradient: all ranks then skip or step together. dp
-        # replicas hold identical reduced gradients, so their squares are divided out.
-        agree = torch.tensor([grad_sq / cfg.parallel.dp, 0.0 if reduced else 1.0], device=self.ctx.device, dtype=torch.float64)
+        # replicas hold identical reduced gradients, so their squares are divided out; ZeRO-1 shards
+        # are disjoint, so theirs add up to the full norm.
+        agree = torch.tensor([grad_sq if self.sync.sharded else grad_sq / cfg.parallel.dp, 0.0 if reduced else 1.0], device=self.ctx.device, dtype=torch.float64)
         dist.all_reduce(agree)
         grad_norm = math.sqrt(agree[0].item()) if agree[1].item() == 0 and math.isfinite(agree[0].item()) else float("nan")
         skipped = not math.isfinite(grad_norm)
