@@ -27,3 +27,12 @@ def test_readme_main_command_is_a_real_subcommand():
     parser = build_parser()
     args, extra = parser.parse_known_args(["train"])
     assert args.command == "train" and extra == []
+
+
+def test_readme_result_tables_match_the_committed_json(tmp_path):
+    from agoq.bench.readme import update_readme
+
+    copy = tmp_path / "README.md"
+    copy.write_text((ROOT / "README.md").read_text())
+    update_readme(copy, ROOT / "benchmarks" / "results")
+    assert copy.read_text() == (ROOT / "README.md").read_text(), "README tables are stale: run `agoq bench readme`"

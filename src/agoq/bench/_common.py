@@ -63,7 +63,7 @@ def write_result(name: str, results: Any, *, command: str | None = None, out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,
-        "command": command or " ".join(["agoq", *sys.argv[1:]]) if sys.argv else name,
+        "command": command or " ".join(["agoq", *sys.argv[1:]]),
         "git_revision": git_revision(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

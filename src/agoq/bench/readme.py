@@ -1,0 +1,124 @@
+"""Regenerate the README's result tables from the committed JSON files (no number typed by hand).
+
+Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in README.md and
+is rendered from ``benchmarks/results/NAME.json`` by the benchmark module that wrote it, followed
+by the command, revision, date and machine recorded in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+DESCRIPTION = "rewrite the README's result tables from benchmarks/results/*.json"
+
+
+def _quant_throughput(r: dict[str, Any]) -> str:
+    from agoq.bench.quant_throughput import _markdown
+
+    return _markdown(r["rows"], r["numel"], r["device"], r["threads"])
+
+
+def _quant_block_size(r: dict[str, Any]) -> str:
+    from agoq.bench.quant_block_size import _markdown
+
+    blocks = sorted({row["block"] for row in r["rows"]})
+    return _markdown(r["rows"], blocks, r["model"])
+
+
+def _activation(r: dict[str, Any]) -> str:
+    from agoq.bench.activation import _markdown
+
+    return _markdown(r["measured"], r.get("analytical", []))
+
+
+def _grad_error(r: dict[str, Any]) -> str:
+    from agoq.bench.grad_error import _markdown
+
+    return _markdown(r)
+
+
+def _loss(r: dict[str, Any]) -> str:
+    from agoq.bench.loss import _table
+
+    return _table(r["rows"])
+
+
+def _allreduce(r: dict[str, Any]) -> str:
+    from agoq.bench.allreduce import local_table, netns_table
+
+    parts = [local_table(r["local"]["rows"])]
+    if r.get("netns"):
+        parts.append("Two simulated hosts (network namespaces, veth shaped with `tc tbf`, 2 ranks per host):\n\n" + netns_table(r["netns"]))
+    return "\n\n".join(parts)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "quant_throughput": _quant_throughput,
+    "quant_block_size": _quant_block_size,
+    "activation": _activation,
+    "grad_error": _grad_error,
+    "loss": _loss,
+    "allreduce": _allreduce,
+}
+
+
+def _provenance(payload: dict[str, Any]) -> str:
+    m = payload.get("machine", {})
+    where = f"{m.get('processor', '?')}, {m.get('cpu_count', '?')} cores" + (f", {m['gpu']}" if m.get("gpu") else "")
+    return (
+        f"<sub>Source: `benchmarks/results/{payload['benchmark']}.json`, produced by `{payload['command']}` "
+        f"at revision {payload['git_revision']} on {payload['date'][:10]} ({where}, torch {m.get('torch', '?')}).</sub>"
+    )
+
+
+def render(name: str, results_dir: Path) -> str:
+    """The markdown block for one result file: its table and where it came from."""
+    payload = json.loads((results_dir / f"{name}.json").read_text())
+    extra = RENDERERS.get(name)
+    if extra is None:
+        from importlib import import_module
+
+        extra = getattr(import_module(f"agoq.bench.{name}"), "readme_markdown")
+    return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
+
+
+def update_readme(readme: Path, results_dir: Path) -> list[str]:
+    """Replace every results block in README.md; return the names updated."""
+    text = readme.read_text()
+    names = re.findall(r"<!-- results:([a-z0-9_/]+) -->", text)
+    for name in names:
+        block = render(name, results_dir)
+        pattern = re.compile(rf"(<!-- results:{re.escape(name)} -->\n).*?(<!-- /results:{re.escape(name)} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README has an opening marker for {name!r} but no '<!-- /results:{name} -->'")
+        text = pattern.sub(lambda m: m.group(1) + block + "\n" + m.group(2), text)
+    readme.write_text(text)
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Paths of the README and the results folder."""
+    parser.add_argument("--readme", default="README.md", help="the README to rewrite in place")
+    parser.add_argument("--results", default="benchmarks/results", help="folder of the JSON result files")
+    parser.add_argument("--check", action="store_true", help="fail if the README differs from what the files give (for CI)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Rewrite (or, with --check, verify) the README's result tables."""
+    readme = Path(args.readme)
+    before = readme.read_text()
+    names = update_readme(readme, Path(args.results))
+    if args.check:
+        after = readme.read_text()
+        readme.write_text(before)
+        if after != before:
+            print("README result tables are stale: run `agoq bench readme`")
+            return 1
+        print(f"README result tables match {len(names)} result file(s)")
+        return 0
+    print(f"updated {len(names)} table(s): {', '.join(names)}")
+    return 0
