@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agoq.quant import backend
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables, count_below, parse_format
 from agoq.quant.packing import group_shape, pack_into, unpack_into
 
@@ -133,6 +134,14 @@ def quantize(
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"quantize expects a floating-point torch.Tensor (fp32/bf16/fp16), got {got}")
+    # -- Triton backend (agoq.quant.backend): same codes and scales; the torch path below raises
+    # NonFiniteError for non-finite input, so a kernel result holding NaN scales falls through to it.
+    kernels = backend.kernels(x.device, fmt) if rounding == "nearest" else None
+    if kernels is not None:
+        q = kernels.quantize(x, fmt)
+        if nonfinite == "propagate" or not bool(torch.isnan(q.scales).any()):
+            return q
+    # --
     flat = x.detach().reshape(-1)
     n = flat.numel()
     block, bits = fmt.block_size, fmt.bits
@@ -252,6 +261,9 @@ def _slab_values(q: QTensor, start: int, m: int) -> torch.Tensor:
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The tensor ``q`` represents, in its original shape and dtype (or ``dtype``)."""
     _check(q)
+    kernels = backend.kernels(q.device, q.fmt)  # Triton backend (agoq.quant.backend)
+    if kernels is not None:
+        return kernels.dequantize(q, dtype)
     fmt, n, block = q.fmt, q.numel, q.fmt.block_size
     out = torch.empty(n, dtype=dtype or q.dtype, device=q.device)
     step = _slab(fmt, q.device)

@@ -1,0 +1,38 @@
+"""Triton kernels for agoq.quant (optional extra ``agoq[triton]``): drop-in replacements, tested
+against the torch reference.
+
+Importing this package imports triton. Use :mod:`agoq.quant.backend` to choose between these
+kernels and the torch path; call the functions here directly only to use a kernel on its own.
+"""
+
+from agoq.quant.triton.ops import (
+    INTERPRETED,
+    MAX_BLOCK,
+    accumulate_,
+    dequantize,
+    norm_supported,
+    quantize,
+    reduce_rows,
+    rms_norm_backward,
+    rms_norm_quantize,
+    rms_norm_recompute,
+    supports,
+    swiglu_backward,
+    swiglu_quantize,
+)
+
+__all__ = [
+    "INTERPRETED",
+    "MAX_BLOCK",
+    "accumulate_",
+    "dequantize",
+    "norm_supported",
+    "quantize",
+    "reduce_rows",
+    "rms_norm_backward",
+    "rms_norm_quantize",
+    "rms_norm_recompute",
+    "supports",
+    "swiglu_backward",
+    "swiglu_quantize",
+]
