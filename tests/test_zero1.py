@@ -119,6 +119,46 @@ def test_no_decay_rule_matches_the_unsharded_optimizer():
         torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0, msg=n)
 
 
+def _step(model: nn.Module, sync, opt, seed: int, clip: float = 1.0) -> bool:
+    """One training step of the toy model through a gradient sync and an optimizer."""
+    x = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(seed))
+    sync.start_step()
+    _toy_loss(model, x).backward()
+    ok = sync.reduce()
+    if ok:
+        for i, g in sync.gradients():
+            opt.set_grad(i, g * clip)
+        opt.step()
+    sync.finish_step()
+    return ok
+
+
+def test_state_dict_round_trip_continues_bit_identically():
+    def build():
+        m = _toy().to(torch.bfloat16)
+        sync = Fp32ShardedGradientSync(list(m.named_parameters()), None, torch.device("cpu"), block=64, bucket_numel=1000)
+        return m, sync, Zero1Optimizer(list(m.named_parameters()), OptimSection(lr=1e-2), sync)
+
+    a, a_sync, a_opt = build()
+    for seed in range(2):
+        _step(a, a_sync, a_opt, seed)
+    saved = a_opt.state_dict()
+    keys = [f"{name}.{inner}" for name, entries in saved.items() for inner in entries]
+    assert len(keys) == len(a_sync.buckets) > 2  # one distinct key per bucket shard
+    assert any(".at" in k for k in keys)  # a bucket that starts inside a parameter
+    b, b_sync, b_opt = build()
+    with torch.no_grad():
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pb.copy_(pa)
+    b_opt.load_state_dict({n: {i: {k: v.clone() for k, v in e.items()} for i, e in es.items()} for n, es in saved.items()})
+    _step(a, a_sync, a_opt, 7)
+    _step(b, b_sync, b_opt, 7)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    with pytest.raises(KeyError, match="resume with the parallel layout"):
+        b_opt.load_state_dict({})
+
+
 def test_zero1_rejects_the_8bit_optimizer_with_the_fix():
     m = _toy()
     sync = Fp32ShardedGradientSync(list(m.named_parameters()), None, torch.device("cpu"), block=64)
@@ -136,12 +176,94 @@ def _cfg(tmp: Path, name: str, *extra: str):
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
     from agoq.train.run import train_worker
 
-    out = {}
+    out = {"direct": _direct_checks(rank, world)}
     for name, cfg in cfgs.items():
         res = train_worker(cfg)
         stats = res["ranks"] if "ranks" in res else None
         out[name] = {"losses": [r["loss"] for r in res["records"]], "all_stats": stats}
     return out
+
+
+def _direct_checks(rank: int, world: int) -> dict:
+    """dp = 4 over the whole group, the toy model, a different batch per rank, several buckets."""
+    import torch.distributed as dist
+
+    from agoq.train.gradsync import PlainGradientSync
+    from agoq.train.optim import MasterWeightOptimizer
+
+    torch.set_num_threads(1)
+    cfg = OptimSection(lr=1e-2, weight_decay=0.1)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ref, z = _toy().to(dtype), _toy().to(dtype)
+        ref_sync = PlainGradientSync(list(ref.named_parameters()), None, torch.device("cpu"), torch.float32)
+        ref_opt = MasterWeightOptimizer(list(ref.named_parameters()), cfg)
+        z_sync = Fp32ShardedGradientSync(list(z.named_parameters()), None, torch.device("cpu"), block=64, bucket_numel=1000)
+        z_opt = Zero1Optimizer(list(z.named_parameters()), cfg, z_sync)
+        for step in range(3):
+            _step(ref, ref_sync, ref_opt, 10 * step + rank, clip=0.7)
+            _step(z, z_sync, z_opt, 10 * step + rank, clip=0.7)
+        diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(_weights(ref), _weights(z)))
+        # Every replica must hold the same weights after the all-gather.
+        flat = torch.cat([w.reshape(-1) for w in _weights(z)])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        out[str(dtype)] = {
+            "rel_diff": diff,
+            "replicas_equal": all(torch.equal(g, gathered[0]) for g in gathered),
+            "buckets": len(z_sync.buckets),
+            "state_bytes": z_opt.state_bytes(),
+            "ref_state_bytes": ref_opt.state_bytes(),
+            "wire": z_sync.counter.as_dict(),
+        }
+    # A non-finite gradient on one rank: reduce() says so there and on the ranks whose shard got it.
+    z = _toy()
+    z_sync = Fp32ShardedGradientSync(list(z.named_parameters()), None, torch.device("cpu"), block=64)
+    z_sync.start_step()
+    loss = _toy_loss(z, torch.randint(0, 50, (4, 9)))
+    (loss * (float("nan") if rank == 1 else 1.0)).backward()
+    with pytest.warns(RuntimeWarning, match="non-finite") if rank == 1 else _no_warning():
+        ok = z_sync.reduce()
+    z_sync.finish_step()
+    out["nonfinite_ok"] = ok
+    return out
+
+
+def _weights(m: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().float() for p in m.parameters()]
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_dp4_zero1_equals_the_unsharded_optimizer_and_keeps_replicas_identical(runs):
+    for r in runs["results"]:
+        d = r["direct"]
+        for dtype, tol in (("torch.float32", 1e-6), ("torch.bfloat16", 1e-2)):
+            assert d[dtype]["rel_diff"] <= tol, (dtype, d[dtype]["rel_diff"])
+            assert d[dtype]["replicas_equal"]
+            assert d[dtype]["buckets"] > 2
+        # fp32: moments only (the parameters are the masters); bf16: moments plus fp32 masters.
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            ratio = d[dtype]["state_bytes"] / (d[dtype]["ref_state_bytes"] / 4)
+            # Above 1 only by the padding of these small parameters to 64-value blocks (8%).
+            assert 1.0 <= ratio < 1.1, (dtype, ratio)
+        wire = d["torch.bfloat16"]["wire"]
+        assert set(wire) == {"grad_reduce_scatter_fp32", "param_all_gather_bfloat16"}
+        # Per rank: (W - 1) / W of the fp32 buffer out, then (W - 1) / W of it back in bf16.
+        assert wire["grad_reduce_scatter_fp32"]["total"] == 2 * wire["param_all_gather_bfloat16"]["total"]
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_reported_there(runs):
+    oks = [r["direct"]["nonfinite_ok"] for r in runs["results"]]
+    assert oks[1] is False
+    # The whole loss was NaN on rank 1, so every shard of the average is NaN: every rank sees it.
+    assert oks == [False] * 4
 
 
 def _checkpoint(step_dir: Path) -> dict:

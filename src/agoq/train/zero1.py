@@ -150,9 +150,12 @@ class ShardedGradientSync(GradientSync):
 class Fp32ShardedGradientSync(ShardedGradientSync):
     """An fp32 flat buffer per bucket, reduce-scattered in fp32 (torch's reduce_scatter_single)."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, block: int) -> None:
+    def __init__(
+        self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, block: int,
+        bucket_numel: int = DEFAULT_BUCKET_BYTES // 4,
+    ) -> None:
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-        plan = plan_buckets([p.numel() for _, p in params], block, DEFAULT_BUCKET_BYTES // 4, world)
+        plan = plan_buckets([p.numel() for _, p in params], block, bucket_numel, world)
         super().__init__(params, group, _shard_buckets(plan, world, rank), CommCounter())
         self.flat = [torch.zeros(b.numel, dtype=torch.float32, device=device) for b in self.buckets]
         self._where: list[list[Segment]] = [[] for _ in self.params]
