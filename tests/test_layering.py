@@ -1,0 +1,36 @@
+"""Lower layers never import higher ones (DESIGN.md: data flows config -> model -> parallel -> trainer)."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "agoq"
+ALLOWED = {
+    "quant": set(),
+    "activation": {"quant"},
+    "gradient": {"quant"},
+    "models": {"activation", "quant"},
+    "parallel": {"models", "activation", "quant"},
+    "train": {"models", "activation", "gradient", "parallel", "quant"},
+    # The planner models what the trainer allocates for a given training config.
+    "plan": {"models", "activation", "gradient", "parallel", "quant", "train"},
+}
+
+
+def _agoq_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "agoq" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    violations = []
+    for layer, allowed in ALLOWED.items():
+        for path in (SRC / layer).rglob("*.py"):
+            for dep in _agoq_imports(path) - allowed - {layer}:
+                violations.append(f"{path.relative_to(SRC)} imports agoq.{dep}")
+    assert not violations, "\n".join(violations)
