@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
     train.add_argument("--max-restarts", type=int, default=0, help="restart the local workers this many times after a failure")
+    from agoq.plan.cli import DESCRIPTION as PLAN_DESCRIPTION, add_arguments as plan_arguments
+
+    plan = sub.add_parser("plan", help="memory per pipeline rank of a real configuration, bf16 baseline vs AGoQ", description=PLAN_DESCRIPTION)
+    plan_arguments(plan)
     bench = sub.add_parser("bench", help="run a measurement that backs a claim in the README")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, module in sorted(_bench_modules().items()):
@@ -57,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "plan":
+        from agoq.plan.cli import run as plan_run
+
+        return plan_run(args)
     if args.command == "bench":
         if getattr(args, "_bench_run", None) is None:
             parser.parse_args(["bench", "--help"])

@@ -1,0 +1,82 @@
+"""A plan as markdown tables (for people) or JSON (schema agoq.plan/1, documented in docs/plan.md)."""
+
+from __future__ import annotations
+
+import json
+
+from agoq.plan.memory import Plan, format_size
+from agoq.parallel.pipeline import schedule_name
+
+TIME_NOTE = (
+    "Iteration times are estimates: per token, a layer's forward costs its GEMMs plus causal attention, backward "
+    "twice that, a recomputed layer one more forward, AGoQ's quantization +2% forward / +3% backward (the paper's "
+    "kernel measurements), the fused loss one more LM-head forward; the slowest pp rank sets the pace; "
+    "communication and pipeline bubbles are not modelled."
+)
+
+
+def to_json(plan: Plan) -> str:
+    """The plan as indented JSON (schema agoq.plan/1)."""
+    return json.dumps(plan.to_dict(), indent=2)
+
+
+def _bits(bits: tuple[int, ...] | None) -> str:
+    if bits is None:
+        return "bf16"
+    return "/".join("bf16" if b >= 16 else str(b) for b in bits)
+
+
+def markdown(plan: Plan) -> str:
+    """Per-rank and summary tables of every configuration, with the assumptions that matter."""
+    c = plan.config
+    lines = [
+        f"# agoq plan: {c.model_name} ({c.model.num_parameters() / 1e9:.2f} B parameters)",
+        "",
+        f"tp={c.tp}{' (sequence parallel)' if c.tp > 1 else ''}, pp={c.pp}, dp={c.dp}, schedule {schedule_name(c.schedule)}"
+        f"{f' x {c.vstages} virtual stages' if c.vstages > 1 else ''}, seq {c.seq_len}, micro-batch {c.micro_batch} x "
+        f"{c.microbatches} micro-batches (global batch {c.micro_batch * c.dp * c.microbatches}), {c.dtype} compute, "
+        f"activations {c.activation_format}, stage bits {'chosen for the budget' if c.memory_budget is not None else c.stage_bits}.",
+        "",
+        f"Saved per decoder layer (before tp): baseline {plan.layer_units['baseline']:.2f}U, AGoQ {plan.layer_units['A']:.2f}U "
+        f"(U = micro-batch x seq x hidden x 2 bytes). Peak in-flight micro-batches per pp rank: {', '.join(map(str, plan.inflight))}.",
+    ]
+    if c.capacity is not None:
+        if c.memory_budget is not None:
+            lines.append(f"Memory budget per GPU: {format_size(c.memory_budget)}.")
+        else:
+            lines.append(f"GPU memory {format_size(c.gpu_memory)}, less {format_size(c.reserved)} reserved: {format_size(c.capacity)} per GPU.")
+    lines += [
+        "",
+        "| configuration | pp rank | layers | act. bits | in flight | parameters | gradients | optimizer | act. / micro-batch "
+        "| act. peak | pipeline buffers | temporary | total | recompute |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for sp in plan.setups:
+        for r in sp.ranks:
+            lines.append(
+                f"| {sp.setup.name} | {r.pp_rank} | {r.layers} | {_bits(r.bits)} | {r.inflight} | {format_size(r.parameters)} "
+                f"| {format_size(r.gradients)} | {format_size(r.optimizer)} | {format_size(r.activations_per_microbatch)} "
+                f"| {format_size(r.activations_peak)} | {format_size(r.pipeline_buffers)} | {format_size(r.temporary)} "
+                f"| **{format_size(r.total)}** | {r.recompute_layers} |"
+            )
+    lines += [
+        "",
+        "| configuration | what it keeps | peak without recompute | fits | recompute (layers per stage) | peak | "
+        "est. iteration time vs baseline | est. speedup over baseline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for sp in plan.setups:
+        fits = "-" if sp.fits is None else ("yes" if sp.fits else "**no**")
+        k = "cannot fit" if sp.recompute_layers is None else str(sp.recompute_layers)
+        speed = plan.speedup_estimate(sp.setup.name) if any(s.setup.name == "baseline" for s in plan.setups) else None
+        lines.append(
+            f"| {sp.setup.name} | {sp.setup.description} | {format_size(sp.peak_without_recompute)} | {fits} | {k} "
+            f"| {format_size(sp.peak)} | {sp.relative_time:.3f} (estimate) | {'-' if speed is None else f'{speed:.2f}x (estimate)'} |"
+        )
+    lines += [
+        "",
+        TIME_NOTE,
+        "Temporary buffers are estimates of the largest transient working set (a layer's backward or the loss, the "
+        "gradient path, pipeline send/receive); the other columns follow the trainer's measured accounting (docs/plan.md).",
+    ]
+    return "\n".join(lines)
