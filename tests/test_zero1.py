@@ -176,8 +176,16 @@ def _cfg(tmp: Path, name: str, *extra: str):
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
     from agoq.train.run import train_worker
 
+    from agoq.train.checkpoint import CheckpointError
+
     out = {"direct": _direct_checks(rank, world)}
     for name, cfg in cfgs.items():
+        if name.startswith("error_"):
+            try:
+                train_worker(cfg)
+            except CheckpointError as e:  # raised on every rank alike, so the group stays in step
+                out[name] = str(e)
+            continue
         res = train_worker(cfg)
         stats = res["ranks"] if "ranks" in res else None
         out[name] = {"losses": [r["loss"] for r in res["records"]], "all_stats": stats}
@@ -289,6 +297,8 @@ def runs(tmp_path_factory):
         "resume_second_half": _cfg(tmp, "resume", *save_end, "--checkpoint.resume=true", *FP32, "--parallel.zero1=true"),
         "plain_int8": _cfg(tmp, "plain_int8", f"--train.steps={STEPS}"),
         "zero1_int8": _cfg(tmp, "zero1_int8", f"--train.steps={STEPS}", "--parallel.zero1=true"),
+        # The unsharded run's checkpoint, resumed with ZeRO-1.
+        "error_unsharded_checkpoint": _cfg(tmp, "plain_fp32", f"--train.steps={STEPS + 1}", "--checkpoint.resume=true", *FP32, "--parallel.zero1=true"),
     }
     results = run_distributed(_runs, 4, cfgs)
     return {"tmp": tmp, "results": results}
@@ -386,3 +396,9 @@ def test_checkpoint_keys_are_distinct_per_stage_and_dp_rank(runs):
         assert e0["exp_avg"].shape == e1["exp_avg"].shape
         assert not torch.equal(e0["exp_avg"], e1["exp_avg"])  # different halves of the bucket
         assert float(e0["step"]) == float(e1["step"]) == STEPS
+
+
+def test_resuming_an_unsharded_checkpoint_with_zero1_names_both_optimizers(runs):
+    for r in runs["results"]:
+        message = r["error_unsharded_checkpoint"]
+        assert "MasterWeightOptimizer" in message and "Zero1Optimizer" in message and "\n" not in message

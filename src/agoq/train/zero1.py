@@ -187,7 +187,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
                 dist.reduce_scatter_single(shard, flat, group=self.group)  # SUM: gloo has no AVG
                 shard.div_(self.world)
             else:
-                shard = flat.clone()
+                shard = flat
             self.counter.record("grad_reduce_scatter_fp32", (self.world - 1) * b.chunk * 4)
             self._shards.append(shard)
         return ok and all(bool(torch.isfinite(s).all()) for s in self._shards)
