@@ -13,8 +13,10 @@ recompute what follows it in backward:
 - :func:`causal_attention`: stores the attention core's saved tensors quantized (the ``uniform4``
   ablation).
 
-Forward outputs are the baseline's bit for bit; only gradients see the quantization. Every op sets
-the kind of what it saves for :mod:`agoq.activation.meter`.
+Forward outputs are the baseline's bit for bit; only gradients see the quantization. (Under the
+Triton backend of :mod:`agoq.quant.backend`, the fused norm and SwiGLU kernels reduce and
+exponentiate in their own order: outputs then agree within the rounding of their dtype; the saved
+codes stay bit-identical.) Every op sets the kind of what it saves for :mod:`agoq.activation.meter`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from agoq.activation.meter import meter_scope
-from agoq.quant import QTensor, QuantFormat, dequantize, quantize
+from agoq.quant import QTensor, QuantFormat, backend, dequantize, quantize
 
 # Set on an attention output whose storage the attention core itself keeps unquantized for
 # backward; saved_input_linear then saves a view of it instead of a quantized copy.
@@ -65,6 +67,12 @@ def _quantize_saved(t: torch.Tensor, fmt: QuantFormat) -> QTensor:
     return quantize(t, fmt, nonfinite="propagate")
 
 
+def _norm_kernels(device: torch.device, fmt: QuantFormat, hidden: int) -> Any:
+    """The fused Triton norm kernels when agoq.quant.backend selects them for this layer, else None."""
+    kernels = backend.kernels(device, fmt)
+    return kernels if kernels is not None and kernels.norm_supported(hidden, fmt) else None
+
+
 class _RMSNorm(torch.autograd.Function):
     """Baseline fused RMSNorm: saves its input (compute dtype) and the fp32 rstd, like Megatron's."""
 
@@ -95,9 +103,14 @@ class _NormLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, fmt: QuantFormat, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        h, _ = _norm_forward(x, norm_weight, eps)
-        outs = tuple(F.linear(h, w) for w in weights)
-        q = _quantize_saved(x, fmt)
+        kernels = _norm_kernels(x.device, fmt, x.shape[-1])
+        if kernels is not None:  # one pass writes the norm output and the quantized input
+            h, q = kernels.rms_norm_quantize(x, norm_weight, eps, fmt)
+            outs = tuple(F.linear(h, w) for w in weights)
+        else:
+            h, _ = _norm_forward(x, norm_weight, eps)
+            outs = tuple(F.linear(h, w) for w in weights)
+            q = _quantize_saved(x, fmt)
         ctx.save_for_backward(q.payload, q.scales, norm_weight, *weights)
         ctx.meta = (q.shape, q.dtype, q.fmt, eps)
         return outs
@@ -106,9 +119,15 @@ class _NormLinear(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         payload, scales, norm_weight, *weights = ctx.saved_tensors
         shape, dtype, fmt, eps = ctx.meta
-        x = dequantize(QTensor(payload, scales, shape, dtype, fmt), torch.float32)
-        h, rstd = _norm_forward(x, norm_weight, eps, out_dtype=dtype)
-        grad_h = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        q = QTensor(payload, scales, shape, dtype, fmt)
+        kernels = _norm_kernels(payload.device, fmt, shape[-1])
+        if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
+            x = None
+            h, rstd = kernels.rms_norm_recompute(q, norm_weight, eps, dtype)
+        else:
+            x = dequantize(q, torch.float32)
+            h, rstd = _norm_forward(x, norm_weight, eps, out_dtype=dtype)
+        grad_h = torch.zeros(shape, dtype=torch.float32, device=payload.device)
         weight_grads: list[torch.Tensor | None] = []
         for i, (g, w) in enumerate(zip(grads, weights)):
             if g is None:
@@ -116,7 +135,10 @@ class _NormLinear(torch.autograd.Function):
                 continue
             grad_h += F.linear(g, w.t())
             weight_grads.append(_tokens(g).t().mm(_tokens(h)) if ctx.needs_input_grad[4 + i] else None)
-        gx, gw = _norm_backward(grad_h, x, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
+        if x is None:
+            gx, gw = kernels.rms_norm_backward(grad_h, q, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
+        else:
+            gx, gw = _norm_backward(grad_h, x, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
         return (gx, gw, None, None, *weight_grads)
 
 
@@ -147,8 +169,13 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-        out = F.linear(F.silu(gate) * up, down_weight)
-        qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
+        kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
+        if kernels is not None:  # one pass writes SiLU(gate) * up and the quantized gate and up
+            act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
+            out = F.linear(act, down_weight)
+        else:
+            out = F.linear(F.silu(gate) * up, down_weight)
+            qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
         ctx.save_for_backward(qg.payload, qg.scales, qu.payload, qu.scales, down_weight)
         ctx.meta = (qg.shape, qg.dtype, qu.shape, qu.dtype, fmt)
         return out
@@ -157,6 +184,13 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
         gshape, gdtype, ushape, udtype, fmt = ctx.meta
+        kernels = backend.kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
+        if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
+            grad_act = F.linear(grad_out, down_weight.t())
+            qg, qu = QTensor(gp, gs, gshape, gdtype, fmt), QTensor(up_p, up_s, ushape, udtype, fmt)
+            act, grad_gate, grad_up = kernels.swiglu_backward(grad_act, qg, qu, gdtype, grad_out.dtype if ctx.needs_input_grad[2] else None)
+            grad_down = _tokens(grad_out).t().mm(_tokens(act)) if act is not None else None
+            return grad_gate, grad_up, grad_down, None
         gate = dequantize(QTensor(gp, gs, gshape, gdtype, fmt), torch.float32)
         up = dequantize(QTensor(up_p, up_s, ushape, udtype, fmt), torch.float32)
         sig = torch.sigmoid(gate)

@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from agoq.quant import SCALE_BYTES, QTensor, QuantFormat, dequantize, quantize
+from agoq.quant import SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, quantize
 
 from agoq.gradient.collectives import (
     ChunkLayout,
@@ -136,32 +136,20 @@ class QuantGradBuffer:
     # ---- layout -------------------------------------------------------------------------------
 
     def _build_layout(self) -> tuple[list[_Bucket], list[list[Segment]]]:
-        block, cap = self.fmt.block_size, self.bucket_numel
-        per_bucket: list[list[Segment]] = [[]]
+        block = self.fmt.block_size
         segments: list[list[Segment]] = [[] for _ in self.params]
-        fill = 0
-        for pi in reversed(range(len(self.params))):
-            remaining, poff = self.params[pi].numel(), 0
-            while remaining > 0:
-                if fill >= cap:
-                    per_bucket.append([])
-                    fill = 0
-                take = min(remaining, cap - fill)
-                seg = Segment(pi, len(per_bucket) - 1, fill, poff, take)
-                per_bucket[-1].append(seg)
-                segments[pi].append(seg)
-                fill += _round_up(take, block)
-                remaining -= take
-                poff += take
         buckets = []
-        zero = quantize(torch.zeros(block, device=self.device), self.fmt).payload[:1]
-        for b, segs in enumerate(per_bucket):
-            used = max((s.offset + _round_up(s.numel, block) for s in segs), default=block)
-            layout = chunk_layout(_round_up(used, self.world_size * block), self.world_size, self.fmt)
+        zero = quantize(torch.zeros(block), self.fmt).payload[:1]
+        for b, (n_padded, segs) in enumerate(plan_buckets([p.numel() for p in self.params], block, self.bucket_numel, self.world_size)):
+            for seg in segs:
+                segments[seg.param].append(seg)
+            layout = chunk_layout(n_padded, self.world_size, self.fmt)
             n = layout.world_size * layout.padded_chunk
             payload = zero.expand(self.fmt.payload_bytes(n)).clone()
-            scales = torch.zeros(self.fmt.num_blocks(n), dtype=torch.float32, device=self.device)
+            scales = torch.zeros(self.fmt.num_blocks(n), dtype=torch.float32)
             buckets.append(_Bucket(b, layout, payload, scales, segs))
+        for segs in segments:
+            segs.sort(key=lambda seg: seg.param_offset)
         return buckets, segments
 
     @property
@@ -265,6 +253,13 @@ class QuantGradBuffer:
         n = _round_up(k, block)
         pay = bucket.payload[self.fmt.payload_bytes(offset) : self.fmt.payload_bytes(offset + n)]
         sc = bucket.scales[offset // block : (offset + n) // block]
+        kernels = backend.kernels(self.device, self.fmt)
+        if kernels is not None:  # Triton: dequantize, add, requantize in place in one pass
+            kernels.accumulate_(pay, sc, g, self.fmt, first=first)
+            bad = torch.isnan(sc)
+            sc.masked_fill_(bad, 0.0)
+            self._bad_mask[pi] |= bad.any()
+            return
         if first and k == n:
             x = g
         elif first:
@@ -468,6 +463,34 @@ class QuantGradBuffer:
                 shard = dequantize(QTensor(b.payload, b.scales, torch.Size([n]), torch.float32, self.fmt))[start:end]
             out.append((b.index, start, end, shard))
         return out
+
+
+def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -> list[tuple[int, list[Segment]]]:
+    """(padded flat size, segments) of each gradient bucket: the one layout rule of every 8-bit or sharded buffer.
+
+    Parameters go in reverse order (the order backward produces them), each starting on a block
+    boundary; a parameter larger than what is left of a bucket continues in the next; a bucket is
+    padded to world x whole blocks (the layout of the 8-bit collectives).
+    """
+    cap = _round_up(bucket_numel, block)
+    per_bucket: list[list[Segment]] = [[]]
+    fill = 0
+    for pi in reversed(range(len(numels))):
+        remaining, poff = numels[pi], 0
+        while remaining > 0:
+            if fill >= cap:
+                per_bucket.append([])
+                fill = 0
+            take = min(remaining, cap - fill)
+            per_bucket[-1].append(Segment(pi, len(per_bucket) - 1, fill, poff, take))
+            fill += _round_up(take, block)
+            remaining -= take
+            poff += take
+    out = []
+    for segs in per_bucket:
+        used = max((s.offset + _round_up(s.numel, block) for s in segs), default=block)
+        out.append((_round_up(used, world * block), segs))
+    return out
 
 
 def _named(

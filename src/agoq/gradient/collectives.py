@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, dequantize, parse_format, quantize
+from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 
@@ -197,6 +197,7 @@ class EightBitReduction:
             )
         self._gather_work: dist.Work | None = None
         self._gathered: torch.Tensor | None = None
+        self._requantized: tuple[torch.Tensor, int, QTensor] | None = None
         w = self.world_size
         self.counter.record(name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes)
         if w == 1:
@@ -215,6 +216,15 @@ class EightBitReduction:
                 self._a2a.wait()
             self._a2a = None
         with _timed(self.timings, "reduce"):
+            kernels = backend.kernels(self._recv.device, self.layout.fmt)
+            if kernels is not None:
+                # Triton: dequantize the W rows, sum in fp32 in rank order and requantize in one
+                # pass; start_gather sends the requantized chunk if it gets this very sum back.
+                pb = self.layout.row_payload_bytes
+                scales = self._recv[:, pb:].contiguous().view(torch.float32)
+                acc, q = kernels.reduce_rows(self._recv[:, :pb], scales, self.layout.fmt, average=self.op == "avg", requantize=True)
+                self._requantized = (acc, acc._version, q)
+                return acc
             # Row by row, in rank order: the sum is the same on every rank and for every path, and
             # no more than two chunks are ever in fp32 at once.
             acc = dequantize(from_wire(self._recv[0:1], self.layout), torch.float32)
@@ -228,7 +238,10 @@ class EightBitReduction:
         """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
         layout = self.layout
         with _timed(self.timings, "reduce"):
-            send = to_wire(quantize(reduced, layout.fmt, nonfinite="propagate"), 1)
+            done, self._requantized = self._requantized, None
+            fresh = done is not None and done[0] is reduced and reduced._version == done[1]  # not modified since
+            q = done[2] if fresh else quantize(reduced, layout.fmt, nonfinite="propagate")
+            send = to_wire(q, 1)
         w = self.world_size
         self.counter.record(self.name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes, calls=0)
         if w == 1:

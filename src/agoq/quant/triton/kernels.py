@@ -331,8 +331,9 @@ def swiglu_quantize_kernel(
     blk, e, valid = _flat_tile(n, BLOCK, BP, R)
     gate = _load_f32(g_ptr, e, valid, IN_BF16)
     up = _load_f32(u_ptr, e, valid, IN_BF16)
-    # As F.silu(gate) * up in the compute dtype: SiLU rounded to it, then the product rounded.
-    silu = _round_to(gate * _sigmoid(gate), IN_BF16)
+    # As F.silu(gate) * up in the compute dtype: SiLU (torch's x / (1 + exp(-x))) rounded to it,
+    # then the product rounded.
+    silu = _round_to(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), IN_BF16)
     _store_f(act_ptr, e, silu * up, valid, IN_BF16)
     codes, s = _quantize_tile(gate, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
     _store_codes(gpay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)

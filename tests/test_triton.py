@@ -1,0 +1,339 @@
+"""The Triton kernels of agoq.quant against the torch reference path.
+
+The reference is always the torch path on CPU. Without a GPU the kernels run on CPU tensors under
+Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported); with a GPU they run
+on it and their results are compared with the CPU reference.
+
+Tie rule: every kernel rounds like the torch path (int: ties to even as torch.round; fp4 and fp8:
+ties to the even code; nf4: ties to the lower value), so codes and scales are asserted equal bit
+for bit, exact ties included. What is not a quantization (the norm, SiLU, sums over a row) is
+compared within a stated tolerance: reduction order and exp differ from torch's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("AGOQ_TEST_TRITON_DEVICE", "cuda") == "cuda"
+if not ON_GPU:
+    # Must precede the first import of triton: kernels are bound to the interpreter when defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'agoq[triton]')")
+
+import agoq.quant.triton as tq  # noqa: E402
+from agoq.activation.ops import _norm_backward, _norm_forward, rms_norm_linear, swiglu_linear  # noqa: E402
+from agoq.gradient import QuantGradBuffer, all_reduce_8bit  # noqa: E402
+from agoq.quant import NonFiniteError, QTensor, backend, dequantize, parse_format, quantize  # noqa: E402
+from agoq.quant.formats import codebook_tables  # noqa: E402
+from tests._dist import run_distributed  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+if not ON_GPU and not tq.INTERPRETED:
+    pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run these tests in their own process", allow_module_level=True)
+
+FORMATS = ("int2", "int3", "int4", "int5", "int6", "int8", "int8/256", "int4/64", "int5/96", "fp4", "nf4", "fp8")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+N = 16384 + 77  # a partial last block, and for 3/5/6 bits a partial last packing group
+EPS = 1e-5
+
+
+def _data(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gaussian values with blocks that test the edges: all zeros, tiny, -0.0, a 1e4 outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n // 256 + 1, generator=g)).repeat_interleave(256)[:n]
+    x[256:512] = 0.0
+    x[512:768] *= 1e-30 if dtype == torch.float32 else 1e-6
+    x[768:1024:3] = -0.0
+    x[1030] = 1e4
+    return x.to(dtype)
+
+
+def _reference_quantize(x: torch.Tensor, fmt, **kw) -> QTensor:
+    with backend.use_backend("torch"):
+        return quantize(x.cpu(), fmt, **kw)
+
+
+def _reference_dequantize(q: QTensor, dtype=None) -> torch.Tensor:
+    with backend.use_backend("torch"):
+        return dequantize(q.to("cpu"), dtype)
+
+
+def _assert_same_q(q: QTensor, ref: QTensor) -> None:
+    assert q.shape == ref.shape and q.dtype == ref.dtype and q.fmt == ref.fmt
+    assert torch.allclose(q.scales.cpu(), ref.scales, rtol=0, atol=0, equal_nan=True), "scales differ"
+    mismatch = (q.payload.cpu() != ref.payload).sum().item()
+    assert mismatch == 0, f"{mismatch} payload bytes differ"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    """|a - b| <= rtol * max|b| (+ rtol * |b|): agreement up to the rounding of the dtype."""
+    a, b = a.float().cpu(), b.float().cpu()
+    err = (a - b).abs()
+    bound = rtol * (b.abs() + b.abs().max())
+    assert bool((err <= bound).all()), f"{what}: max error {err.max().item():.3g}, allowed {bound.min().item():.3g}"
+
+
+# The interpreter evaluates inf - inf (the kernels' finiteness test) in numpy, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+# ---- quantize / dequantize ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_and_dequantize_equal_torch_bit_for_bit(spec: str, dtype: torch.dtype) -> None:
+    fmt = parse_format(spec)
+    x = _data(N, dtype, seed=len(spec))
+    ref = _reference_quantize(x, fmt)
+    q = tq.quantize(x.to(DEVICE), fmt)
+    _assert_same_q(q, ref)
+    assert q.payload.numel() == fmt.payload_bytes(N) and q.scales.numel() == fmt.num_blocks(N)
+    for out_dtype in (None, torch.float32):
+        got = tq.dequantize(ref.to(DEVICE), out_dtype).cpu()
+        want = _reference_dequantize(ref, out_dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+TIES = {
+    # (format, block of values whose absmax makes the scale exactly 1, what each rounds to)
+    "int4": ([7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -6.5], [7.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 4.0, -6.0]),
+    "fp4": ([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0], [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0]),
+    "fp8": ([448.0, 1.0625, 1.1875, 17.0, -17.0, 2.0**-10, 3 * 2.0**-10, 232.0], [448.0, 1.0, 1.25, 16.0, -16.0, 0.0, 2.0**-8, 224.0]),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(TIES))
+def test_exact_ties_round_to_even_like_torch(spec: str) -> None:
+    # Triton's round() and the interpreter's casts send .5 away from zero; the kernels must not.
+    values, expected = TIES[spec]
+    fmt = parse_format(spec, block_size=16)
+    x = torch.zeros(16)
+    x[: len(values)] = torch.tensor(values)
+    q = tq.quantize(x.to(DEVICE), fmt)
+    _assert_same_q(q, _reference_quantize(x, fmt))
+    assert float(q.scales[0]) == 1.0
+    assert tq.dequantize(q).cpu()[: len(values)].tolist() == expected
+
+
+def test_nf4_ties_go_to_the_lower_value() -> None:
+    fmt = parse_format("nf4/16")
+    t = codebook_tables("nf4")
+    x = torch.cat([torch.ones(1), t.boundaries])  # scale 1: every boundary is an exact tie
+    q = tq.quantize(x.to(DEVICE), fmt)
+    _assert_same_q(q, _reference_quantize(x, fmt))
+    assert torch.equal(tq.dequantize(q).cpu()[1:], t.values[:-1])
+
+
+def test_nonfinite_blocks_get_nan_scales_and_the_torch_path_raises() -> None:
+    fmt = parse_format("int4/128")
+    x = torch.randn(1024)
+    x[5], x[300], x[301] = float("nan"), float("inf"), -float("inf")
+    q = tq.quantize(x.to(DEVICE), fmt)
+    _assert_same_q(q, _reference_quantize(x, fmt, nonfinite="propagate"))
+    assert torch.isnan(q.scales.cpu()).tolist() == [True, False, True] + [False] * 5
+    with backend.use_backend("triton"), pytest.raises(NonFiniteError, match="flat index 5"):
+        quantize(x.to(DEVICE), fmt)
+
+
+# ---- backend selection ----------------------------------------------------------------------------------
+
+
+def test_backend_choice_env_api_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    assert backend.get_backend() == "auto"
+    assert backend.resolve("cpu") == "torch" and backend.kernels("cpu") is None
+    assert backend.resolve("cuda") == "triton"  # auto: Triton on CUDA whenever it is importable
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert backend.kernels("cpu", parse_format("int4")) is tq
+    assert backend.kernels("cpu", parse_format("int4/100")) is None  # blocks of 100 x 4 bits: torch path
+    with backend.use_backend("torch"):
+        assert backend.resolve("cuda") == "torch"
+    assert backend.get_backend() == "triton"
+    monkeypatch.setenv(backend.ENV_VAR, "cuda-please")
+    with pytest.raises(ValueError, match="AGOQ_QUANT_BACKEND must be one of auto, torch, triton, got 'cuda-please'"):
+        backend.get_backend()
+    with pytest.raises(ValueError, match="one of auto, torch, triton"):
+        backend.set_backend("fast")
+
+
+def test_public_quantize_uses_the_kernel_and_falls_back_for_stochastic_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(tq, "quantize", lambda x, fmt: calls.append(fmt) or tq.ops.quantize(x, fmt))
+    x = _data(4096, torch.bfloat16, seed=3).to(DEVICE)
+    with backend.use_backend("triton"):
+        q = quantize(x, "int4")
+        qs = quantize(x, "int4", rounding="stochastic", generator=torch.Generator(DEVICE).manual_seed(0))
+        odd = quantize(x, "int4/100")
+    assert len(calls) == 1
+    _assert_same_q(q, _reference_quantize(x, "int4"))
+    with backend.use_backend("torch"):
+        _assert_same_q(qs, quantize(x, "int4", rounding="stochastic", generator=torch.Generator(DEVICE).manual_seed(0)).to("cpu"))
+    _assert_same_q(odd, _reference_quantize(x, "int4/100"))
+
+
+# ---- fused RMSNorm ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_rms_norm_forward_writes_the_norm_and_the_quantized_input(dtype: torch.dtype) -> None:
+    fmt = parse_format("int4/128")
+    x, w = (_data(64 * 256, torch.float32, seed=5).view(64, 256) * 0.5).to(dtype), (1 + 0.1 * torch.randn(256)).to(dtype)
+    h, q = tq.rms_norm_quantize(x.to(DEVICE), w.to(DEVICE), EPS, fmt)
+    _assert_same_q(q, _reference_quantize(x, fmt))
+    want, _ = _norm_forward(x, w, EPS)
+    assert h.dtype == dtype
+    _close(h, want, 2 * ULP[dtype], "norm output")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_rms_norm_backward_from_the_quantized_input(dtype: torch.dtype) -> None:
+    fmt = parse_format("int4/128")
+    x, w = torch.randn(48, 512).to(dtype), (1 + 0.1 * torch.randn(512)).to(dtype)
+    q = _reference_quantize(x, fmt)
+    xq = _reference_dequantize(q, torch.float32)
+    want_h, want_rstd = _norm_forward(xq, w, EPS, out_dtype=dtype)
+    h, rstd = tq.rms_norm_recompute(q.to(DEVICE), w.to(DEVICE), EPS, dtype)
+    _close(h, want_h, 2 * ULP[dtype], "recomputed GEMM input")
+    _close(rstd, want_rstd, 4 * ULP[torch.float32], "rstd")
+    grad_h = torch.randn(48, 512)
+    want_gx, want_gw = _norm_backward(grad_h, xq, want_rstd, w, dtype, True)
+    gx, gw = tq.rms_norm_backward(grad_h.to(DEVICE), q.to(DEVICE), rstd, w.to(DEVICE), dtype, True)
+    assert gx.dtype == dtype and gw.dtype == w.dtype
+    _close(gx, want_gx, 2 * ULP[dtype] + 1e-6, "input gradient")
+    _close(gw, want_gw, 2 * ULP[dtype] + 1e-6, "weight gradient")  # a sum over 48 tokens in another order
+    gx2, none = tq.rms_norm_backward(grad_h.to(DEVICE), q.to(DEVICE), rstd, w.to(DEVICE), dtype, False)
+    assert none is None and torch.equal(gx2, gx)
+
+
+# ---- fused SwiGLU -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_swiglu_forward_writes_the_product_and_quantized_gate_and_up(dtype: torch.dtype) -> None:
+    fmt = parse_format("int4/128")
+    gate, up = (torch.randn(32, 688) * 3).to(dtype), torch.randn(32, 688).to(dtype)
+    act, qg, qu = tq.swiglu_quantize(gate.to(DEVICE), up.to(DEVICE), fmt)
+    _assert_same_q(qg, _reference_quantize(gate, fmt))
+    _assert_same_q(qu, _reference_quantize(up, fmt))
+    _close(act, torch.nn.functional.silu(gate) * up, 2 * ULP[dtype] + 4 * ULP[torch.float32], "SiLU(gate) * up")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_swiglu_backward_recomputes_from_quantized_gate_and_up(dtype: torch.dtype) -> None:
+    fmt = parse_format("int4/128")
+    qg = _reference_quantize((torch.randn(32, 688) * 3).to(dtype), fmt)
+    qu = _reference_quantize(torch.randn(32, 688).to(dtype), fmt)
+    grad_act = torch.randn(32, 688).to(dtype)
+    gate, up = _reference_dequantize(qg, torch.float32), _reference_dequantize(qu, torch.float32)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    ga = grad_act.float()
+    want = ((silu * up).to(dtype), (ga * up * sig * (1 + gate * (1 - sig))).to(dtype), (ga * silu).to(dtype))
+    got = tq.swiglu_backward(grad_act.to(DEVICE), qg.to(DEVICE), qu.to(DEVICE), dtype, dtype)
+    for name, a, b in zip(("product", "gate gradient", "up gradient"), got, want):
+        assert a.dtype == dtype
+        _close(a, b, 2 * ULP[dtype] + 8 * ULP[torch.float32], name)
+    act, gg, gu = tq.swiglu_backward(grad_act.to(DEVICE), qg.to(DEVICE), qu.to(DEVICE), dtype, None)
+    assert act is None and torch.equal(gg, got[1]) and torch.equal(gu, got[2])
+
+
+def test_layer_ops_under_the_triton_backend_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    used = []
+    for name in ("rms_norm_quantize", "rms_norm_recompute", "rms_norm_backward", "swiglu_quantize", "swiglu_backward"):
+        real = getattr(tq, name)
+        monkeypatch.setattr(tq, name, lambda *a, _real=real, _name=name, **k: used.append(_name) or _real(*a, **k))
+    fmt = parse_format("int4/128")
+    g = torch.Generator().manual_seed(0)
+    x, nw = torch.randn(2, 24, 256, generator=g), 1 + 0.1 * torch.randn(256, generator=g)
+    wg, wu = torch.randn(384, 256, generator=g) / 16, torch.randn(384, 256, generator=g) / 16
+    wd = torch.randn(256, 384, generator=g) / 20
+    results = {}
+    for name in ("torch", "triton"):
+        leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in (x, nw, wg, wu, wd)]
+        with backend.use_backend(name):
+            gate, up = rms_norm_linear(leaves[0], leaves[1], EPS, (leaves[2], leaves[3]), fmt)
+            out = swiglu_linear(gate, up, leaves[4], fmt)
+            (out * torch.linspace(-1, 1, 256, device=DEVICE)).sum().backward()
+        results[name] = [out.detach()] + [t.grad for t in leaves]
+    assert sorted(set(used)) == ["rms_norm_backward", "rms_norm_quantize", "rms_norm_recompute", "swiglu_backward", "swiglu_quantize"]
+    for what, a, b in zip(("output", "x", "norm weight", "gate weight", "up weight", "down weight"), results["triton"], results["torch"]):
+        _close(a, b, 1e-5, what)
+
+
+# ---- QuanGrad: accumulation and the all-reduce's local step ------------------------------------------------
+
+
+@pytest.mark.parametrize("grad_dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_accumulate_dequantize_add_requantize_equals_torch(grad_dtype: torch.dtype) -> None:
+    fmt = parse_format("int8/256")
+    n, k = 16384, 16384 - 100
+    payload = torch.zeros(fmt.payload_bytes(n), dtype=torch.uint8, device=DEVICE)
+    scales = torch.zeros(n // 256, device=DEVICE)
+    ref = None
+    for i in range(3):
+        g = (torch.randn(k) * 10.0 ** (i - 1)).to(grad_dtype)
+        if i == 2:
+            g[7] = float("nan")
+        tq.accumulate_(payload, scales, g.to(DEVICE), fmt, first=i == 0)
+        x = torch.zeros(n) if ref is None else _reference_dequantize(ref)
+        x[:k] += g.float()
+        ref = _reference_quantize(x, fmt, nonfinite="propagate")
+        _assert_same_q(QTensor(payload, scales, torch.Size([n]), torch.float32, fmt), ref)
+    assert torch.isnan(scales.cpu()).nonzero().flatten().tolist() == [0]
+
+
+def test_gradient_buffer_folds_identically_under_both_backends() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 200), torch.nn.GELU(), torch.nn.Linear(200, 50)).to(DEVICE)
+    batches = [torch.randn(8, 96, device=DEVICE) for _ in range(3)]
+    stored = {}
+    for name in ("torch", "triton"):
+        with backend.use_backend(name):
+            buf = QuantGradBuffer(model, microbatches=3, bucket_numel=8192)
+            for b in batches:
+                model(b).square().mean().backward()
+            assert buf.finish()
+            stored[name] = [(bk.payload.cpu().clone(), bk.scales.cpu().clone()) for bk in buf.buckets]
+            buf.remove_hooks()
+    for (pt, st), (pk, sk) in zip(stored["torch"], stored["triton"]):
+        assert torch.equal(pt, pk) and torch.equal(st, sk)
+
+
+@pytest.mark.parametrize("average", (False, True))
+def test_reduce_rows_sums_in_rank_order_and_requantizes(average: bool) -> None:
+    fmt = parse_format("int8/256")
+    w, c = 3, 8192
+    rows = [_reference_quantize(torch.randn(c) * (i + 1), fmt) for i in range(w)]
+    acc_ref = _reference_dequantize(rows[0], torch.float32)
+    for q in rows[1:]:
+        acc_ref += _reference_dequantize(q, torch.float32)
+    if average:
+        acc_ref /= w
+    wire = torch.cat([torch.cat([q.payload.view(1, -1), q.scales.view(1, -1).view(torch.uint8)], 1) for q in rows]).to(DEVICE)
+    pb = fmt.payload_bytes(c)
+    acc, q = tq.reduce_rows(wire[:, :pb], wire[:, pb:].contiguous().view(torch.float32), fmt, average=average, requantize=True)
+    assert torch.equal(acc.cpu(), acc_ref)
+    _assert_same_q(q, _reference_quantize(acc_ref, fmt, nonfinite="propagate"))
+
+
+def _all_reduce_both_backends(rank: int, world_size: int) -> list[bool]:
+    x = torch.randn(30001, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    out = {}
+    for name in ("torch", "triton"):
+        with backend.use_backend(name):
+            t = x.clone()
+            all_reduce_8bit(t, "avg")
+            out[name] = t
+    return [torch.equal(out["torch"], out["triton"]), bool(torch.isfinite(out["triton"]).all())]
+
+
+@pytest.mark.skipif(ON_GPU, reason="gloo ranks run on CPU tensors: the kernels need the interpreter there")
+def test_all_reduce_8bit_on_three_ranks_is_identical_under_both_backends() -> None:
+    assert run_distributed(_all_reduce_both_backends, 3) == [[True, True]] * 3
