@@ -305,6 +305,8 @@ def validate(cfg: TrainConfig) -> None:
             parse_format(spec)
         except ValueError as e:
             raise ConfigError(f"precision.{key}={getattr(pr, key)!r} is invalid: {e}") from None
+    if p.zero1 and o.name == "adamw8bit":
+        raise ConfigError("parallel.zero1=true shards AdamW's fp32 state; it does not support optim.name='adamw8bit' (use one or the other)")
     if p.zero1 and pr.gradients == "bf16":
         raise ConfigError("parallel.zero1=true works with precision.gradients = int8 or fp32, not bf16")
     if o.name not in OPTIMIZERS:

@@ -87,7 +87,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         + f", {run['tokens_per_s']:,.0f} tokens/s, {run['step_time_s']:.3f} s/step"
     )
     lines.append("")
-    header = "| rank | stage(s) | layer bits | saved activations (peak) | bf16 baseline | ratio | grad bytes on the wire / step | fp32 all-reduce | ratio | grad buffer | optimizer state | peak RSS |"
+    header = "| rank | stage(s) | layer bits | saved activations (peak) | bf16 baseline | ratio | dp bytes on the wire / step | fp32 all-reduce | ratio | grad buffer | optimizer state | peak RSS |"
     lines.append(header)
     lines.append("|" + "---|" * (header.count("|") - 1))
     for r in summary["ranks"]:

@@ -20,7 +20,7 @@ def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     # Norm gains and embeddings are not decayed (the LLaMA recipe).
     return param.ndim < 2 or name.endswith("norm.weight") or name.endswith("embed.weight")
 
@@ -46,7 +46,7 @@ class MasterWeightOptimizer:
             self.params.append(p)
             self.names.append(name)
             self.masters.append(master)
-            (no_decay if _no_decay(name, p) else decay).append(master)
+            (no_decay if no_weight_decay(name, p) else decay).append(master)
         groups = [
             {"params": decay, "weight_decay": cfg.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -88,7 +88,7 @@ class MasterWeightOptimizer:
         for state in self.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    total += _tensor_bytes(v)
+                    total += tensor_bytes(v)
         total += sum(m.numel() * 4 for m, p in zip(self.masters, self.params) if m is not p)
         return total
 
@@ -132,15 +132,15 @@ class MasterWeightOptimizer:
         return saved.clone()
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
     """Storage bytes of a tensor, including quantized subclasses that expose their parts."""
     inner = getattr(t, "__tensor_flatten__", None)
     if inner is not None and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
 
 
-def count_bytes(tensors: Iterable[torch.Tensor], key: Callable[[torch.Tensor], int] = _tensor_bytes) -> int:
+def count_bytes(tensors: Iterable[torch.Tensor], key: Callable[[torch.Tensor], int] = tensor_bytes) -> int:
     """Total storage bytes of tensors."""
     return sum(key(t) for t in tensors)

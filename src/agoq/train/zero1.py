@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment
+from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import OptimSection, TrainConfig
 from agoq.train.gradsync import GradientSync
-from agoq.train.optim import _no_decay, _tensor_bytes
+from agoq.train.optim import no_weight_decay, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -61,33 +61,6 @@ class ShardedBucket:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -> list[tuple[int, list[Segment]]]:
-    """(flat size, segments) of each bucket, the layout QuantGradBuffer gives the same parameters.
-
-    Parameters go in reverse order, each starting on a block boundary; a parameter larger than
-    what is left of a bucket continues in the next; a bucket is padded to world x whole blocks.
-    """
-    cap = _round_up(bucket_numel, block)
-    per_bucket: list[list[Segment]] = [[]]
-    fill = 0
-    for pi in reversed(range(len(numels))):
-        remaining, poff = numels[pi], 0
-        while remaining > 0:
-            if fill >= cap:
-                per_bucket.append([])
-                fill = 0
-            take = min(remaining, cap - fill)
-            per_bucket[-1].append(Segment(pi, len(per_bucket) - 1, fill, poff, take))
-            fill += _round_up(take, block)
-            remaining -= take
-            poff += take
-    out = []
-    for segs in per_bucket:
-        used = max((s.offset + _round_up(s.numel, block) for s in segs), default=block)
-        out.append((_round_up(used, world * block), segs))
-    return out
 
 
 def _shard_buckets(plan: Iterable[tuple[int, list[Segment]]], world: int, rank: int) -> list[ShardedBucket]:
@@ -291,7 +264,7 @@ class Zero1Optimizer:
                 else:
                     v = self._flat(pc.param)[pc.param_offset : pc.param_offset + pc.numel]
                 views.append(v)
-                (no_decay if _no_decay(self.names[pc.param], self.params[pc.param]) else decay).append(v)
+                (no_decay if no_weight_decay(self.names[pc.param], self.params[pc.param]) else decay).append(v)
             self.views.append(views)
         groups = [
             {"params": decay, "weight_decay": cfg.weight_decay},
@@ -354,9 +327,9 @@ class Zero1Optimizer:
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state plus fp32 master shards (not the model's own weights)."""
-        total = sum(_tensor_bytes(t) for t in self.exp_avg + self.exp_avg_sq)
-        total += sum(_tensor_bytes(m) for m in self.masters if m is not None)
-        total += sum(_tensor_bytes(st["step"]) for st in self.optimizer.state.values())
+        total = sum(tensor_bytes(t) for t in self.exp_avg + self.exp_avg_sq)
+        total += sum(tensor_bytes(m) for m in self.masters if m is not None)
+        total += sum(tensor_bytes(st["step"]) for st in self.optimizer.state.values())
         return total
 
     def _key(self, b: ShardedBucket) -> tuple[str, str]:
