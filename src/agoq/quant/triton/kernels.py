@@ -129,10 +129,8 @@ def _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND: tl.constexpr, BITS: tl.con
 
 
 @triton.jit
-def _store_codes(pay_ptr, codes, blk, nbytes, BLOCK: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _store_codes(pay_ptr, codes, blk, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
     """Pack int32 codes [NB, BP] of blocks ``blk`` [NB] into the payload (bytes < nbytes only)."""
-    NB: tl.constexpr = codes.shape[0]
-    BP: tl.constexpr = codes.shape[1]
     lane = tl.arange(0, G)
     words = tl.sum(tl.reshape(codes, [NB, BP // G, G]).to(tl.int64) << (lane * BITS).to(tl.int64)[None, None, :], axis=2)
     j = tl.arange(0, GBP)
@@ -144,9 +142,8 @@ def _store_codes(pay_ptr, codes, blk, nbytes, BLOCK: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _load_codes(pay_ptr, blk, nbytes, BP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _load_codes(pay_ptr, blk, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
     """int32 codes [NB, BP] of blocks ``blk`` [NB] unpacked from the payload."""
-    NB: tl.constexpr = blk.shape[0]
     j = tl.arange(0, GBP)
     grp = tl.arange(0, BP // G)
     offs = blk.to(tl.int64)[:, None, None] * (BLOCK * BITS // 8) + grp[None, :, None] * GB + j[None, None, :]
@@ -159,9 +156,9 @@ def _load_codes(pay_ptr, blk, nbytes, BP: tl.constexpr, BLOCK: tl.constexpr, BIT
 
 
 @triton.jit
-def _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, BP: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
     """fp32 values [NB, BP] of blocks ``blk`` (format value times block scale, rounded once)."""
-    codes = _load_codes(pay_ptr, blk, nbytes, BP, BLOCK, BITS, G, GB, GBP)
+    codes = _load_codes(pay_ptr, blk, nbytes, NB, BP, BLOCK, BITS, G, GB, GBP)
     s = tl.load(sc_ptr + blk, mask=blk_ok, other=0.0)
     return _decode(codes, val_ptr, KIND, BITS) * s[:, None]
 
@@ -182,7 +179,7 @@ def quantize_kernel(
     valid = (col < BLOCK)[None, :] & (e < n)
     x = _load_f32(x_ptr, e, valid, IN_BF16)
     codes, s = _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(pay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)
+    _store_codes(pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
     tl.store(sc_ptr + blk, s, mask=blk < nblocks)
 
 
@@ -197,7 +194,7 @@ def dequantize_kernel(
     col = tl.arange(0, BP)
     e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
     valid = (col < BLOCK)[None, :] & (e < n)
-    v = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk < nblocks, nbytes, BP, BLOCK, KIND, BITS, G, GB, GBP)
+    v = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk < nblocks, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
     _store_f(out_ptr, e, v, valid, OUT_BF16)
 
 
@@ -223,10 +220,9 @@ def _rstd(x, eps, H: tl.constexpr):
 @triton.jit
 def _row_blocks(t0, T, H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOCK: tl.constexpr):
     """Global block index and validity of the RT * HP // BLOCK blocks of the rows t0..t0+RT."""
-    per_row: tl.constexpr = HP // BLOCK
-    k = tl.arange(0, RT * per_row)
-    r = t0 + k // per_row
-    c = k % per_row
+    k = tl.arange(0, RT * (HP // BLOCK))
+    r = t0 + k // (HP // BLOCK)
+    c = k % (HP // BLOCK)
     return r * (H // BLOCK) + c, (r < T) & (c < H // BLOCK)
 
 
@@ -243,10 +239,10 @@ def rms_norm_quantize_kernel(
     w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
     rstd = _rstd(x, eps, H)
     _store_f(h_ptr, e, x * rstd[:, None] * w[None, :], valid, IN_BF16)
-    NBK: tl.constexpr = RT * (HP // BLOCK)
     blk, blk_ok = _row_blocks(t0, T, H, HP, RT, BLOCK)
-    codes, s = _quantize_tile(tl.reshape(x, [NBK, BLOCK]), tl.reshape(valid, [NBK, BLOCK]), bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(pay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)
+    xb = tl.reshape(x, [RT * (HP // BLOCK), BLOCK])
+    codes, s = _quantize_tile(xb, tl.reshape(valid, [RT * (HP // BLOCK), BLOCK]), bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
+    _store_codes(pay_ptr, codes, blk, nbytes, RT * (HP // BLOCK), BLOCK, BLOCK, BITS, G, GB, GBP)
     tl.store(sc_ptr + blk, s, mask=blk_ok)
 
 
@@ -254,7 +250,7 @@ def rms_norm_quantize_kernel(
 def _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
     """fp32 [RT, HP] values of the quantized rows t0..t0+RT (zeros outside ``valid``)."""
     blk, blk_ok = _row_blocks(t0, T, H, HP, RT, BLOCK)
-    v = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, BLOCK, BLOCK, KIND, BITS, G, GB, GBP)
+    v = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, RT * (HP // BLOCK), BLOCK, BLOCK, KIND, BITS, G, GB, GBP)
     return tl.where(valid, tl.reshape(v, [RT, HP]), 0.0)
 
 
@@ -290,7 +286,7 @@ def rms_norm_backward_kernel(
     w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
     gw = tl.zeros([HP], tl.float32)
     for t0 in range(pid * RT, T, tl.num_programs(0) * RT):
-        rows, col, e, valid = _row_tile(t0, T, H, HP, RT)
+        rows, _, e, valid = _row_tile(t0, T, H, HP, RT)
         x = _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H, HP, RT, BLOCK, KIND, BITS, G, GB, GBP)
         rstd = tl.load(rstd_ptr + rows, mask=rows < T, other=0.0)
         g = _load_f32(gh_ptr, e, valid, GH_BF16)
@@ -336,10 +332,10 @@ def swiglu_quantize_kernel(
     silu = _round_to(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), IN_BF16)
     _store_f(act_ptr, e, silu * up, valid, IN_BF16)
     codes, s = _quantize_tile(gate, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(gpay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)
+    _store_codes(gpay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
     tl.store(gsc_ptr + blk, s, mask=blk < nblocks)
     codes, s = _quantize_tile(up, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(upay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)
+    _store_codes(upay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
     tl.store(usc_ptr + blk, s, mask=blk < nblocks)
 
 
@@ -352,8 +348,8 @@ def swiglu_backward_kernel(
     """From quantized gate/up and grad of SiLU(gate) * up: the recomputed product and both gradients."""
     blk, e, valid = _flat_tile(n, BLOCK, BP, R)
     ok = blk < nblocks
-    gate = _dequantize_tile(gpay_ptr, gsc_ptr, val_ptr, blk, ok, nbytes, BP, BLOCK, KIND, BITS, G, GB, GBP)
-    up = _dequantize_tile(upay_ptr, usc_ptr, val_ptr, blk, ok, nbytes, BP, BLOCK, KIND, BITS, G, GB, GBP)
+    gate = _dequantize_tile(gpay_ptr, gsc_ptr, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
+    up = _dequantize_tile(upay_ptr, usc_ptr, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
     sig = _sigmoid(gate)
     silu = gate * sig
     if NEED_ACT:
@@ -382,9 +378,9 @@ def accumulate_kernel(
     if FIRST:
         x = g
     else:
-        x = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk < nblocks, nbytes, BP, BLOCK, KIND, BITS, G, GB, GBP) + g
+        x = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk < nblocks, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP) + g
     codes, s = _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(pay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)
+    _store_codes(pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
     tl.store(sc_ptr + blk, s, mask=blk < nblocks)
 
 
@@ -401,14 +397,14 @@ def reduce_rows_kernel(
     col = tl.arange(0, BP)
     e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
     valid = (col < BLOCK)[None, :] & ok[:, None]
-    acc = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, ok, nbytes, BP, BLOCK, KIND, BITS, G, GB, GBP)
+    acc = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
     for r in range(1, W):
-        acc += _dequantize_tile(pay_ptr + r * row_stride, sc_ptr + r * nblocks, val_ptr, blk, ok, nbytes, BP, BLOCK, KIND, BITS, G, GB, GBP)
+        acc += _dequantize_tile(pay_ptr + r * row_stride, sc_ptr + r * nblocks, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
     if AVG:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, W, tl.float32))
     if STORE_SUM:
         tl.store(acc_ptr + e, acc, mask=valid)
     if REQUANT:
         codes, s = _quantize_tile(acc, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-        _store_codes(out_pay_ptr, codes, blk, nbytes, BLOCK, BITS, G, GB, GBP)
+        _store_codes(out_pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
         tl.store(out_sc_ptr + blk, s, mask=ok)
