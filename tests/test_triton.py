@@ -87,7 +87,7 @@ ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11
 
 
 @pytest.mark.parametrize("spec", FORMATS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + (torch.float64,), ids=str)
 def test_quantize_and_dequantize_equal_torch_bit_for_bit(spec: str, dtype: torch.dtype) -> None:
     fmt = parse_format(spec)
     x = _data(N, dtype, seed=len(spec))
@@ -161,6 +161,15 @@ def test_backend_choice_env_api_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -
         backend.get_backend()
     with pytest.raises(ValueError, match="one of auto, torch, triton"):
         backend.set_backend("fast")
+
+
+def test_empty_tensors_and_cpu_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = tq.quantize(torch.empty(0, 3, device=DEVICE), parse_format("int5"))
+    assert q.payload.numel() == 0 and q.scales.numel() == 0 and q.shape == (0, 3)
+    assert tq.dequantize(q).shape == (0, 3)
+    monkeypatch.setattr(tq.ops, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        tq.quantize(torch.ones(8), parse_format("int4"))
 
 
 def test_public_quantize_uses_the_kernel_and_falls_back_for_stochastic_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
