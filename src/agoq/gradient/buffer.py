@@ -231,6 +231,8 @@ class QuantGradBuffer:
             )
         flat = grad.detach().reshape(-1)
         piece = max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
+        if backend.kernels(self.device, self.fmt) is not None:
+            piece = max(piece, flat.numel())  # the Triton fold has no fp32 temporaries: one launch per segment
         self._piece_peak = 0
         for seg in self.segments[pi]:
             bucket = self.buckets[seg.bucket]
