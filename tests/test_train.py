@@ -57,6 +57,7 @@ def runs(tmp_path_factory):
         "1f1b_fp32": _cfg(tmp, "a", "--train.steps=4", *fp32_plain),
         "gpipe_agoq": _cfg(tmp, "b", "--train.steps=3", "--parallel.schedule=gpipe"),
         "interleaved_agoq": _cfg(tmp, "c", "--train.steps=3", "--parallel.schedule=interleaved-1f1b", "--parallel.virtual_stages=2"),
+        "ring8_recompute": _cfg(tmp, "g", "--train.steps=3", "--precision.activations=bf16", "--precision.gradients=ring8", "--precision.recompute_layers=1"),
         "resume_first_half": _cfg(tmp, "d", "--train.steps=2", "--checkpoint.every=2", *fp32_plain),
         "resume_second_half": _cfg(tmp, "d", "--train.steps=4", "--checkpoint.resume=true", *fp32_plain),
         "uniform4": _cfg(tmp, "e", "--train.steps=1", "--precision.stage_bits=uniform", "--precision.compute_dtype=fp32"),
@@ -66,7 +67,7 @@ def runs(tmp_path_factory):
     return {"cfgs": cfgs, "results": results, "tmp": tmp}
 
 
-@pytest.mark.parametrize("name", ["1f1b_fp32", "gpipe_agoq", "interleaved_agoq"])
+@pytest.mark.parametrize("name", ["1f1b_fp32", "gpipe_agoq", "interleaved_agoq", "ring8_recompute"])
 def test_each_schedule_lowers_the_loss(runs, name):
     losses = runs["results"][0][name]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses

@@ -13,6 +13,7 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from agoq.activation import (
     ActivationPolicy,
@@ -138,6 +139,8 @@ class Llama(nn.Module):
         if cfg.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.weight = self.embed.weight
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Global indices of layers run under activation checkpointing (recomputed in backward).
+        self.recompute: set[int] = set()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -176,7 +179,11 @@ class Llama(nn.Module):
             x = self.embed(x)
         cos, sin = self._rope_for(x.shape[1], x.device)
         for layer in self.layers.values():
-            x = layer(x, cos, sin, self.policy)
+            if layer.index in self.recompute and torch.is_grad_enabled():
+                # Keeps only the layer input; the whole layer runs again in backward.
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, self.policy, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, self.policy)
         if self.norm is not None:
             x = self.norm(x)
         return x

@@ -17,7 +17,7 @@ from agoq.models.config import PRESETS, LlamaConfig, get_config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
-GRADIENT_MODES = ("fp32", "bf16", "int8")
+GRADIENT_MODES = ("fp32", "bf16", "int8", "ring8")
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("bf16", "fp32")
@@ -54,10 +54,11 @@ class PrecisionSection:
     activations: str = "agoq"  # bf16 | agoq | uniform4
     activation_format: str = "int4/128"  # format of quantized saved tensors (int2..int8, fp4, nf4, fp8)
     stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost; uniform
-    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | fp32 | bf16 all-reduce
+    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
     gradient_block: int = 256
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
     compute_dtype: str = "bf16"  # bf16 | fp32 (master weights are always fp32)
+    recompute_layers: int = 0  # activation checkpointing of the first N decoder layers of each stage (the baseline's way to fit)
 
 
 @dataclass
@@ -296,6 +297,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"precision.stage_bits={pr.stage_bits!r} is unknown; use one of {', '.join(STAGE_BITS_MODES)}")
     if pr.gradients not in GRADIENT_MODES:
         raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
+    if pr.recompute_layers < 0:
+        raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} must be >= 0")
     if pr.compute_dtype not in DTYPES:
         raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use bf16 or fp32")
     from agoq.quant import parse_format
@@ -307,8 +310,8 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"precision.{key}={getattr(pr, key)!r} is invalid: {e}") from None
     if p.zero1 and o.name == "adamw8bit":
         raise ConfigError("parallel.zero1=true shards AdamW's fp32 state; it does not support optim.name='adamw8bit' (use one or the other)")
-    if p.zero1 and pr.gradients == "bf16":
-        raise ConfigError("parallel.zero1=true works with precision.gradients = int8 or fp32, not bf16")
+    if p.zero1 and pr.gradients in ("bf16", "ring8"):
+        raise ConfigError(f"parallel.zero1=true works with precision.gradients = int8 or fp32, not {pr.gradients}")
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:

@@ -54,14 +54,22 @@ class GradientSync:
 
 
 class PlainGradientSync(GradientSync):
-    """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16."""
+    """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16, or along an 8-bit ring.
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, wire_dtype: torch.dtype) -> None:
+    ``ring=True`` is the FP8-LM-style ablation: one shared scale, partial sums re-rounded to 8 bits
+    at every hop (agoq.gradient.ring_all_reduce_8bit), the scheme AGoQ's all-reduce replaces.
+    """
+
+    def __init__(
+        self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, wire_dtype: torch.dtype, ring: bool = False
+    ) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.wire_dtype = wire_dtype
+        self.ring = ring
+        self.counter = CommCounter()
         total = sum(p.numel() for p in self.params)
         self.buffer = torch.zeros(total, dtype=torch.float32, device=device)
         self.views = []
@@ -83,6 +91,13 @@ class PlainGradientSync(GradientSync):
         if not ok:
             bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
+        if self.world > 1 and self.ring:
+            from agoq.gradient.collectives import ring_all_reduce_8bit
+
+            self.counter.reset()
+            ring_all_reduce_8bit(self.buffer, "avg", self.group, counter=self.counter)
+            self.wire_bytes_last_step = self.counter.bytes()
+            return ok and bool(torch.isfinite(self.buffer).all())
         if self.world > 1:
             # Issued whatever this rank saw: every dp rank must call the same collectives.
             if self.wire_dtype == torch.float32:
@@ -153,4 +168,6 @@ def make_gradient_sync(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]],
     mode = cfg.precision.gradients
     if mode == "int8":
         return QuantizedGradientSync(params, group, cfg.parallel.microbatches, cfg.precision.gradient_block)
+    if mode == "ring8":
+        return PlainGradientSync(params, group, device, torch.float32, ring=True)
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

@@ -174,6 +174,7 @@ class Trainer:
         for s in ctx.stages:
             m = Llama(self.model_cfg, self.policy, layers=ranges[s], embed=s == 0, head=s == num_stages - 1)
             m.reset_parameters(cfg.train.seed)
+            m.recompute = set(list(ranges[s])[: cfg.precision.recompute_layers])
             self.modules.append(m.to(device=ctx.device, dtype=dtype))
         self.last = self.modules[-1] if ctx.stages[-1] == num_stages - 1 else None
         self.params = [(n, prm) for m in self.modules for n, prm in m.named_parameters()]
