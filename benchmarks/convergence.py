@@ -1,0 +1,3 @@
+from agoq.bench.convergence import main
+
+main()
