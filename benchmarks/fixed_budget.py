@@ -1,0 +1,3 @@
+from agoq.bench.fixed_budget import main
+
+main()
