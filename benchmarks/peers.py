@@ -1,0 +1,3 @@
+from agoq.bench.peers import main
+
+main()

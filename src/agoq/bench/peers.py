@@ -1,0 +1,238 @@
+"""The same model and data trained by peers: plain PyTorch DDP, DeepSpeed ZeRO-1, and ``agoq train``.
+
+Every run trains agoq.models.Llama (tiny preset) on the KJV with the same sampler, seed and tokens
+per step, data parallel over 2 gloo processes, AdamW with the same warmup + cosine schedule and
+gradient clipping. The peers run the plain (unfused) loss with bf16 compute; ``agoq train`` runs
+pp=1 x dp=2 once with the bf16 policy and once as full AGoQ. A peer that cannot run records its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = "plain torch DDP and DeepSpeed ZeRO-1 vs agoq train (pp=1 x dp=2) on the same model, data and tokens per step"
+
+DP = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Run length and where runs go."""
+    parser.add_argument("--steps", type=int, default=30, help="training steps per run (the first two are not timed)")
+    parser.add_argument("--out-dir", default="runs/bench_peers", help="folder for agoq train's outputs")
+
+
+def _peer_worker(rank: int, peer: str, steps: int, port: int, queue: Any) -> None:
+    """One data-parallel rank of a peer's training loop; puts (rank, result-or-error) on the queue."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(DP))
+    try:
+        queue.put((rank, _peer_loop(rank, peer, steps)))
+    except BaseException:
+        queue.put((rank, {"error": traceback.format_exc(limit=6)}))
+
+
+def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from agoq.models import Llama
+    from agoq.train.config import load_config
+    from agoq.train.data import TrainSampler, prepare_data
+    from agoq.train.optim import lr_at, no_weight_decay
+
+    cfg = load_config(None, [])
+    d, o = cfg.data, cfg.optim
+    data = prepare_data(None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+    sampler = TrainSampler(data.train, d.seq_len, d.batch_size, rank, DP, cfg.train.seed)
+    model = Llama(cfg.model_config())  # the bf16 policy and the plain loss: what a peer trains
+    model.reset_parameters(cfg.train.seed)
+
+    def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+        named = list(m.named_parameters())
+        return [
+            {"params": [p for n, p in named if not no_weight_decay(n, p)], "weight_decay": o.weight_decay},
+            {"params": [p for n, p in named if no_weight_decay(n, p)], "weight_decay": 0.0},
+        ]
+
+    if peer == "ddp":
+        dist.init_process_group("gloo", rank=rank, world_size=DP)
+        engine = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+        def train_step(x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = engine(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    elif peer == "deepspeed_zero1":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": d.batch_size // DP,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": o.grad_clip,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        # torch's AdamW, not DeepSpeedCPUAdam: the same optimizer as the other runs, and no C++ build.
+        opt = torch.optim.AdamW(groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+
+        def train_step(x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    else:
+        raise ValueError(f"unknown peer {peer!r}; use ddp or deepspeed_zero1")
+
+    losses, times = [], []
+    for step in range(steps):
+        x, y = sampler.next_batch()
+        t0 = time.perf_counter()
+        loss = train_step(x, y, lr_at(step, o, steps))
+        times.append(time.perf_counter() - t0)
+        t = torch.tensor([loss])
+        dist.all_reduce(t)
+        losses.append(t.item() / DP)
+    out = {
+        "losses": losses,
+        "step_time_s": statistics.fmean(times[2:] or times),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def run_peer(peer: str, steps: int) -> dict[str, Any]:
+    """Spawn DP ranks of one peer; per-rank results, or the first error."""
+    import torch.multiprocessing as mp
+
+    from agoq.train.run import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_peer_worker, args=(r, peer, steps, port, queue)) for r in range(DP)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get() for _ in range(DP))
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    errors = [got[r]["error"] for r in sorted(got) if "error" in got[r]]
+    if errors:
+        return {"run": peer, "error": errors[0]}
+    r0 = got[0]
+    return {
+        "run": peer,
+        "final_loss": r0["losses"][-1],
+        "losses": r0["losses"],
+        "step_time_s": max(got[r]["step_time_s"] for r in got),
+        "peak_rss_bytes": max(got[r]["peak_rss_bytes"] for r in got),
+        "peak_rss_bytes_per_rank": [got[r]["peak_rss_bytes"] for r in sorted(got)],
+    }
+
+
+def run_agoq(label: str, policy: list[str], steps: int, out_dir: Path) -> dict[str, Any]:
+    """``agoq train`` at pp=1 x dp=2, one micro-batch per step (the peers' batch)."""
+    from agoq.train.config import load_config
+    from agoq.train.run import launch
+
+    cfg = load_config(None, [
+        *policy, "--parallel.pp=1", f"--parallel.dp={DP}", "--parallel.microbatches=1", f"--train.steps={steps}",
+        "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
+        f"--train.out_dir={out_dir / label}",
+    ])
+    s = launch(cfg)
+    recs = s["records"]
+    return {
+        "run": label,
+        "final_loss": s["run"]["final_loss"],
+        "losses": [r["loss"] for r in recs],
+        "step_time_s": statistics.fmean(r["step_time_s"] for r in (recs[2:] or recs)),
+        "peak_rss_bytes": max(g["peak_rss_bytes"] for g in s["ranks"]),
+        "peak_rss_bytes_per_rank": [g["peak_rss_bytes"] for g in s["ranks"]],
+        "peak_saved_bytes": max(g["peak_saved_bytes"] for g in s["ranks"]),
+        "optimizer_bytes": max(g["optimizer_bytes"] for g in s["ranks"]),
+        "wire_bytes_per_step": max(g["wire_bytes_per_step"] for g in s["ranks"]),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train with each peer and with agoq train, then write the JSON and a markdown table."""
+    from agoq.bench._common import write_result
+
+    rows = [run_peer("ddp", args.steps), run_peer("deepspeed_zero1", args.steps)]
+    out = Path(args.out_dir)
+    rows.append(run_agoq("agoq_train_bf16", ["--precision.activations=bf16", "--precision.gradients=fp32"], args.steps, out))
+    rows.append(run_agoq("agoq_train_agoq", ["--precision.activations=agoq", "--precision.gradients=int8"], args.steps, out))
+    base = rows[0] if "error" not in rows[0] else None
+    for r in rows:
+        if base is not None and "error" not in r:
+            r["step_time_vs_ddp"] = r["step_time_s"] / base["step_time_s"]
+            r["peak_rss_vs_ddp"] = r["peak_rss_bytes"] / base["peak_rss_bytes"]
+    results = {
+        "config": f"tiny LLaMA (agoq.models.Llama), KJV, dp={DP} over gloo, 16 x 128 tokens per step (8 sequences per rank), AdamW 3e-3 warmup + cosine, clip 1.0, seed 0",
+        "steps": args.steps,
+        "rows": rows,
+    }
+    write_result("peers", results, command=f"agoq bench peers --steps {args.steps}")
+    print(readme_markdown(results))
+    return 0
+
+
+def readme_markdown(results: dict[str, Any]) -> str:
+    """Peak memory per rank, step time and final loss side by side."""
+    mib = 2**20
+    what = {
+        "ddp": "PyTorch DDP, fp32 weights, bf16 autocast, torch AdamW",
+        "deepspeed_zero1": "DeepSpeed ZeRO-1, bf16 weights, fp32 master shards, torch AdamW",
+        "agoq_train_bf16": "agoq train, bf16 policy, fp32 all-reduce",
+        "agoq_train_agoq": "agoq train, full AGoQ (4-bit activations, 8-bit gradients)",
+    }
+    lines = [
+        f"{results['config']}; {results['steps']} steps, mean step time after the first two; peak RSS is the largest over ranks (includes the ~0.5 GiB of an imported torch).",
+        "",
+        "| run | what | peak RSS MiB / rank | vs DDP | s / step | vs DDP | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        if "error" in r:
+            last = [x for x in r["error"].strip().splitlines() if x.strip()][-1]
+            lines.append(f"| {r['run']} | {what.get(r['run'], '')} | could not run: `{last[:160]}` | | | | |")
+            continue
+        lines.append(
+            f"| {r['run']} | {what.get(r['run'], '')} | {r['peak_rss_bytes'] / mib:.0f} | {r.get('peak_rss_vs_ddp', 1):.2f}x | "
+            f"{r['step_time_s']:.3f} | {r.get('step_time_vs_ddp', 1):.2f}x | {r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Script entry point."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
