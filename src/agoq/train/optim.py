@@ -66,7 +66,10 @@ class MasterWeightOptimizer:
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every group."""
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            if isinstance(g["lr"], torch.Tensor):
+                g["lr"].fill_(lr)  # torchao keeps lr as a tensor so its compiled step never recompiles
+            else:
+                g["lr"] = lr
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         """Give parameter ``index`` its (reduced, clipped) gradient, as fp32."""
