@@ -18,6 +18,7 @@ docs/plan.md.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -28,7 +29,7 @@ import torch
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES
+from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, plan_buckets
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
 from agoq.parallel.inflight import inflight_microbatches, peak_inflight_bytes, schedule_order
@@ -158,6 +159,7 @@ class PlanConfig:
     gpu_memory: int | None = None  # device bytes; fits means total + reserved <= gpu_memory
     reserved: int = 2 * 2**30  # CUDA context, NCCL buffers and allocator fragmentation, off the top
     memory_budget: int | None = None  # budget mode: bits and recompute chosen to fit this many bytes
+    recompute_layers: int | None = None  # a fixed recompute count per stage for every configuration; None: the fewest that fit
     setups: tuple[str, ...] = DEFAULT_SETUPS
 
     @property
@@ -222,6 +224,8 @@ class PlanConfig:
             raise PlanError(f"activation-format={self.activation_format!r}: {e}") from None
         if fmt.kind != "int" or fmt.bits not in BIT_CANDIDATES:
             raise PlanError(f"activation-format={self.activation_format!r}: stage bits need an int format of {BIT_CANDIDATES[:-1]} bits, e.g. int4/128")
+        if self.recompute_layers is not None and (not isinstance(self.recompute_layers, int) or self.recompute_layers < 0):
+            raise PlanError(f"recompute-layers={self.recompute_layers!r} must be a non-negative integer")
         if self.stage_bits not in ("dbca", "uniform"):
             raise PlanError(f"stage-bits={self.stage_bits!r} is unknown; use dbca or uniform")
         for s in self.setups:
@@ -308,7 +312,7 @@ class SetupPlan:
     ranks: list[RankMemory]
     fits: bool | None  # None when no GPU memory or budget was given
     recompute_layers: int | None  # applied per stage (Megatron's recompute_num_layers); None: cannot fit at all
-    relative_time: float  # estimated iteration time / the baseline's without recomputation
+    relative_time: float  # estimated iteration time / the baseline's without recomputation (at full recompute if it cannot fit)
 
     @property
     def peak(self) -> int:
@@ -333,7 +337,7 @@ class SetupPlan:
             "peak_bytes_without_recompute": self.peak_without_recompute,
             "fits": self.fits,
             "recompute_layers": self.recompute_layers,
-            "relative_iteration_time_estimate": round(self.relative_time, 4),
+            "relative_iteration_time_estimate": None if self.recompute_layers is None else round(self.relative_time, 4),
             "ranks": [r.to_dict() for r in self.ranks],
         }
 
@@ -428,44 +432,55 @@ class _Planner:
         return [p.numel() if p.ndim == 1 else p.numel() // self.cfg.tp for p in layer.parameters()]
 
     def rank_numels(self, rank: int) -> list[int]:
-        """Per-rank numel of every parameter tensor a pp rank holds."""
+        """Per-rank numel of every parameter tensor a pp rank holds, in the trainer's registration order."""
         m, out = self.m, []
-        stages = self.rank_stages[rank]
-        for s in stages:
-            out += self.layer_numels * len(self.ranges[s])
-        if 0 in stages:
-            out.append(self.vocab_tp * m.hidden)
-        if self.num_stages - 1 in stages:
-            out.append(m.hidden)  # final norm
-            # A tied head shares the embedding where one rank holds both; else the last stage keeps
-            # its own copy (Megatron's shared-embedding copy, kept in sync by an all-reduce).
-            if not (m.tie_embeddings and 0 in stages):
+        for s in self.rank_stages[rank]:
+            if s == 0:
                 out.append(self.vocab_tp * m.hidden)
+            out += self.layer_numels * len(self.ranges[s])
+            if s == self.num_stages - 1:
+                out.append(m.hidden)  # final norm
+                # A tied head shares the embedding where one rank holds both; else the last stage keeps
+                # its own copy (Megatron's shared-embedding copy, kept in sync by an all-reduce).
+                if not (m.tie_embeddings and 0 in self.rank_stages[rank]):
+                    out.append(self.vocab_tp * m.hidden)
         return out
+
+    def buckets(self, numels: list[int]) -> list[tuple[int, list]]:
+        """The gradient buckets of a rank's parameters: the layout rule of the 8-bit buffer and of ZeRO-1's shards."""
+        return plan_buckets(numels, self.cfg.gradient_block, DEFAULT_BUCKET_BYTES // 4, self.cfg.dp)
 
     def parameter_bytes(self, numels: list[int]) -> int:
         """Model weights in the compute dtype."""
         return sum(numels) * self.es
 
     def gradient_bytes(self, numels: list[int], setup: Setup) -> int:
-        """fp32 main gradients, or the 8-bit block-wise buffer (each parameter starts on a block boundary)."""
-        if not setup.gradients:
-            return 4 * sum(numels)
-        fmt = QuantFormat("int", 8, self.cfg.gradient_block)
-        return sum(fmt.nbytes(_round_up(n, fmt.block_size)) for n in numels)
+        """fp32 main gradients (flat, or bucketed and padded for ZeRO-1), or the 8-bit block-wise buffer."""
+        if setup.gradients:
+            fmt = QuantFormat("int", 8, self.cfg.gradient_block)
+            return sum(fmt.nbytes(n) for n, _ in self.buckets(numels))
+        if setup.zero1:
+            return 4 * sum(n for n, _ in self.buckets(numels))
+        return 4 * sum(numels)
+
+    def _moments(self, n: int, setup: Setup) -> int:
+        """AdamW's two moments of n values: fp32, or 8-bit block-wise where the 8-bit optimizer quantizes."""
+        if setup.optimizer and n >= OPTIM8_MIN_NUMEL and n % self.cfg.optimizer_block == 0:
+            return ADAM_MOMENTS * (QuantFormat("int", 8, self.cfg.optimizer_block).nbytes(n) + OPTIM8_QMAP_BYTES)
+        return ADAM_MOMENTS * 4 * n
 
     def optimizer_bytes(self, numels: list[int], setup: Setup) -> int:
-        """AdamW moments (fp32 or 8-bit), step counters and fp32 master weights; divided over dp with ZeRO-1."""
+        """AdamW moments (fp32 or 8-bit), step counters and fp32 master weights; ZeRO-1 keeps one dp shard of each bucket."""
         master = 0 if self.dtype == torch.float32 else 4
+        if not setup.zero1:
+            return sum(master * n + self._moments(n, setup) + STEP_BYTES for n in numels)
         total = 0
-        for n in numels:
-            total += master * n + STEP_BYTES
-            if setup.optimizer and n >= OPTIM8_MIN_NUMEL and n % self.cfg.optimizer_block == 0:
-                fmt = QuantFormat("int", 8, self.cfg.optimizer_block)
-                total += ADAM_MOMENTS * (fmt.nbytes(n) + OPTIM8_QMAP_BYTES)
-            else:
-                total += ADAM_MOMENTS * 4 * n
-        return -(-total // self.cfg.dp) if setup.zero1 else total
+        for n, segments in self.buckets(numels):
+            chunk = n // self.cfg.dp
+            # one step counter per (parameter, shard) piece; dp rank 0's shard
+            pieces = sum(1 for sg in segments if sg.offset < chunk)
+            total += master * chunk + self._moments(chunk, setup) + STEP_BYTES * pieces
+        return total
 
     # ---- activations
 
@@ -582,9 +597,15 @@ class _Planner:
                                       self.cfg.micro_batch, self.seq_tp, policy, self.fmt.bits, dtype=self.dtype)
         return [layer_bits[r.start] for r in self.ranges]
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (one planner per plan; the bucket layout is costly for 70B)
+    def states(self, rank: int, setup: Setup) -> tuple[list[int], tuple[int, int, int]]:
+        """A rank's parameter numels and its (parameter, gradient, optimizer) bytes, which no bit width changes."""
+        numels = self.rank_numels(rank)
+        return numels, (self.parameter_bytes(numels), self.gradient_bytes(numels, setup), self.optimizer_bytes(numels, setup))
+
     def rank_memory(self, rank: int, setup: Setup, policy: ActivationPolicy, stage_bits: list[int], recompute: int) -> RankMemory:
         """One rank's bytes with the given per-stage bits and recompute count."""
-        numels = self.rank_numels(rank)
+        numels, (params, grads, optim) = self.states(rank, setup)
         saved, buffers = zip(*(self.stage_bytes(s, policy, stage_bits[s], recompute) for s in range(self.num_stages)))
         saved_peak = self.peaks(list(saved))[rank] + self.rope_bytes(rank)
         both_peak = self.peaks([a + b for a, b in zip(saved, buffers)])[rank] + self.rope_bytes(rank)
@@ -596,9 +617,9 @@ class _Planner:
             bits=tuple(stage_bits[s] for s in mine) if setup.activations else None,
             inflight=self.inflight[rank],
             recompute_layers=recompute,
-            parameters=self.parameter_bytes(numels),
-            gradients=self.gradient_bytes(numels, setup),
-            optimizer=self.optimizer_bytes(numels, setup),
+            parameters=params,
+            gradients=grads,
+            optimizer=optim,
             activations_per_microbatch=sum(saved[s] for s in mine),
             activations_peak=saved_peak,
             pipeline_buffers=both_peak - saved_peak,
@@ -620,7 +641,10 @@ class _Planner:
             bits = self.dbca_bits(policy)
         plain = [self.rank_memory(r, setup, policy, bits, 0) for r in range(self.cfg.pp)]
         k: int | None = 0
-        if cap is not None and any(r.total > cap for r in plain):
+        if self.cfg.recompute_layers:
+            k = self.cfg.recompute_layers
+            ranks = [self.rank_memory(r, setup, policy, bits, k) for r in range(self.cfg.pp)]
+        elif cap is not None and any(r.total > cap for r in plain):
             # Megatron's recompute_num_layers is one count for every (virtual) stage: take the
             # smallest that fits every rank, with 4-bit stages where bits were raised.
             if setup.activations and budget_mode:
@@ -639,7 +663,8 @@ class _Planner:
         for r, p in zip(ranks, plain):
             r.total_without_recompute = p.total
         fits = None if cap is None else all(r.total <= cap for r in ranks)
-        times = [self.rank_time(r, setup, k or 0, policy) for r in range(self.cfg.pp)]
+        applied = k if k is not None else max(len(r) for r in self.ranges)
+        times = [self.rank_time(r, setup, applied, policy) for r in range(self.cfg.pp)]
         return SetupPlan(setup, ranks, fits, k, 0.0), times
 
     def budget_bits(self, setup: Setup, policy: ActivationPolicy, cap: int) -> list[int]:
@@ -709,5 +734,5 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
         micro_batch=d.batch_size // (p.dp * p.microbatches), global_batch=d.batch_size,
         schedule=p.schedule, virtual_stages=p.virtual_stages, dtype=pr.compute_dtype,
         activation_format=pr.activation_format, gradient_block=pr.gradient_block,
-        stage_bits=pr.stage_bits, setups=(setup.name,), **memory,  # type: ignore[arg-type]
+        stage_bits=pr.stage_bits, recompute_layers=pr.recompute_layers or None, setups=(setup.name,), **memory,  # type: ignore[arg-type]
     )

@@ -71,7 +71,7 @@ def markdown(plan: Plan) -> str:
         speed = plan.speedup_estimate(sp.setup.name) if any(s.setup.name == "baseline" for s in plan.setups) else None
         lines.append(
             f"| {sp.setup.name} | {sp.setup.description} | {format_size(sp.peak_without_recompute)} | {fits} | {k} "
-            f"| {format_size(sp.peak)} | {sp.relative_time:.3f} (estimate) | {'-' if speed is None else f'{speed:.2f}x (estimate)'} |"
+            f"| {format_size(sp.peak)} | {'-' if sp.recompute_layers is None else f'{sp.relative_time:.3f} (estimate)'} | {'-' if speed is None else f'{speed:.2f}x (estimate)'} |"
         )
     lines += [
         "",

@@ -1,0 +1,238 @@
+"""`agoq plan`: the memory model's values, its tensor/pipeline arithmetic, recompute, budget mode, JSON and errors.
+
+The agreement with what the trainer measures is in tests/test_plan_train.py; here the planner's
+numbers are checked against the formulas they must reuse and against their own invariants.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agoq.activation import U_bytes, layer_saved_bytes, make_policy
+from agoq.activation.loss import loss_saved_bytes
+from agoq.models import PRESETS
+from agoq.parallel import stage_layer_bits
+from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
+from agoq.plan.memory import _Planner
+
+GiB = 2**30
+
+
+def _plan(model="llama2-13b", fields=None, **kw):
+    return plan_memory(make_plan_config(model, fields, **kw))
+
+
+# ---------------------------------------------------------------- parameters, tp and pp
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameters_over_pp_ranks_add_up_to_the_model(name):
+    cfg = PRESETS[name]
+    pp = 2 if not cfg.tie_embeddings else 1
+    plan = _plan(name, seq_len=256, pp=pp, global_batch=pp, setups=("baseline",))
+    assert sum(r.parameters for r in plan.setups[0].ranks) == 2 * cfg.num_parameters()
+
+
+def test_tensor_parallel_splits_every_matrix_and_replicates_the_norms():
+    cfg = PRESETS["llama2-13b"]
+    norms = cfg.n_layers * 2 * cfg.hidden + cfg.hidden
+    (rank,) = _plan(seq_len=4096, tp=8, setups=("baseline",)).setups[0].ranks
+    assert rank.parameters == 2 * ((cfg.num_parameters() - norms) // 8 + norms)
+    # fp32 main gradients and fp32 master + two fp32 moments + a step counter per tensor: 4 and 12 bytes per parameter.
+    assert rank.gradients == 2 * rank.parameters
+    assert rank.optimizer == 6 * rank.parameters + 4 * (cfg.n_layers * 9 + 3)
+
+
+def test_sequence_parallel_divides_the_saved_activations_by_tp():
+    one = _plan(seq_len=8192, setups=("baseline", "A")).setups
+    eight = _plan(seq_len=8192, tp=8, setups=("baseline", "A")).setups
+    for a, b in zip(one, eight):
+        # Only the token ids and the rope tables (well under 0.1%) are replicated on every tp rank.
+        assert b.ranks[0].activations_per_microbatch * 8 == pytest.approx(a.ranks[0].activations_per_microbatch, rel=1e-3)
+
+
+def test_activations_reuse_the_layer_and_loss_accounting():
+    mb, seq = 2, 4096
+    cfg = PRESETS["llama3-8b"]
+    plan = _plan("llama3-8b", seq_len=seq, micro_batch=mb, setups=("baseline",))
+    layer = sum(layer_saved_bytes(mb, seq, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate,
+                                  torch.bfloat16, make_policy("bf16").formats).values())
+    tokens = mb * seq
+    final_norm = tokens * cfg.hidden * 2 + tokens * 4
+    ids = tokens * 8
+    rope = 2 * seq * cfg.head_dim * 4
+    expected = cfg.n_layers * layer + loss_saved_bytes(tokens, cfg.hidden, cfg.vocab_size, torch.bfloat16, False) + final_norm + ids
+    rank = plan.setups[0].ranks[0]
+    assert rank.activations_per_microbatch == expected
+    assert rank.activations_peak == expected + rope  # pp = 1: one micro-batch in flight
+    assert plan.layer_units["baseline"] == pytest.approx(layer / U_bytes(mb, seq, cfg.hidden), abs=1e-4)
+
+
+def test_agoq_layer_is_about_a_third_of_the_baseline_layer():
+    units = _plan(seq_len=12288, tp=8).layer_units
+    # LLaMA2-13B (MHA, intermediate 2.7h): 18.8U vs 5.98U; attention's 4U stays bf16.
+    assert units["baseline"] == pytest.approx(18.82, abs=0.01)
+    assert units["A"] == pytest.approx(5.98, abs=0.01)
+
+
+# ---------------------------------------------------------------- pipeline: in flight, DBCA
+
+
+def test_interleaved_peaks_and_dbca_bits_come_from_the_trainers_functions():
+    kw = dict(seq_len=16384, tp=8, pp=4, dp=2, global_batch=16, schedule="interleaved-1f1b")
+    plan = _plan(**kw, setups=("A",))
+    assert plan.inflight == (11, 9, 7, 5)  # METHOD.md's figures, read off torch's schedule
+    cfg = PRESETS["llama2-13b"]
+    policy = make_policy("agoq", overrides={k: "int4/128" for k in ("norm_input", "act_input", "out_proj_input")})
+    layer_bits = stage_layer_bits(cfg, "interleaved1f1b", 4, 8, 2, 1, 16384 // 8, policy, 4)
+    got = [b for r in plan.setups[0].ranks for b in r.bits]
+    want = [layer_bits[s * 5] for r in range(4) for s in (r, r + 4)]
+    assert got == want and got[:2] == [4, 4] and max(got) > 4
+
+
+def test_dbca_raises_bits_without_raising_the_peak():
+    kw = dict(seq_len=16384, tp=8, pp=4, global_batch=8, schedule="1f1b", setups=("A",))
+    dbca = _plan(**kw).setups[0].ranks
+    uniform = _plan(**kw, stage_bits="uniform").setups[0].ranks
+    assert [r.inflight for r in dbca] == [4, 3, 2, 1]
+    assert max(r.activations_peak for r in dbca) <= max(r.activations_peak for r in uniform)
+    raised = [i for i, r in enumerate(dbca) if r.bits[0] > 4]
+    assert raised and all(dbca[i].activations_peak > uniform[i].activations_peak for i in raised)
+
+
+# ---------------------------------------------------------------- fit, recompute, budget
+
+
+def test_baseline_recomputes_the_fewest_layers_that_fit_and_agoq_needs_none():
+    kw = dict(seq_len=81920, tp=8, pp=4, dp=2, global_batch=16, schedule="interleaved-1f1b", gpu_memory=48 * GiB)
+    cfg = make_plan_config("llama2-13b", **kw)
+    plan = plan_memory(cfg)
+    base, agoq = plan.get("baseline"), plan.get("A+G+O")
+    cap = 46 * GiB
+    assert base.peak_without_recompute > cap and base.recompute_layers > 0 and base.peak <= cap and base.fits
+    planner = _Planner(cfg)
+    fewer = [planner.rank_memory(r, parse_setup("baseline"), planner.policy(parse_setup("baseline")), [16] * 8,
+                                 base.recompute_layers - 1) for r in range(4)]
+    assert max(r.total for r in fewer) > cap  # one layer fewer does not fit
+    assert agoq.recompute_layers == 0 and agoq.fits and agoq.peak < cap
+    speedup = plan.speedup_estimate("A+G+O")
+    assert speedup == pytest.approx(base.relative_time / agoq.relative_time)
+    assert 1.1 < speedup < 1.4  # 4 of 5 layers per chunk recomputed (+27% work) against +3% for quantization
+
+
+def test_a_configuration_that_cannot_fit_says_so():
+    plan = _plan(seq_len=131072, tp=8, gpu_memory=24 * GiB, setups=("baseline", "A+G+O"))
+    base = plan.get("baseline")
+    assert base.recompute_layers is None and base.fits is False
+    assert plan.speedup_estimate("A+G+O") is None
+
+
+def test_budget_mode_spends_room_on_bits_and_stays_within_the_budget():
+    kw = dict(seq_len=32768, tp=8, pp=4, global_batch=8, schedule="1f1b", setups=("A+G+O",))
+    roomy = _plan(**kw, memory_budget=80 * GiB).setups[0]
+    assert all(r.bits == (16,) for r in roomy.ranks) and roomy.recompute_layers == 0
+    base = _plan(**kw).setups[0]
+    tight = base.peak + 2 * GiB
+    mid = _plan(**kw, memory_budget=tight).setups[0]
+    assert all(r.total <= tight for r in mid.ranks)
+    bits = [r.bits[0] for r in mid.ranks]
+    assert bits == sorted(bits) and bits[-1] > bits[0]  # later ranks hold fewer micro-batches: more bits
+    small = _plan(**kw, memory_budget=base.peak - 1 * GiB).setups[0]
+    assert small.recompute_layers > 0 and all(r.bits == (4,) for r in small.ranks) and small.peak <= base.peak - GiB
+
+
+def test_each_part_of_agoq_lowers_the_peak():
+    plan = _plan(seq_len=12288, tp=8, dp=8, global_batch=8)
+    peaks = [plan.get(n).peak for n in ("baseline", "A", "A+G", "A+G+O", "A+G+O+zero1")]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 5
+    assert plan.get("baseline+zero1").peak < plan.get("baseline").peak
+    assert peaks[3] / peaks[0] < 0.55  # the paper measured 22.3 / 46.1 = 0.48 here
+
+
+def test_eight_bit_gradients_and_optimizer_bytes():
+    (g,) = _plan(seq_len=4096, tp=8, setups=("A+G",)).setups[0].ranks
+    (f,) = _plan(seq_len=4096, tp=8, setups=("A",)).setups[0].ranks
+    # int8 block 256 with an fp32 scale: 1 + 4/256 bytes per value (each tensor rounded to whole blocks).
+    assert g.gradients / (f.gradients / 4) == pytest.approx(1 + 4 / 256, rel=1e-4)
+
+
+def test_eight_bit_optimizer_state_matches_torchao():
+    torchao_optim = pytest.importorskip("torchao.optim")
+    from agoq.train.optim import tensor_bytes
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (256 * 40, 4096, 1000, 300 * 256)]
+    opt = torchao_optim.AdamW8bit(params)
+    measured = sum(tensor_bytes(opt._new_buffer(p, s)) for p in params for s in (True, False))
+    planner = _Planner(make_plan_config("tiny", seq_len=64, dtype="fp32", setups=("O",)))
+    predicted = planner.optimizer_bytes([p.numel() for p in params], parse_setup("O")) - 4 * len(params)  # less the step counters
+    assert predicted == measured
+
+
+# ---------------------------------------------------------------- CLI, JSON, errors
+
+
+def test_json_schema_is_stable(capsys):
+    from agoq.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--seq-len", "8192", "--global-batch", "4",
+                 "--gpu-memory", "80GiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "agoq.plan/1"
+    assert set(doc) == {"schema", "model", "parallel", "precision", "memory", "inflight_per_rank", "layer_saved_units", "configurations"}
+    assert [c["name"] for c in doc["configurations"]] == ["baseline", "baseline+zero1", "A", "A+G", "A+G+O", "A+G+O+zero1"]
+    conf = doc["configurations"][0]
+    assert set(conf) == {"name", "description", "activations", "gradients", "optimizer", "zero1", "peak_bytes",
+                         "peak_bytes_without_recompute", "fits", "recompute_layers", "relative_iteration_time_estimate", "ranks"}
+    rank = conf["ranks"][0]
+    assert set(rank) == {"pp_rank", "stages", "layers", "bits", "inflight", "recompute_layers", "bytes"}
+    assert set(rank["bytes"]) == {"parameters", "gradients", "optimizer", "activations_per_microbatch", "activations_peak",
+                                  "pipeline_buffers", "temporary", "total", "total_without_recompute"}
+    assert rank["bytes"]["total"] == sum(v for k, v in rank["bytes"].items() if k not in ("activations_per_microbatch", "total", "total_without_recompute"))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_command_works_for_every_preset(name, capsys):
+    from agoq.cli import main
+
+    pp = 1 if PRESETS[name].tie_embeddings else 2
+    assert main(["plan", "--model", name, "--pp", str(pp), "--seq-len", "2048", "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "| A+G+O+zero1 |" in out and "estimate" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "llama2-13b", "--tp", "16"], "n_heads=40 is not divisible by tp=16"),
+        (["--model", "llama3-8b", "--tp", "64"], "n_heads=32 is not divisible by tp=64"),
+        (["--model", "codellama-34b", "--tp", "16"], "n_kv_heads=8 is not divisible by tp=16"),
+        (["--model", "llama2-13b", "--pp", "3"], "40 layers cannot be cut into pp * virtual_stages = 3 * 1"),
+        (["--model", "llama2-13b", "--pp", "4", "--schedule", "interleaved-1f1b", "--global-batch", "8", "--virtual-stages", "3"],
+         "40 layers cannot be cut into pp * virtual_stages = 4 * 3"),
+        (["--model", "llama5-1t"], "unknown model 'llama5-1t'"),
+        (["--model", "tiny", "--global-batch", "3", "--dp", "2"], "global-batch=3 is not a multiple"),
+        (["--model", "tiny", "--seq-len", "101", "--tp", "2"], "seq-len=101 is not divisible by tp=2"),
+        (["--model", "tiny", "--gpu-memory", "lots"], "cannot read the size 'lots'"),
+        (["--model", "tiny", "--configs", "A+Z"], "unknown configuration 'A+Z'"),
+        (["--model", "tiny", "--model-field", "layers=3"], "--model-field 'layers=3' must be KEY=VALUE"),
+    ],
+)
+def test_impossible_configurations_get_one_line(argv, message, capsys):
+    from agoq.cli import main
+
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_sizes():
+    assert parse_size("48GiB") == 48 * 2**30
+    assert parse_size("46.1GB") == 46_100_000_000
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size(1000) == 1000
+    assert parse_size("0", allow_zero=True) == 0
+    with pytest.raises(PlanError, match="must be positive"):
+        parse_size("0")
