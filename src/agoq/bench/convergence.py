@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=25, help="validation loss every N steps")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     parser.add_argument("--out-dir", default="runs/bench_convergence", help="folder for the runs and their cached summaries")
+    parser.add_argument("--cached-only", action="store_true", help="write the result from the runs already cached, training none")
 
 
 def _plan(names: list[str], seeds: int) -> list[tuple[str, int]]:
@@ -60,8 +61,8 @@ def _trim(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path) -> dict[str, Any]:
-    """Train one configuration (or read its cached result) and return the trimmed summary."""
+def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path, train: bool = True) -> dict[str, Any] | None:
+    """Train one configuration (or read its cached result) and return the trimmed summary; None if not cached and not training."""
     from agoq.train.config import load_config
     from agoq.train.run import launch
 
@@ -71,6 +72,8 @@ def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path) ->
         data = json.loads(cached.read_text())
         if data.get("steps") == steps and data.get("eval_every") == eval_every:
             return data
+    if not train:
+        return None
     cfg = load_config(None, [
         *RUNS[name][1], f"--train.seed={seed}", f"--train.steps={steps}", f"--train.eval_every={eval_every}",
         "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false", f"--train.out_dir={folder}",
@@ -204,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
     command = f"agoq bench convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
     done: dict[tuple[str, int], dict[str, Any]] = {}
     for name, seed in _plan(names, args.seeds):
-        done[(name, seed)] = run_one(name, seed, args.steps, args.eval_every, out_dir)
+        got = run_one(name, seed, args.steps, args.eval_every, out_dir, train=not args.cached_only)
+        if got is None:
+            continue
+        done[(name, seed)] = got
         rows = aggregate(done, names)
         results = {
             "config": "tiny LLaMA, KJV, pp=2 x dp=2, 1f1b, 4 micro-batches, 16 x 128 tokens per step, AdamW 3e-3 cosine",
@@ -232,14 +238,14 @@ def readme_markdown(results: dict[str, Any]) -> str:
         f"{results['config']}; {results['steps']} steps ({results['tokens_per_run']:,} tokens) per run. "
         "Losses are mean ± sample std over seeds; bytes are the largest over the 4 ranks.",
         "",
-        "| run | seeds | final train loss | val loss | val vs bf16 | saved-act. peak MiB | vs bf16 | grad buffer MiB | optimizer MiB | wire MiB/step | s/step | time vs bf16 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | seeds | final train loss | val loss | val vs bf16 | saved-act. peak MiB | vs bf16 | params MiB | grad buffer MiB | optimizer MiB | wire MiB/step | s/step | time vs bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
         m = r["max_rank"]
         lines.append(
             f"| {r['name']} | {len(r['seeds'])} | {_pm(r['final_loss'])} | {_pm(r['val_loss'])} | {r.get('val_loss_vs_bf16', 0):+.2%} | "
-            f"{m['peak_saved_bytes'] / mib:.2f} | {r.get('peak_saved_vs_bf16', 1):.2f}x | {m['grad_buffer_bytes'] / mib:.2f} | {m['optimizer_bytes'] / mib:.2f} | "
+            f"{m['peak_saved_bytes'] / mib:.2f} | {r.get('peak_saved_vs_bf16', 1):.2f}x | {m['param_bytes'] / mib:.2f} | {m['grad_buffer_bytes'] / mib:.2f} | {m['optimizer_bytes'] / mib:.2f} | "
             f"{m['wire_bytes_per_step'] / mib:.2f} | {r['step_time_s']:.2f} | {r.get('step_time_vs_bf16', 1):.2f}x |"
         )
     t = results["targets"]
