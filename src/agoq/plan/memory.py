@@ -571,16 +571,17 @@ class _Planner:
 
     # ---- iteration time (estimate)
 
-    def rank_time(self, rank: int, setup: Setup, recompute: int, policy: ActivationPolicy) -> float:
+    def rank_time(self, rank: int, setup: Setup, recompute: int, policy: ActivationPolicy, bits: list[int] | None = None) -> float:
         """Forward-equivalent work of one micro-batch on a rank, in units of one token's GEMM FLOPs."""
         m = self.m
         per_layer_params = sum(self.layer_numels) * self.cfg.tp
         layer = 2 * per_layer_params + 2 * self.cfg.seq_len * m.hidden  # GEMMs + causal attention, per token
         head = 2 * m.vocab_size * m.hidden
         fwd_bwd = 1 + BACKWARD_OVER_FORWARD
-        quant = (QUANT_OVERHEAD[0] + BACKWARD_OVER_FORWARD * QUANT_OVERHEAD[1]) if setup.activations else 0.0
         total = 0.0
         for s in self.rank_stages[rank]:
+            quantized = setup.activations and (bits is None or bits[s] < 16)
+            quant = (QUANT_OVERHEAD[0] + BACKWARD_OVER_FORWARD * QUANT_OVERHEAD[1]) if quantized else 0.0
             n = len(self.ranges[s])
             total += n * layer * (fwd_bwd + quant) + min(recompute, n) * layer
             if s == self.num_stages - 1:
@@ -664,7 +665,7 @@ class _Planner:
             r.total_without_recompute = p.total
         fits = None if cap is None else all(r.total <= cap for r in ranks)
         applied = k if k is not None else max(len(r) for r in self.ranges)
-        times = [self.rank_time(r, setup, applied, policy) for r in range(self.cfg.pp)]
+        times = [self.rank_time(r, setup, applied, policy, bits) for r in range(self.cfg.pp)]
         return SetupPlan(setup, ranks, fits, k, 0.0), times
 
     def budget_bits(self, setup: Setup, policy: ActivationPolicy, cap: int) -> list[int]:
