@@ -33,7 +33,7 @@ from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, plan_buckets
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
 from agoq.parallel.inflight import inflight_microbatches, peak_inflight_bytes, schedule_order
-from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_name, split_layers, stage_to_rank
+from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_name, split_layers
 from agoq.quant import QuantFormat, parse_format
 
 if TYPE_CHECKING:
@@ -406,7 +406,6 @@ class _Planner:
         self.num_stages = cfg.pp * cfg.vstages
         self.ranges = split_layers(self.m.n_layers, cfg.pp, cfg.vstages)
         self.rank_stages = [rank_stages(self.key, r, cfg.pp, cfg.vstages) for r in range(cfg.pp)]
-        self.stage_rank = stage_to_rank(self.key, cfg.pp, cfg.vstages)
         self.fmt = parse_format(cfg.activation_format)
         # Per-rank tokens of one micro-batch's sharded tensors: sequence parallelism cuts seq by tp.
         self.seq_tp = cfg.seq_len // cfg.tp
