@@ -56,7 +56,14 @@ def _allreduce(r: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def _plan_vs_paper(r: dict[str, Any]) -> str:
+    from agoq.bench.plan_vs_paper import markdown
+
+    return markdown(r)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "plan_vs_paper": _plan_vs_paper,
     "quant_throughput": _quant_throughput,
     "quant_block_size": _quant_block_size,
     "activation": _activation,
