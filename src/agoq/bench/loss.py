@@ -89,12 +89,14 @@ def run(args: argparse.Namespace) -> int:
         steps = {name: (lambda fn=fn: fn(hidden, weight, targets, chunk)) for name, fn in paths.items()}
         seconds, losses = _time_steps(steps, hidden, weight, args.repeats)
         for name in paths:
-            row[f"{name}_step_s"] = seconds[name]
+            row[f"{name}_step_s"], row[f"{name}_step_cpu_s"] = seconds[name]
         row["fused_loss_rel_diff"] = abs(losses["fused"] - losses["plain"]) / abs(losses["plain"])
         row["saved_ratio"] = row["plain_saved_bytes"] / row["fused_saved_bytes"]
         row["saved_ratio_recompute"] = row["plain_saved_bytes"] / row["fused_recompute_saved_bytes"]
         row["time_ratio"] = row["fused_step_s"] / row["plain_step_s"]
         row["time_ratio_recompute"] = row["fused_recompute_step_s"] / row["plain_step_s"]
+        row["cpu_ratio"] = row["fused_step_cpu_s"] / row["plain_step_cpu_s"]
+        row["cpu_ratio_recompute"] = row["fused_recompute_step_cpu_s"] / row["plain_step_cpu_s"]
         rows.append(row)
         if args.chunk_sweep:
             chunks: dict[int, int] = {}  # effective chunk -> the smallest budget (MiB) giving it
@@ -106,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
             sweep_steps["plain"] = steps["plain"]
             swept, _ = _time_steps(sweep_steps, hidden, weight, args.repeats)
             for c, mib in chunks.items():
-                sweep.append({"vocab": vocab, "chunk_logits_mib": mib, "chunk_size": c, "fused_step_s": swept[c],
-                              "plain_step_s": swept["plain"], "time_ratio": swept[c] / swept["plain"]})
+                sweep.append({
+                    "vocab": vocab, "chunk_logits_mib": mib, "chunk_size": c,
+                    "fused_step_s": swept[c][0], "plain_step_s": swept["plain"][0], "time_ratio": swept[c][0] / swept["plain"][0],
+                    "fused_step_cpu_s": swept[c][1], "plain_step_cpu_s": swept["plain"][1],
+                    "cpu_ratio": swept[c][1] / swept["plain"][1],
+                })
         del hidden, weight, targets
 
     results = {"rows": rows, "chunk_sweep": sweep}
@@ -127,25 +133,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _time_steps(steps: dict[Any, Callable[[], Any]], hidden: Any, weight: Any, repeats: int) -> tuple[dict, dict]:
-    """Fastest seconds of forward + backward of each step over ``repeats`` rounds, and its loss.
+    """Fastest wall and CPU seconds of forward + backward of each step over ``repeats`` rounds, and its loss.
 
     The steps run in turns, after one warm-up round, so that load from other processes on a
-    shared machine falls on all of them alike; the minimum is the run least disturbed by it.
+    shared machine falls on all of them alike; the minimum is the run least disturbed by it. CPU
+    seconds (this process, all threads) do not count time spent waiting for a core.
     """
-    times: dict[Any, list[float]] = {k: [] for k in steps}
+    wall: dict[Any, list[float]] = {k: [] for k in steps}
+    cpu: dict[Any, list[float]] = {k: [] for k in steps}
     losses: dict[Any, float] = {}
     for i in range(repeats + 1):
         for key, step in steps.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = step()
             loss.backward()
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             losses[key] = loss.item()
             hidden.grad = weight.grad = None
             del loss
             if i:
-                times[key].append(elapsed)
-    return {k: min(v) for k, v in times.items()}, losses
+                wall[key].append(elapsed)
+                cpu[key].append(elapsed_cpu)
+    return {k: (min(wall[k]), min(cpu[k])) for k in steps}, losses
 
 
 def _mib(n: int) -> str:
@@ -155,32 +164,40 @@ def _mib(n: int) -> str:
 def _table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of saved MiB and step times, with ratios."""
     lines = [
-        "| vocab | chunk | saved MiB plain | saved MiB fused | (recompute) | plain / fused | step s plain | step s fused | (recompute) | fused / plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vocab | chunk | saved MiB plain | saved MiB fused | (recompute) | plain / fused "
+        "| step s plain | step s fused | (recompute) | fused / plain | CPU s plain | CPU s fused | (recompute) | fused / plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['vocab']} | {r['chunk_size']} | {_mib(r['plain_saved_bytes'])} | {_mib(r['fused_saved_bytes'])} "
             f"| {_mib(r['fused_recompute_saved_bytes'])} | {r['saved_ratio']:.1f}x ({r['saved_ratio_recompute']:.0f}x) "
             f"| {r['plain_step_s']:.3f} | {r['fused_step_s']:.3f} | {r['fused_recompute_step_s']:.3f} "
-            f"| {r['time_ratio']:.2f}x ({r['time_ratio_recompute']:.2f}x) |"
+            f"| {r['time_ratio']:.2f}x ({r['time_ratio_recompute']:.2f}x) "
+            f"| {r['plain_step_cpu_s']:.3f} | {r['fused_step_cpu_s']:.3f} | {r['fused_recompute_step_cpu_s']:.3f} "
+            f"| {r['cpu_ratio']:.2f}x ({r['cpu_ratio_recompute']:.2f}x) |"
         )
     r0 = rows[0]
     lines.append("")
     lines.append(
         f"{r0['tokens']} tokens, hidden {r0['hidden']}, {r0['dtype']}; step = forward + backward of the loss, "
-        "fastest of the timed rounds; saved = bytes autograd keeps (parameters excluded)."
+        "fastest of the timed rounds (wall, and CPU seconds of this process); "
+        "saved = bytes autograd keeps (parameters excluded)."
     )
     return "\n".join(lines)
 
 
 def _sweep_table(sweep: list[dict[str, Any]]) -> str:
     """The markdown table of fused step time against the chunk's fp32-logit budget."""
-    lines = ["| vocab | chunk fp32 logits MiB | chunk | step s fused | step s plain | fused / plain |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| vocab | chunk fp32 logits MiB | chunk | step s fused | step s plain | fused / plain | CPU s fused | CPU s plain | fused / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in sweep:
         lines.append(
             f"| {s['vocab']} | {s['chunk_logits_mib']} | {s['chunk_size']} | {s['fused_step_s']:.3f} "
-            f"| {s['plain_step_s']:.3f} | {s['time_ratio']:.2f}x |"
+            f"| {s['plain_step_s']:.3f} | {s['time_ratio']:.2f}x | {s['fused_step_cpu_s']:.3f} "
+            f"| {s['plain_step_cpu_s']:.3f} | {s['cpu_ratio']:.2f}x |"
         )
     return "\n".join(lines)
 
