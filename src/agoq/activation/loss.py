@@ -25,12 +25,14 @@ import torch.nn.functional as F
 
 # A chunk's fp32 logits take at most this many bytes; the chunk's working set is about three times
 # that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
-# the gradient cast back). Some costs are paid once per chunk whatever its size, in proportion to
-# the weight: the pass over the fp32 [vocab, hidden] gradient sum, and on CPU the GEMM library's
-# re-layout of the weight. Chunks must be large enough for the GEMMs to dwarf them: at vocab 128256
-# (hidden 512, bf16) on this CPU, 128-token chunks (64 MiB) made the step 3.4x slower than the plain
-# path, 512 tokens 1.2x, 1024 tokens 1.04x (``agoq bench loss --chunk-sweep``). 256 MiB keeps the
-# working set under 1 GiB, below what the plain path keeps for 2048 tokens at that vocab alone.
+# the gradient cast back). Some work is paid once per chunk whatever its size, in proportion to the
+# weight (at least the pass over the fp32 [vocab, hidden] gradient sum), so small chunks are slow:
+# at vocab 128256 (hidden 512, bf16, 2048 tokens) on this CPU the fused step took 1.40x the plain
+# path's CPU time with 128-token chunks (64 MiB), 1.21x with 256, 1.14x with 520 (256 MiB), 1.08x
+# with 1040 (benchmarks/results/loss.json, chunk_sweep). A GPU GEMM [chunk, hidden] x [hidden, vocab]
+# also needs a few hundred rows to be compute-bound rather than bound by reading the weight.
+# 256 MiB keeps the working set under 1 GiB, less than the plain path keeps at that vocab for
+# 2048 tokens.
 CHUNK_LOGITS_BYTES = 256 * 2**20
 
 REDUCTIONS = ("mean", "sum", "none")
