@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     parser.add_argument("--out-dir", default="runs/bench_convergence", help="folder for the runs and their cached summaries")
     parser.add_argument("--cached-only", action="store_true", help="write the result from the runs already cached, training none")
+    parser.add_argument("--model", default="tiny", help="model preset; other than tiny, results go to convergence_<preset>.json")
 
 
 def _plan(names: list[str], seeds: int) -> list[tuple[str, int]]:
@@ -61,7 +62,7 @@ def _trim(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path, train: bool = True) -> dict[str, Any] | None:
+def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path, train: bool = True, model: str = "tiny") -> dict[str, Any] | None:
     """Train one configuration (or read its cached result) and return the trimmed summary; None if not cached and not training."""
     from agoq.train.config import load_config
     from agoq.train.run import launch
@@ -75,7 +76,7 @@ def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path, tr
     if not train:
         return None
     cfg = load_config(None, [
-        *RUNS[name][1], f"--train.seed={seed}", f"--train.steps={steps}", f"--train.eval_every={eval_every}",
+        *RUNS[name][1], f"--model.preset={model}", f"--train.seed={seed}", f"--train.steps={steps}", f"--train.eval_every={eval_every}",
         "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false", f"--train.out_dir={folder}",
     ])
     summary = launch(cfg)
@@ -208,19 +209,22 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise SystemExit(f"--runs: unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir) if args.model == "tiny" else Path(f"{args.out_dir}_{args.model}")
     out_dir.mkdir(parents=True, exist_ok=True)
     entropy = unigram_entropy_nats()
+    result_name = "convergence" if args.model == "tiny" else f"convergence_{args.model.replace('-', '_').replace('.', '_')}"
     command = f"agoq bench convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
+    if args.model != "tiny":
+        command += f" --model {args.model} --runs {args.runs}"
     done: dict[tuple[str, int], dict[str, Any]] = {}
     for name, seed in _plan(names, args.seeds):
-        got = run_one(name, seed, args.steps, args.eval_every, out_dir, train=not args.cached_only)
+        got = run_one(name, seed, args.steps, args.eval_every, out_dir, train=not args.cached_only, model=args.model)
         if got is None:
             continue
         done[(name, seed)] = got
         rows = aggregate(done, names)
         results = {
-            "config": "tiny LLaMA, KJV, pp=2 x dp=2, 1f1b, 4 micro-batches, 16 x 128 tokens per step, AdamW 3e-3 cosine",
+            "config": f"{args.model} LLaMA, KJV, pp=2 x dp=2, 1f1b, 4 micro-batches, 16 x 128 tokens per step, AdamW 3e-3 cosine",
             "steps": args.steps,
             "tokens_per_run": args.steps * 16 * 128,
             "complete": len(done) == len(_plan(names, args.seeds)),
@@ -228,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
             "targets": targets(rows, entropy),
             "trajectories": {f"{n}_s{s}": {"loss": r["loss"], "grad_norm": r["grad_norm"], "val": r["val"]} for (n, s), r in done.items()},
         }
-        write_result("convergence", results, command=command)
-        plot(done, RESULTS_DIR / "convergence.png", entropy)
+        write_result(result_name, results, command=command)
+        plot(done, RESULTS_DIR / f"{result_name}.png", entropy)
     print(readme_markdown(results))
     return 0
 

@@ -89,7 +89,8 @@ def render(name: str, results_dir: Path) -> str:
     if extra is None:
         from importlib import import_module
 
-        extra = getattr(import_module(f"agoq.bench.{name}"), "readme_markdown")
+        module = name.split("_")[0] if name.startswith("convergence_") else name  # convergence_<preset>
+        extra = getattr(import_module(f"agoq.bench.{module}"), "readme_markdown")
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 
 
