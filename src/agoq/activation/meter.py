@@ -100,7 +100,7 @@ class SavedBytesMeter:
     def __enter__(self) -> "SavedBytesMeter":
         if self._module is not None:
             for t in [*self._module.parameters(), *self._module.buffers()]:
-                self._param_keys.add(_storage_key(t))
+                self._param_keys.add(storage_key(t))
         for index, layer in self._layers.items():
             self._handles.append(layer.register_forward_pre_hook(_enter_layer(index)))
             self._handles.append(layer.register_forward_hook(_leave_layer, always_call=True))
@@ -122,12 +122,12 @@ class SavedBytesMeter:
         return t
 
     def _record(self, t: torch.Tensor) -> None:
-        key = _storage_key(t)
+        key = storage_key(t)
         rec = self._records.get(key)
         if rec is None:
             root = t._base if t._base is not None else t
             is_param = isinstance(root, nn.Parameter) or key in self._param_keys
-            rec = _StorageRecord(_storage_nbytes(t), t.dtype, is_param)
+            rec = _StorageRecord(storage_nbytes(t), t.dtype, is_param)
             self._records[key] = rec
         rec.scopes.append(current_scope())
 
@@ -200,14 +200,16 @@ def _leave_layer(module: nn.Module, args: Any, output: Any) -> None:
         _scopes.pop()
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """(device, storage address) identifying the memory a tensor lives in; views share it."""
     try:
         return str(t.device), t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses): count by object
         return "object", id(t)
 
 
-def _storage_nbytes(t: torch.Tensor) -> int:
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the whole storage behind a tensor (a saved view keeps all of it alive)."""
     try:
         return t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):

@@ -6,13 +6,15 @@ from typing import Iterable
 
 import torch
 
+from agoq.activation.meter import storage_key, storage_nbytes
+
 
 class _Held:
     """A saved tensor held by the graph; releases its bytes from the tracker when the graph frees it."""
 
     __slots__ = ("tensor", "key", "tracker")
 
-    def __init__(self, tensor: torch.Tensor, key: int | None, tracker: "SavedActivationTracker") -> None:
+    def __init__(self, tensor: torch.Tensor, key: tuple[str, int] | None, tracker: "SavedActivationTracker") -> None:
         self.tensor = tensor
         self.key = key
         self.tracker = tracker
@@ -31,9 +33,9 @@ class SavedActivationTracker:
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
-        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
-        self._refs: dict[int, int] = {}
-        self._sizes: dict[int, int] = {}
+        self._param_storages = {storage_key(p) for p in parameters}
+        self._refs: dict[tuple[str, int], int] = {}
+        self._sizes: dict[tuple[str, int], int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
         self.start_bytes = 0
@@ -54,28 +56,27 @@ class SavedActivationTracker:
         return self.peak_bytes - self.start_bytes
 
     def _pack(self, t: torch.Tensor) -> _Held:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self._param_storages or storage.nbytes() == 0:
+        key, nbytes = storage_key(t), storage_nbytes(t)
+        if key in self._param_storages or nbytes == 0:
             return _Held(t, None, self)
-        if ptr in self._refs:
-            self._refs[ptr] += 1
+        if key in self._refs:
+            self._refs[key] += 1
         else:
-            self._refs[ptr] = 1
-            self._sizes[ptr] = storage.nbytes()
-            self.live_bytes += storage.nbytes()
+            self._refs[key] = 1
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return _Held(t, ptr, self)
+        return _Held(t, key, self)
 
     @staticmethod
     def _unpack(held: _Held) -> torch.Tensor:
         return held.tensor
 
-    def _release(self, ptr: int) -> None:
-        self._refs[ptr] -= 1
-        if self._refs[ptr] == 0:
-            del self._refs[ptr]
-            self.live_bytes -= self._sizes.pop(ptr)
+    def _release(self, key: tuple[str, int]) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live_bytes -= self._sizes.pop(key)
 
     def __enter__(self) -> "SavedActivationTracker":
         self.reset_peak()

@@ -63,15 +63,15 @@ def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -
         return None
     from agoq.quant import parse_format
 
-    base_bits = parse_format(pr.activation_format).bits
-    if pr.stage_bits == "uniform" or p.pp == 1 or parse_format(pr.activation_format).kind != "int":
+    fmt = parse_format(pr.activation_format)
+    if pr.stage_bits == "uniform" or p.pp == 1 or fmt.kind != "int":
         return None
     from agoq.parallel.dbca import stage_layer_bits
 
     return tuple(
         stage_layer_bits(
             model_cfg, p.schedule, p.pp, p.microbatches, p.virtual_stages, micro_batch, cfg.data.seq_len,
-            make_policy_for(cfg), base_bits, dtype=DTYPES[pr.compute_dtype],
+            make_policy_for(cfg), fmt.bits, dtype=DTYPES[pr.compute_dtype],
         )
     )
 
@@ -227,9 +227,14 @@ class Trainer:
             total += float(loss.detach()) / p.microbatches
         return total
 
+    @staticmethod
+    def _loss_terms(loss: float | None) -> list[float]:
+        """[loss sum, count] of this rank: the loss lives on the last pipeline stage only."""
+        return [0.0, 0.0] if loss is None else [loss, 1.0]
+
     def _global_loss(self, loss: float | None) -> float:
-        """The step's loss, known on every rank (it lives on the last pipeline stage)."""
-        t = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], device=self.ctx.device, dtype=torch.float64)
+        """The mean over dp replicas of a loss known on the last stage, on every rank."""
+        t = torch.tensor(self._loss_terms(loss), device=self.ctx.device, dtype=torch.float64)
         dist.all_reduce(t)
         return float(t[0] / t[1])
 
@@ -243,12 +248,14 @@ class Trainer:
             local_loss = self.forward_backward(inputs, targets)
         reduced = self.sync.reduce()
         grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
-        # One small all-reduce over every rank gives the global gradient norm and whether any pp
-        # stage or dp group saw a non-finite gradient: all ranks then skip or step together. dp
-        # replicas hold identical reduced gradients, so their squares are divided out; ZeRO-1 shards
-        # are disjoint, so theirs add up to the full norm.
-        agree = torch.tensor([grad_sq if self.sync.sharded else grad_sq / cfg.parallel.dp, 0.0 if reduced else 1.0], device=self.ctx.device, dtype=torch.float64)
+        # One small all-reduce over every rank gives the global gradient norm, whether any pp
+        # stage or dp group saw a non-finite gradient (all ranks then skip or step together), and
+        # the step's loss. dp replicas hold identical reduced gradients, so their squares are
+        # divided out; ZeRO-1 shards are disjoint, so theirs add up to the full norm.
+        sq = grad_sq if self.sync.sharded else grad_sq / cfg.parallel.dp
+        agree = torch.tensor([sq, 0.0 if reduced else 1.0, *self._loss_terms(local_loss)], device=self.ctx.device, dtype=torch.float64)
         dist.all_reduce(agree)
+        loss = float(agree[2] / agree[3])
         grad_norm = math.sqrt(agree[0].item()) if agree[1].item() == 0 and math.isfinite(agree[0].item()) else float("nan")
         skipped = not math.isfinite(grad_norm)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
@@ -267,7 +274,6 @@ class Trainer:
             if pending:
                 self.optimizer.step()
         self.sync.finish_step()
-        loss = self._global_loss(local_loss)
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.data.batch_size * cfg.data.seq_len

@@ -370,19 +370,3 @@ def reduce_rows(
     q = QTensor(out_pay, out_sc, torch.Size([n]), torch.float32, fmt) if requantize else None
     return acc, q
 
-
-__all__ = [
-    "INTERPRETED",
-    "MAX_BLOCK",
-    "accumulate_",
-    "dequantize",
-    "norm_supported",
-    "quantize",
-    "reduce_rows",
-    "rms_norm_backward",
-    "rms_norm_quantize",
-    "rms_norm_recompute",
-    "supports",
-    "swiglu_backward",
-    "swiglu_quantize",
-]
