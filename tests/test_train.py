@@ -41,6 +41,8 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
     for name, cfg in cfgs.items():
         res = train_worker(cfg)
         out[name] = {"losses": _losses(res), "stats": res["ranks"][rank] if "ranks" in res else res["stats"]}
+        if "config" in res:
+            out[name]["vocab"] = res["config"]["model"]["overrides"]["vocab_size"]
         if "ranks" in res:
             out[name]["all_stats"] = res["ranks"]
     return out
@@ -137,3 +139,16 @@ def test_cli_reports_config_errors_before_starting_processes(capsys):
 
     assert main(["train", "--parallel.pp=0"]) == 2
     assert "parallel.pp=0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["1f1b_fp32", "gpipe_agoq", "interleaved_agoq", "ring8_recompute", "resume_second_half"])
+def test_every_rank_reports_its_temporaries(runs, name):
+    """The second step run counts temporaries; they include at least one full-precision gradient of
+    the rank's embedding or head (vocab x hidden) before it folds into the gradient buffer."""
+    cfg = runs["cfgs"][name]
+    elem = 4 if cfg.precision.compute_dtype == "fp32" else 2
+    vocab_by_hidden = runs["results"][0][name]["vocab"] * cfg.model_config().hidden * elem
+    for stats in runs["results"][0][name]["all_stats"]:
+        assert stats["peak_temporary_bytes"] >= vocab_by_hidden, (name, stats)
+    # One-step runs have no second step to count.
+    assert all(s["peak_temporary_bytes"] is None for s in runs["results"][0]["dbca"]["all_stats"])

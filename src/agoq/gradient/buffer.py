@@ -389,9 +389,17 @@ class QuantGradBuffer:
         self._check_readable()
         pi = self._index(param)
         p = self.params[pi]
-        out = torch.empty(p.numel(), dtype=dtype, device=self.device)
         block = self.fmt.block_size
-        for seg in self.segments[pi]:
+        segments = self.segments[pi]
+        if len(segments) == 1:  # the common case: dequantize straight into the result
+            seg = segments[0]
+            n = _round_up(seg.numel, block)
+            bucket = self.buckets[seg.bucket]
+            pay = bucket.payload[self.fmt.payload_bytes(seg.offset) : self.fmt.payload_bytes(seg.offset + n)]
+            sc = bucket.scales[seg.offset // block : (seg.offset + n) // block]
+            return dequantize(QTensor(pay, sc, torch.Size([n]), dtype, self.fmt))[: seg.numel].view(p.shape)
+        out = torch.empty(p.numel(), dtype=dtype, device=self.device)
+        for seg in segments:
             bucket = self.buckets[seg.bucket]
             n = _round_up(seg.numel, block)
             pay = bucket.payload[self.fmt.payload_bytes(seg.offset) : self.fmt.payload_bytes(seg.offset + n)]
@@ -413,13 +421,21 @@ class QuantGradBuffer:
         return [s.param for s in self.buckets[b].segments if self.segments[s.param][-1].bucket == b]
 
     def grad_norm(self) -> float:
-        """L2 norm of the stored gradients, computed one bucket at a time (padding holds zeros)."""
+        """L2 norm of the stored gradients (padding holds zeros), accumulated in fp64.
+
+        Dequantized a piece of a bucket at a time: the fp32 temporaries stay a few hundred KiB.
+        """
         self._check_readable()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        block = self.fmt.block_size
+        piece = max(1, FOLD_PIECE // block) * block
         for b in self.buckets:
             n = b.layout.world_size * b.layout.padded_chunk
-            vals = dequantize(QTensor(b.payload, b.scales, torch.Size([n]), torch.float32, self.fmt))
-            total += vals.double().square().sum()
+            for start in range(0, n, piece):
+                m = min(piece, n - start)
+                pay = b.payload[self.fmt.payload_bytes(start) : self.fmt.payload_bytes(start + m)]
+                vals = dequantize(QTensor(pay, b.scales[start // block : (start + m) // block], torch.Size([m]), torch.float32, self.fmt))
+                total += sum_of_squares(vals)
         return float(total.sqrt())
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
@@ -465,6 +481,11 @@ class QuantGradBuffer:
                 shard = dequantize(QTensor(b.payload, b.scales, torch.Size([n]), torch.float32, self.fmt))[start:end]
             out.append((b.index, start, end, shard))
         return out
+
+
+def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of ``t`` as an fp64 scalar, accumulated in fp64 without an fp64 copy of ``t``."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -> list[tuple[int, list[Segment]]]:

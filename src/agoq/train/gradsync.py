@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from agoq.gradient.buffer import sum_of_squares
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import TrainConfig
 
@@ -38,7 +39,7 @@ class GradientSync:
         raise NotImplementedError
 
     def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(parameter index, reduced fp32 gradient), one parameter at a time."""
+        """(parameter index, reduced fp32 gradient), one parameter at a time; the caller may scale it in place."""
         raise NotImplementedError
 
     def finish_step(self) -> None:
@@ -111,7 +112,7 @@ class PlainGradientSync(GradientSync):
         return ok and bool(torch.isfinite(self.buffer).all())
 
     def local_grad_sq_norm(self) -> float:
-        return float(self.buffer.double().square().sum())
+        return float(sum_of_squares(self.buffer))
 
     def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
         yield from enumerate(self.views)

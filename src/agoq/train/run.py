@@ -79,6 +79,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     # The first step also holds the graph of torch's shape inference; later steps do not.
     measured = records[1:] or records
     peak_saved = max((r["peak_saved_bytes"] for r in measured), default=0)
+    probe = next((r for r in records if r.get("memory_probe")), {})
     mine = {
         "rank": ctx.rank,
         "pp_rank": ctx.pp_rank,
@@ -86,6 +87,8 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "stages": ctx.stages,
         "layer_bits": trainer.stage_layer_bits(),
         "peak_saved_bytes": peak_saved,
+        "peak_temporary_bytes": probe.get("peak_temporary_bytes"),
+        "peak_temporary_bytes_by_phase": probe.get("peak_temporary_bytes_by_phase"),
         "wire_bytes_per_step": trainer.sync.wire_bytes_last_step,
         "fp32_wire_bytes_per_step": trainer.sync.fp32_wire_bytes(),
         "grad_buffer_bytes": trainer.sync.buffer_bytes(),
@@ -98,7 +101,8 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     dist.all_gather_object(gathered, mine)
     summary = None
     if ctx.rank == 0 and records:
-        timed = records[1:] or records  # the first step includes one-time setup
+        # The first step includes one-time setup; the memory probe step counts every allocation.
+        timed = [r for r in records[1:] if not r.get("memory_probe")] or records
         run = {
             "final_loss": records[-1]["loss"],
             "val_loss": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),

@@ -7,6 +7,7 @@ data-parallel group (8-bit or plain), clip by the global norm, and step AdamW on
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -24,7 +25,7 @@ from agoq.train.config import TrainConfig
 from agoq.train.gradsync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, Progress, peak_rss_bytes
 from agoq.train.optim import MasterWeightOptimizer, count_bytes, lr_at
-from agoq.train.saved import SavedActivationTracker
+from agoq.train.saved import SavedActivationTracker, StepAllocations
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 STEP_GROUP_BYTES = 25 * 2**20  # fp32 gradient bytes handed to the optimizer per partial step
@@ -200,6 +201,7 @@ class Trainer:
         self.out_dir = Path(cfg.train.out_dir)
         self.metrics = JsonlWriter(self.out_dir / "metrics" / f"rank{ctx.rank}.jsonl")
         self.step = 0
+        self.steps_run = 0  # by this process (a resumed run starts at a later step)
 
     # ---------------------------------------------------------------------------- one step
 
@@ -241,11 +243,32 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over one global batch."""
         cfg = self.cfg
+        # The second step this process runs also counts its temporaries (the first one includes
+        # torch's one-off shape inference and lazily created state); the count costs a Python call
+        # per operator, so that step's time is not representative.
+        probe = self.steps_run == 1
+        with self.tracker.temporaries() if probe else contextlib.nullcontext() as temporaries:
+            rec = self._train_step(temporaries)
+        if temporaries is not None:
+            rec["memory_probe"] = True
+            rec["peak_temporary_bytes"] = temporaries.peak_temporary_bytes
+            rec["peak_temporary_bytes_by_phase"] = temporaries.peak_temporary_by_phase
+        return rec
+
+    def _train_step(self, temporaries: StepAllocations | None) -> dict[str, Any]:
+        def phase(name: str) -> None:
+            if temporaries is not None:
+                temporaries.enter_phase(name)
+
+        cfg = self.cfg
         t0 = time.perf_counter()
+        phase("data")
         inputs, targets = self.sampler.next_batch()
         self.sync.start_step()
+        phase("forward_backward")
         with self.tracker:
             local_loss = self.forward_backward(inputs, targets)
+        phase("gradient_sync")
         reduced = self.sync.reduce()
         grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
         # One small all-reduce over every rank gives the global gradient norm, whether any pp
@@ -259,6 +282,7 @@ class Trainer:
         grad_norm = math.sqrt(agree[0].item()) if agree[1].item() == 0 and math.isfinite(agree[0].item()) else float("nan")
         skipped = not math.isfinite(grad_norm)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        phase("optimizer")
         if not skipped:
             clip = cfg.optim.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
@@ -266,7 +290,7 @@ class Trainer:
             # Step in groups of about one bucket, so fp32 gradients never all exist at once.
             pending = 0
             for i, grad in self.sync.gradients():
-                self.optimizer.set_grad(i, grad * coef if coef != 1.0 else grad)
+                self.optimizer.set_grad(i, grad.mul_(coef) if coef != 1.0 else grad)
                 pending += grad.numel() * 4
                 if pending >= STEP_GROUP_BYTES:
                     self.optimizer.step()
@@ -276,6 +300,7 @@ class Trainer:
         self.sync.finish_step()
         dt = time.perf_counter() - t0
         self.step += 1
+        self.steps_run += 1
         tokens = cfg.data.batch_size * cfg.data.seq_len
         return {
             "step": self.step,

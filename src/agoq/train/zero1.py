@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
+from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, plan_buckets, sum_of_squares
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import OptimSection, TrainConfig
 from agoq.train.gradsync import GradientSync
@@ -111,7 +111,7 @@ class ShardedGradientSync(GradientSync):
         return self._shards
 
     def local_grad_sq_norm(self) -> float:
-        return float(sum(s.double().square().sum() for s in self._shards)) if self._shards else 0.0
+        return float(sum(sum_of_squares(s) for s in self._shards)) if self._shards else 0.0
 
     def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
         yield from enumerate(self._shards)

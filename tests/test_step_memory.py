@@ -1,0 +1,117 @@
+"""What a training step holds: saved activations and temporaries, counted to the byte.
+
+The small cases have exact expected counts; the model cases check the sum of both against torch's
+own MemTracker (an independent count of every allocation in the same step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agoq.activation import make_policy
+from agoq.models import Llama, get_config
+from agoq.train.saved import SavedActivationTracker
+
+
+def test_new_tensors_count_views_and_in_place_updates_do_not() -> None:
+    tracker = SavedActivationTracker()
+    existing = torch.randn(1000)
+    with tracker.temporaries() as temps:
+        a = torch.randn(1000)  # 4000 B
+        b = a * 2  # 4000 B more: peak 8000
+        del b
+        existing.add_(1)  # in place: no new memory
+        view = existing.view(10, 100)  # a view: no new memory
+        c = a[:10].clone()  # 40 B
+    assert temps.peak_temporary_bytes == 8000
+    assert temps.peak_bytes == 8000
+    assert temps.temporary_bytes == 4040  # a and c still alive
+    del a, c, view
+    assert temps.temporary_bytes == 0 and temps.live_bytes == 0
+
+
+def test_a_tensor_held_for_backward_is_an_activation_not_a_temporary() -> None:
+    tracker = SavedActivationTracker()
+    x = torch.randn(1000, requires_grad=True)
+    with tracker.temporaries() as temps:
+        with tracker:
+            y = x.exp()  # exp saves its output: 4000 B held for backward
+            s = y.sum()  # 4 B temporary
+        assert tracker.live_bytes == 4000
+        assert temps.temporary_bytes == 4
+        del y
+        s.backward()  # frees y; x.grad (4000 B) is new memory that outlives the step
+    assert tracker.live_bytes == 0 and tracker.peak_bytes == 4000
+    # During backward: s, the expanded scalar gradient (4 B), x.grad; y was never a temporary.
+    assert temps.peak_temporary_bytes == 4008
+    assert temps.temporary_bytes == 4004
+    assert temps.peak_bytes == 8008
+
+
+def test_a_released_tensor_that_stays_referenced_becomes_a_temporary() -> None:
+    tracker = SavedActivationTracker()
+    x = torch.randn(1000, requires_grad=True)
+    with tracker.temporaries() as temps:
+        with tracker:
+            y = x.exp()
+        y.sum().backward()  # releases y from the graph; the name y still holds it
+    # y (4000 B) and x.grad (4000 B); the scalar loss and its gradient are gone.
+    assert temps.temporary_bytes == 8000
+    assert temps.peak_temporary_bytes == 8000
+
+
+@pytest.mark.parametrize("policy", ["bf16", "agoq", "uniform4"])
+def test_step_peak_equals_torch_memtracker(policy: str) -> None:
+    """Saved activations + temporaries at their joint peak = MemTracker's peak above the parameters."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cfg = get_config("tiny", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, intermediate=344, vocab_size=512)
+    model = Llama(cfg, make_policy(policy)).to(torch.bfloat16)
+    tracker = SavedActivationTracker(list(model.parameters()))
+    reference = MemTracker()
+    reference.track_external(model)
+    with reference, tracker.temporaries() as temps:
+        ids = torch.randint(0, cfg.vocab_size, (2, 48))
+        targets = torch.randint(0, cfg.vocab_size, (2, 48))
+        with tracker:
+            loss = model(ids, targets)
+        loss.backward()
+        peak = reference.get_tracker_snapshot("peak")
+    totals = {str(getattr(k, "value", k)): v for dev in peak.values() for k, v in dev.items()}
+    assert temps.peak_bytes == totals["Total"] - totals["Parameter"]
+    assert temps.peak_temporary_bytes <= temps.peak_bytes
+    # Backward allocates every parameter's gradient, in bf16 here, and they outlive the step.
+    grads = sum(p.numel() * 2 for p in model.parameters())
+    assert temps.temporary_bytes >= grads
+
+
+def test_allocations_are_attributed_to_the_phase_they_happen_in() -> None:
+    tracker = SavedActivationTracker()
+    with tracker.temporaries() as temps:
+        temps.enter_phase("first")
+        a = torch.empty(1000)  # 4000 B
+        temps.enter_phase("second")
+        b = torch.empty(250)  # 1000 B on top of a
+        del a, b
+        temps.enter_phase("idle")  # allocates nothing: no entry
+    assert temps.peak_temporary_by_phase == {"first": 4000, "second": 5000}
+
+
+def test_reading_the_gradient_norm_back_from_the_8bit_buffer_needs_no_full_precision_copy() -> None:
+    """The norm is accumulated in fp64 a piece at a time: its temporaries are bounded by the piece,
+    not by the buffer (a full fp64 copy of 4 M gradients would be 32 MiB)."""
+    from agoq.gradient import QuantGradBuffer
+    from agoq.gradient.buffer import FOLD_PIECE
+
+    model = torch.nn.Linear(2048, 2048, bias=False)
+    buf = QuantGradBuffer(model)
+    model(torch.randn(4, 2048)).square().mean().backward()
+    assert buf.finish()
+    reference = float(buf.grad(model.weight).double().norm())
+    tracker = SavedActivationTracker()
+    with tracker.temporaries() as temps:
+        norm = buf.grad_norm()
+    assert norm == pytest.approx(reference, rel=1e-9)
+    # Three fp32 pieces (the result, the decoded codes, the scaled codes) and fp64 scalars.
+    assert temps.peak_temporary_bytes <= 3 * 4 * FOLD_PIECE + 64
