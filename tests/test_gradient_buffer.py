@@ -390,3 +390,16 @@ def test_pipeline_stage_buffers_fold_every_micro_batch_of_a_1f1b_schedule(group3
     for r in group3:
         assert r["pipeline"]["grads_freed"]
         assert 0 < r["pipeline"]["max_rel_err"] <= 5 / 254, r["pipeline"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_and_sum_of_squares_need_no_tensor_sized_temporaries(dtype):
+    from agoq.gradient.buffer import all_finite, sum_of_squares
+
+    big = torch.full((4096,), torch.finfo(dtype).max, dtype=dtype)  # squares overflow fp32, not fp64
+    assert all_finite(big)
+    assert float(sum_of_squares(big)) == pytest.approx(4096 * float(torch.finfo(dtype).max) ** 2, rel=1e-12)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = big.clone()
+        t[1234] = bad
+        assert not all_finite(t)

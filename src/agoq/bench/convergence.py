@@ -27,6 +27,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "ring8": ("ablation: 8-bit gradients summed along a ring, FP8-LM style (bf16 activations)", ["--precision.activations=bf16", "--precision.gradients=ring8"]),
 }
 MULTI_SEED = ("bf16", "agoq")
+# Per-rank memory by category (agoq.train.run.train_worker): persistent state, the step's peaks of
+# saved activations and of temporaries, and all tensors at the step's joint peak.
+MEMORY_KEYS = ("param_bytes", "grad_buffer_bytes", "optimizer_bytes", "peak_saved_bytes", "peak_temporary_bytes", "peak_tensor_bytes", "peak_rss_bytes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,9 +132,8 @@ def aggregate(done: dict[tuple[str, int], dict[str, Any]], names: list[str]) -> 
             "step_time_s": statistics.fmean(r["run"]["step_time_s"] for r in runs),
             "tokens_per_s": statistics.fmean(r["run"]["tokens_per_s"] for r in runs),
             "skipped_steps": sum(r["skipped_steps"] for r in runs),
-            "max_rank": {k: max(g[k] for g in ranks) for k in (
-                "peak_saved_bytes", "grad_buffer_bytes", "optimizer_bytes", "param_bytes", "peak_rss_bytes", "wire_bytes_per_step", "fp32_wire_bytes_per_step")},
-            "per_rank": [{k: g[k] for k in ("rank", "pp_rank", "dp_rank", "layer_bits", "peak_saved_bytes", "grad_buffer_bytes", "optimizer_bytes", "param_bytes", "peak_rss_bytes", "wire_bytes_per_step")} for g in ranks],
+            "max_rank": {k: max(g[k] for g in ranks) for k in MEMORY_KEYS + ("wire_bytes_per_step", "fp32_wire_bytes_per_step")},
+            "per_rank": [{k: g[k] for k in ("rank", "pp_rank", "dp_rank", "layer_bits", *MEMORY_KEYS, "peak_temporary_bytes_by_phase", "wire_bytes_per_step")} for g in ranks],
         })
     base = next((r for r in rows if r["name"] == "bf16"), None)
     if base is not None:
@@ -146,6 +148,7 @@ def aggregate(done: dict[tuple[str, int], dict[str, Any]], names: list[str]) -> 
             r["val_loss_diff_vs_bf16"] = r["val_loss"]["mean"] - b_val
             r["step_time_vs_bf16"] = r["step_time_s"] / b_time
             r["peak_saved_vs_bf16"] = r["max_rank"]["peak_saved_bytes"] / base["max_rank"]["peak_saved_bytes"]
+            r["peak_tensor_vs_bf16"] = r["max_rank"]["peak_tensor_bytes"] / base["max_rank"]["peak_tensor_bytes"]
             r["wire_vs_bf16"] = r["max_rank"]["wire_bytes_per_step"] / base["max_rank"]["wire_bytes_per_step"]
     return rows
 
@@ -248,18 +251,32 @@ def readme_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"{results['config']}; {results['steps']} steps ({results['tokens_per_run']:,} tokens) per run. "
         "Losses are mean ± sample std over seeds; 'vs bf16' compares with bf16 at the same seeds (the one-seed "
-        "ablations with bf16 seed 0); bytes are the largest over the 4 ranks. Step times were taken under varying load "
-        "from other work on the 2 shared cores: read them as rough.",
+        "ablations with bf16 seed 0).",
         "",
-        "| run | seeds | final train loss | val loss | val vs bf16 | saved-act. peak MiB | vs bf16 | params MiB | grad buffer MiB | optimizer MiB | wire MiB/step | s/step | time vs bf16 |",
+        "| run | what | seeds | final train loss | val loss | val vs bf16 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        lines.append(f"| {r['name']} | {r['what']} | {len(r['seeds'])} | {_pm(r['final_loss'])} | {_pm(r['val_loss'])} | {r.get('val_loss_vs_bf16', 0):+.2%} |")
+    lines += [
+        "",
+        "Memory per rank by category, in MiB, the largest over the 4 ranks: parameters, gradient buffer, optimizer "
+        "state (fp32 masters + moments), the step's peak of saved activations, its peak of temporaries (every other "
+        "tensor the step allocates: forward intermediates, gradients before they reach the buffer, quantization "
+        "scratch, loss chunks, communication and optimizer-step buffers; counted on each run's second step), and all "
+        "tensors at the step's joint peak. Step times were taken under varying load from other work on the 2 shared "
+        "cores: read them as rough.",
+        "",
+        "| run | params | grad buffer | optimizer | saved act. | vs bf16 | temporaries | all tensors | vs bf16 | wire / step | vs bf16 | s / step | time vs bf16 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
         m = r["max_rank"]
         lines.append(
-            f"| {r['name']} | {len(r['seeds'])} | {_pm(r['final_loss'])} | {_pm(r['val_loss'])} | {r.get('val_loss_vs_bf16', 0):+.2%} | "
-            f"{m['peak_saved_bytes'] / mib:.2f} | {r.get('peak_saved_vs_bf16', 1):.2f}x | {m['param_bytes'] / mib:.2f} | {m['grad_buffer_bytes'] / mib:.2f} | {m['optimizer_bytes'] / mib:.2f} | "
-            f"{m['wire_bytes_per_step'] / mib:.2f} | {r['step_time_s']:.2f} | {r.get('step_time_vs_bf16', 1):.2f}x |"
+            f"| {r['name']} | {m['param_bytes'] / mib:.2f} | {m['grad_buffer_bytes'] / mib:.2f} | {m['optimizer_bytes'] / mib:.2f} | "
+            f"{m['peak_saved_bytes'] / mib:.2f} | {r.get('peak_saved_vs_bf16', 1):.2f}x | {m['peak_temporary_bytes'] / mib:.2f} | "
+            f"{m['peak_tensor_bytes'] / mib:.2f} | {r.get('peak_tensor_vs_bf16', 1):.2f}x | "
+            f"{m['wire_bytes_per_step'] / mib:.2f} | {r.get('wire_vs_bf16', 1):.2f}x | {r['step_time_s']:.2f} | {r.get('step_time_vs_bf16', 1):.2f}x |"
         )
     t = results["targets"]
     lines += ["", "| target | measured |", "|---|---|"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.buffer import sum_of_squares
+from agoq.gradient.buffer import all_finite, sum_of_squares
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import TrainConfig
 
@@ -88,7 +88,7 @@ class PlainGradientSync(GradientSync):
         return hook
 
     def reduce(self) -> bool:
-        ok = bool(torch.isfinite(self.buffer).all())
+        ok = all_finite(self.buffer)
         if not ok:
             bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
@@ -98,7 +98,7 @@ class PlainGradientSync(GradientSync):
             self.counter.reset()
             ring_all_reduce_8bit(self.buffer, "avg", self.group, counter=self.counter)
             self.wire_bytes_last_step = self.counter.bytes()
-            return ok and bool(torch.isfinite(self.buffer).all())
+            return ok and all_finite(self.buffer)
         if self.world > 1:
             # Issued whatever this rank saw: every dp rank must call the same collectives.
             if self.wire_dtype == torch.float32:
@@ -109,7 +109,7 @@ class PlainGradientSync(GradientSync):
                 self.buffer.copy_(low)
             self.buffer.div_(self.world)
         self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
-        return ok and bool(torch.isfinite(self.buffer).all())
+        return ok and all_finite(self.buffer)
 
     def local_grad_sq_norm(self) -> float:
         return float(sum_of_squares(self.buffer))

@@ -87,7 +87,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         + f", {run['tokens_per_s']:,.0f} tokens/s, {run['step_time_s']:.3f} s/step"
     )
     lines.append("")
-    header = "| rank | stage(s) | layer bits | saved activations (peak) | bf16 baseline | ratio | temporaries (peak) | dp bytes on the wire / step | fp32 all-reduce | ratio | grad buffer | optimizer state | peak RSS |"
+    header = "| rank | stage(s) | layer bits | saved activations (peak) | bf16 baseline | ratio | temporaries (peak) | dp bytes on the wire / step | fp32 all-reduce | ratio | grad buffer | optimizer state | all tensors (peak) | peak RSS |"
     lines.append(header)
     lines.append("|" + "---|" * (header.count("|") - 1))
     for r in summary["ranks"]:
@@ -97,7 +97,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {r['rank']} | {','.join(map(str, r['stages']))} | {r['layer_bits']} | {fmt_bytes(act)} | {fmt_bytes(act_b)} | "
             f"{_ratio(act, act_b)} | {fmt_bytes(r.get('peak_temporary_bytes'))} | {fmt_bytes(wire)} | {fmt_bytes(wire_b)} | {_ratio(wire, wire_b)} | "
-            f"{fmt_bytes(r['grad_buffer_bytes'])} | {fmt_bytes(r['optimizer_bytes'])} | {fmt_bytes(r['peak_rss_bytes'])} |"
+            f"{fmt_bytes(r['grad_buffer_bytes'])} | {fmt_bytes(r['optimizer_bytes'])} | {fmt_bytes(r.get('peak_tensor_bytes'))} | {fmt_bytes(r['peak_rss_bytes'])} |"
         )
     max_act = max(r["peak_saved_bytes"] for r in summary["ranks"])
     if base:

@@ -89,14 +89,21 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "peak_saved_bytes": peak_saved,
         "peak_temporary_bytes": probe.get("peak_temporary_bytes"),
         "peak_temporary_bytes_by_phase": probe.get("peak_temporary_bytes_by_phase"),
+        "peak_step_bytes": probe.get("peak_step_bytes"),
         "wire_bytes_per_step": trainer.sync.wire_bytes_last_step,
         "fp32_wire_bytes_per_step": trainer.sync.fp32_wire_bytes(),
         "grad_buffer_bytes": trainer.sync.buffer_bytes(),
         "optimizer_bytes": trainer.optimizer.state_bytes(),
         "param_bytes": sum(p.numel() * p.element_size() for _, p in trainer.params),
+        "peak_tensor_bytes": None,
         "peak_rss_bytes": peak_rss_bytes(),
         "baseline_peak_saved_bytes": None if baseline is None else baseline["peak_saved_bytes"],
     }
+    if mine["peak_step_bytes"] is not None:
+        # Close to what a GPU's max_memory_allocated reports, counted on any device: the persistent
+        # state plus the step's joint peak of saved activations and temporaries (small persistent
+        # buffers, such as the pipeline's receive buffers, are not included).
+        mine["peak_tensor_bytes"] = mine["param_bytes"] + mine["grad_buffer_bytes"] + mine["optimizer_bytes"] + mine["peak_step_bytes"]
     gathered: list[Any] = [None] * ctx.world
     dist.all_gather_object(gathered, mine)
     summary = None

@@ -252,6 +252,7 @@ class Trainer:
         if temporaries is not None:
             rec["memory_probe"] = True
             rec["peak_temporary_bytes"] = temporaries.peak_temporary_bytes
+            rec["peak_step_bytes"] = temporaries.peak_bytes
             rec["peak_temporary_bytes_by_phase"] = temporaries.peak_temporary_by_phase
         return rec
 

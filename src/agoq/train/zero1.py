@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, plan_buckets, sum_of_squares
+from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, all_finite, plan_buckets, sum_of_squares
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import OptimSection, TrainConfig
 from agoq.train.gradsync import GradientSync
@@ -147,7 +147,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
         return hook
 
     def reduce(self) -> bool:
-        ok = all(bool(torch.isfinite(f).all()) for f in self.flat)
+        ok = all(all_finite(f) for f in self.flat)
         if not ok:
             bad = [self.names[i] for i, ss in enumerate(self._where)
                    if not all(bool(torch.isfinite(self.flat[s.bucket][s.offset : s.offset + s.numel]).all()) for s in ss)]
@@ -163,7 +163,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
                 shard = flat
             self.counter.record("grad_reduce_scatter_fp32", (self.world - 1) * b.chunk * 4)
             self._shards.append(shard)
-        return ok and all(bool(torch.isfinite(s).all()) for s in self._shards)
+        return ok and all(all_finite(s) for s in self._shards)
 
     def finish_step(self) -> None:
         for f in self.flat:
