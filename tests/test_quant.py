@@ -367,3 +367,18 @@ def test_parse_format_round_trips_names_and_defaults():
     assert parse_format("nf4", 64).name == "nf4/64"
     for f in ALL_FORMATS:
         assert parse_format(parse_format(f + "/32").name) == parse_format(f + "/32")
+
+
+@pytest.mark.parametrize("fmt", ["int4/128", "int8/256", "nf4/64", "fp8/128", "int3/128"])
+def test_blocks_is_a_zero_copy_slice_that_dequantizes_to_the_same_values(fmt):
+    x = torch.randn(1000)
+    q = quantize(x, fmt)
+    full = dequantize(q)
+    block = q.fmt.block_size
+    for start, n in [(0, 1000), (block, 2 * block), (block, 1), (2 * block, 10_000)]:
+        part = q.blocks(start, n)
+        assert part.payload.untyped_storage().data_ptr() == q.payload.untyped_storage().data_ptr()
+        got = dequantize(part)
+        assert torch.equal(got[: min(n, 1000 - start)], full[start : start + n])
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        q.blocks(block // 2, 10)

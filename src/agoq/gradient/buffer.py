@@ -78,6 +78,12 @@ class _Bucket:
     reduction: EightBitReduction | None = None
     shard: torch.Tensor | None = None
 
+    @property
+    def values(self) -> QTensor:
+        """The whole bucket (world_size x padded_chunk values) as one flat QTensor over its storage."""
+        n = self.layout.world_size * self.layout.padded_chunk
+        return QTensor(self.payload, self.scales, torch.Size([n]), torch.float32, self.layout.fmt)
+
 
 class QuantGradBuffer:
     """8-bit block-wise gradient storage for a set of parameters, with bucketed 8-bit collectives.
@@ -253,8 +259,8 @@ class QuantGradBuffer:
         """Fold k gradient values into the bucket region that starts at ``offset`` (a block boundary)."""
         block, k = self.fmt.block_size, g.numel()
         n = _round_up(k, block)
-        pay = bucket.payload[self.fmt.payload_bytes(offset) : self.fmt.payload_bytes(offset + n)]
-        sc = bucket.scales[offset // block : (offset + n) // block]
+        region = bucket.values.blocks(offset, n)
+        pay, sc = region.payload, region.scales
         kernels = backend.kernels(self.device, self.fmt)
         if kernels is not None:  # Triton: dequantize, add, requantize in place in one pass
             kernels.accumulate_(pay, sc, g, self.fmt, first=first)
@@ -269,7 +275,7 @@ class QuantGradBuffer:
             x = torch.zeros(n, dtype=torch.float32, device=self.device)
             x[:k] = g
         else:
-            x = dequantize(QTensor(pay, sc, torch.Size([n]), torch.float32, self.fmt))
+            x = dequantize(region)
             x[:k] += g
         self._piece_peak = max(self._piece_peak, 4 * n if x is not g else 0)
         q = quantize(x, self.fmt, nonfinite="propagate")
@@ -318,8 +324,7 @@ class QuantGradBuffer:
         if not self.communicates:
             return
         layout = bucket.layout
-        n = layout.world_size * layout.padded_chunk
-        wire = to_wire(QTensor(bucket.payload, bucket.scales, torch.Size([n]), torch.float32, self.fmt), layout.world_size)
+        wire = to_wire(bucket.values, layout.world_size)
         name = "grad_all_reduce_8bit" if self.collective == "all_reduce" else "grad_reduce_scatter_8bit"
         bucket.reduction = EightBitReduction(wire, layout, self.op, self.group, counter=self.counter, name=name)
 
@@ -389,22 +394,13 @@ class QuantGradBuffer:
         self._check_readable()
         pi = self._index(param)
         p = self.params[pi]
-        block = self.fmt.block_size
         segments = self.segments[pi]
         if len(segments) == 1:  # the common case: dequantize straight into the result
             seg = segments[0]
-            n = _round_up(seg.numel, block)
-            bucket = self.buckets[seg.bucket]
-            pay = bucket.payload[self.fmt.payload_bytes(seg.offset) : self.fmt.payload_bytes(seg.offset + n)]
-            sc = bucket.scales[seg.offset // block : (seg.offset + n) // block]
-            return dequantize(QTensor(pay, sc, torch.Size([n]), dtype, self.fmt))[: seg.numel].view(p.shape)
+            return dequantize(self.buckets[seg.bucket].values.blocks(seg.offset, seg.numel, dtype))[: seg.numel].view(p.shape)
         out = torch.empty(p.numel(), dtype=dtype, device=self.device)
         for seg in segments:
-            bucket = self.buckets[seg.bucket]
-            n = _round_up(seg.numel, block)
-            pay = bucket.payload[self.fmt.payload_bytes(seg.offset) : self.fmt.payload_bytes(seg.offset + n)]
-            sc = bucket.scales[seg.offset // block : (seg.offset + n) // block]
-            vals = dequantize(QTensor(pay, sc, torch.Size([n]), torch.float32, self.fmt))
+            vals = dequantize(self.buckets[seg.bucket].values.blocks(seg.offset, seg.numel))
             out[seg.param_offset : seg.param_offset + seg.numel] = vals[: seg.numel]
         return out.view(p.shape)
 
@@ -427,15 +423,11 @@ class QuantGradBuffer:
         """
         self._check_readable()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        block = self.fmt.block_size
-        piece = max(1, FOLD_PIECE // block) * block
+        piece = max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
         for b in self.buckets:
-            n = b.layout.world_size * b.layout.padded_chunk
-            for start in range(0, n, piece):
-                m = min(piece, n - start)
-                pay = b.payload[self.fmt.payload_bytes(start) : self.fmt.payload_bytes(start + m)]
-                vals = dequantize(QTensor(pay, b.scales[start // block : (start + m) // block], torch.Size([m]), torch.float32, self.fmt))
-                total += sum_of_squares(vals)
+            values = b.values
+            for start in range(0, values.numel, piece):
+                total += sum_of_squares(dequantize(values.blocks(start, piece)))
         return float(total.sqrt())
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
@@ -477,8 +469,7 @@ class QuantGradBuffer:
             shard = b.shard
             if shard is None:
                 # One rank, or a skipped step: the local values are the whole reduction.
-                n = b.layout.world_size * b.layout.padded_chunk
-                shard = dequantize(QTensor(b.payload, b.scales, torch.Size([n]), torch.float32, self.fmt))[start:end]
+                shard = dequantize(b.values.blocks(start, end - start))[: end - start]
             out.append((b.index, start, end, shard))
         return out
 

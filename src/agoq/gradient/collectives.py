@@ -163,6 +163,10 @@ def from_wire(wire: torch.Tensor, layout: ChunkLayout) -> QTensor:
     return QTensor(payload, scales, torch.Size([rows * layout.padded_chunk]), torch.float32, layout.fmt)
 
 
+# Values of a received chunk dequantized at once when summing the rows (whole blocks): 1 MiB of fp32.
+REDUCE_PIECE = 1 << 18
+
+
 class EightBitReduction:
     """One 8-bit reduction in flight: :meth:`reduce` (steps 2-3), then :meth:`start_gather` (4-5).
 
@@ -225,11 +229,17 @@ class EightBitReduction:
                 acc, q = kernels.reduce_rows(self._recv[:, :pb], scales, self.layout.fmt, average=self.op == "avg", requantize=True)
                 self._requantized = (acc, acc._version, q)
                 return acc
-            # Row by row, in rank order: the sum is the same on every rank and for every path, and
-            # no more than two chunks are ever in fp32 at once.
-            acc = dequantize(from_wire(self._recv[0:1], self.layout), torch.float32)
-            for i in range(1, self.world_size):
-                acc += dequantize(from_wire(self._recv[i : i + 1], self.layout), torch.float32)
+            # Rows summed in rank order, so the sum is the same on every rank and for every path; a
+            # piece at a time, so besides the fp32 result only one piece is ever in fp32.
+            rows = [from_wire(self._recv[i : i + 1], self.layout) for i in range(self.world_size)]
+            acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=self._recv.device)
+            block = self.layout.fmt.block_size
+            piece = max(1, REDUCE_PIECE // block) * block
+            for start in range(0, acc.numel(), piece):
+                part = acc[start : start + piece]
+                part.copy_(dequantize(rows[0].blocks(start, piece)))
+                for row in rows[1:]:
+                    part += dequantize(row.blocks(start, piece))
             if self.op == "avg":
                 acc /= self.world_size
         return acc

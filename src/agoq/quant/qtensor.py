@@ -82,6 +82,19 @@ class QTensor:
         """A copy on another device."""
         return QTensor(self.payload.to(device), self.scales.to(device), self.shape, self.dtype, self.fmt)
 
+    def blocks(self, start: int, numel: int, dtype: torch.dtype | None = None) -> "QTensor":
+        """Flat elements start..start+numel (rounded up to whole blocks) as a QTensor sharing this one's memory.
+
+        ``start`` must fall on a block boundary; e.g. to dequantize a large tensor a piece at a time.
+        """
+        block = self.fmt.block_size
+        if start % block or start < 0:
+            raise ValueError(f"start={start} is not a multiple of the block size {block}; slice at a block boundary")
+        n = min(-(-numel // block) * block, self.numel - start)
+        pay = self.payload[self.fmt.payload_bytes(start) : self.fmt.payload_bytes(start + n)]
+        first = start // block
+        return QTensor(pay, self.scales[first : first + self.fmt.num_blocks(n)], torch.Size([n]), dtype or self.dtype, self.fmt)
+
 
 def _slab(fmt: QuantFormat, device: torch.device) -> int:
     """Elements per slab: whole blocks and whole packing groups, about CPU_SLAB on CPU."""

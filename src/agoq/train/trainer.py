@@ -28,7 +28,9 @@ from agoq.train.optim import MasterWeightOptimizer, count_bytes, lr_at
 from agoq.train.saved import SavedActivationTracker, StepAllocations
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-STEP_GROUP_BYTES = 25 * 2**20  # fp32 gradient bytes handed to the optimizer per partial step
+# fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
+# the 8-bit buffer), and the fused AdamW gains nothing from larger groups beyond a few MiB.
+STEP_GROUP_BYTES = 4 * 2**20
 
 
 class StageForward(nn.Module):

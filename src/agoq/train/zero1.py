@@ -30,7 +30,7 @@ from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, all_finite, plan
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import OptimSection, TrainConfig
 from agoq.train.gradsync import GradientSync
-from agoq.train.optim import no_weight_decay, tensor_bytes
+from agoq.train.optim import fused_adamw, no_weight_decay, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -270,12 +270,12 @@ class Zero1Optimizer:
             {"params": decay, "weight_decay": cfg.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        self.optimizer = fused_adamw(groups, cfg)
         # Moments are views of one flat tensor per bucket shard: a checkpoint stores the shard as is.
         for b, views in zip(self.buckets, self.views):
             for pc, v in zip(b.pieces, views):
                 s = slice(pc.shard_offset, pc.shard_offset + pc.numel)
-                self.optimizer.state[v] = {"step": torch.tensor(0.0), "exp_avg": self.exp_avg[b.index][s], "exp_avg_sq": self.exp_avg_sq[b.index][s]}
+                self.optimizer.state[v] = {"step": torch.zeros((), dtype=torch.float32, device=v.device), "exp_avg": self.exp_avg[b.index][s], "exp_avg_sq": self.exp_avg_sq[b.index][s]}
         self._pending: list[int] = []
 
     def _flat(self, param: int) -> torch.Tensor:
