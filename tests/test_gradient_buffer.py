@@ -343,11 +343,14 @@ def test_buckets_reduce_during_backward_and_equal_the_synchronous_path(group3):
         assert r["buckets"] >= 4
         assert r["overlap_equals_sync"]
         # During the first micro-batch nothing is sent. In the last one, before backward produces
-        # its last gradient, the earlier buckets are on the wire: all-to-all done, all-gather
-        # issued ('reducing'), the one before the current bucket 'launched'.
+        # its last gradient (the first layer's weight, spread over the last buckets), the earlier
+        # buckets are reduced already ('done'), one has its all-gather in flight ('reducing'), one
+        # its all-to-all ('launched'): no more than two buckets' communication buffers exist at once.
         assert set(r["states_at_first_microbatch"]) == {"open"}
         states = r["states_at_last_grad"]
-        assert states[0] == "reducing" and "done" not in states and states[-1] == "open", states
+        done, opened = states.count("done"), states.count("open")
+        assert done >= 1 and opened >= 1
+        assert states == ["done"] * done + ["reducing", "launched"] + ["open"] * opened, states
 
 
 def test_k_micro_batch_average_stays_within_the_stated_bound_of_fp32(group3):

@@ -115,3 +115,35 @@ def test_reading_the_gradient_norm_back_from_the_8bit_buffer_needs_no_full_preci
     assert norm == pytest.approx(reference, rel=1e-9)
     # Three fp32 pieces (the result, the decoded codes, the scaled codes) and fp64 scalars.
     assert temps.peak_temporary_bytes <= 3 * 4 * FOLD_PIECE + 64
+
+
+def _gradient_path_temporaries(rank: int, world: int) -> list[dict]:
+    from agoq.gradient import QuantGradBuffer
+
+    out = []
+    for layers in (16, 32):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(layers)])
+        buf = QuantGradBuffer(model, bucket_numel=256 * 256)  # one bucket per layer
+        tracker = SavedActivationTracker(list(model.parameters()))
+        with tracker.temporaries() as temps:
+            with tracker:
+                loss = model(torch.randn(4, 256)).square().mean()
+            loss.backward()
+            assert buf.finish()
+        out.append({"peak": temps.peak_temporary_bytes, "buckets": len(buf.buckets), "stored": buf.storage_bytes})
+    return out
+
+
+def test_the_8bit_gradient_path_holds_a_few_buckets_of_temporaries_whatever_the_model_size() -> None:
+    """Buckets are reduced and written back while backward runs: at most two buckets' communication
+    buffers (8-bit rows sent, received, gathered) exist at once, not one set per bucket (which
+    made the temporaries 3x the whole 8-bit buffer, growing with the model)."""
+    from tests._dist import run_distributed
+
+    for small, large in run_distributed(_gradient_path_temporaries, 2):
+        assert (small["buckets"], large["buckets"]) == (16, 32)
+        assert large["peak"] <= 1.02 * small["peak"], (small, large)  # does not grow with the bucket count
+        assert large["peak"] < large["stored"] / 2, large
+        # One layer's fp32 gradient, its fold scratch, and two buckets in flight: under 4 fp32 buckets.
+        assert large["peak"] <= 4 * (4 * 256 * 256), large

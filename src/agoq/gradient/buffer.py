@@ -317,8 +317,13 @@ class QuantGradBuffer:
         if not self.overlap:
             return
         self._start(bucket)
+        # Keep at most three buckets' communication in flight (this one's all-to-all, the previous
+        # one's all-gather, and the one before it finishing): temporaries stay a few buckets' worth
+        # whatever the model size, and each collective had a whole bucket's time to complete.
         if b > 0:
             self._progress(self.buckets[b - 1])
+        if b > 1:
+            self._complete(self.buckets[b - 2])
 
     def _start(self, bucket: _Bucket) -> None:
         if not self.communicates:
@@ -342,6 +347,8 @@ class QuantGradBuffer:
             bucket.reduction.start_gather(reduced)
 
     def _complete(self, bucket: _Bucket) -> None:
+        if bucket.state == "launched":
+            self._progress(bucket)
         if bucket.reduction is not None and self.collective == "all_reduce":
             q = from_wire(bucket.reduction.gathered(), bucket.layout)
             bucket.payload.copy_(q.payload)
@@ -355,12 +362,14 @@ class QuantGradBuffer:
             return self._ok
         for b in range(self._next, len(self.buckets)):
             self._launch(b)
-        for bucket in self.buckets:
+        for i, bucket in enumerate(self.buckets):
             if not self.overlap and bucket.state == "launched":
                 self._start(bucket)
             self._progress(bucket)
-        for bucket in self.buckets:
-            self._complete(bucket)
+            if i > 0:
+                self._complete(self.buckets[i - 1])  # one all-gather in flight while the next bucket reduces
+        if self.buckets:
+            self._complete(self.buckets[-1])
         bad_params = self._bad_mask.nonzero()
         first_bad = int(bad_params[0]) if bad_params.numel() else None
         flags = agree_nonfinite(first_bad, self.group, device=self.device, counter=self.counter)

@@ -215,24 +215,29 @@ class EightBitReduction:
 
     def reduce(self) -> torch.Tensor:
         """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
+        if self._recv is None:
+            raise RuntimeError("reduce() was already called on this reduction")
         if self._a2a is not None:
             with _timed(self.timings, "all_to_all"):
                 self._a2a.wait()
             self._a2a = None
+        # The received rows are not needed once summed: release them with this call, so a bucket
+        # waiting for its all-gather holds only its gathered bytes.
+        recv, self._recv = self._recv, None
         with _timed(self.timings, "reduce"):
-            kernels = backend.kernels(self._recv.device, self.layout.fmt)
+            kernels = backend.kernels(recv.device, self.layout.fmt)
             if kernels is not None:
                 # Triton: dequantize the W rows, sum in fp32 in rank order and requantize in one
                 # pass; start_gather sends the requantized chunk if it gets this very sum back.
                 pb = self.layout.row_payload_bytes
-                scales = self._recv[:, pb:].contiguous().view(torch.float32)
-                acc, q = kernels.reduce_rows(self._recv[:, :pb], scales, self.layout.fmt, average=self.op == "avg", requantize=True)
+                scales = recv[:, pb:].contiguous().view(torch.float32)
+                acc, q = kernels.reduce_rows(recv[:, :pb], scales, self.layout.fmt, average=self.op == "avg", requantize=True)
                 self._requantized = (acc, acc._version, q)
                 return acc
             # Rows summed in rank order, so the sum is the same on every rank and for every path; a
             # piece at a time, so besides the fp32 result only one piece is ever in fp32.
-            rows = [from_wire(self._recv[i : i + 1], self.layout) for i in range(self.world_size)]
-            acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=self._recv.device)
+            rows = [from_wire(recv[i : i + 1], self.layout) for i in range(self.world_size)]
+            acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=recv.device)
             block = self.layout.fmt.block_size
             piece = max(1, REDUCE_PIECE // block) * block
             for start in range(0, acc.numel(), piece):
