@@ -64,6 +64,8 @@ def runs(tmp_path_factory):
         "resume_second_half": _cfg(tmp, "d", "--train.steps=4", "--checkpoint.resume=true", *fp32_plain),
         "uniform4": _cfg(tmp, "e", "--train.steps=1", "--precision.stage_bits=uniform", "--precision.compute_dtype=fp32"),
         "dbca": _cfg(tmp, "f", "--train.steps=1", "--precision.stage_bits=dbca", "--precision.compute_dtype=fp32"),
+        # torchao's step is torch.compile'd: the step that counts temporaries runs it eagerly.
+        "adamw8bit": _cfg(tmp, "h", "--train.steps=2", "--optim.name=adamw8bit"),
     }
     results = run_distributed(_runs, 4, cfgs)
     return {"cfgs": cfgs, "results": results, "tmp": tmp}
@@ -141,7 +143,7 @@ def test_cli_reports_config_errors_before_starting_processes(capsys):
     assert "parallel.pp=0 must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["1f1b_fp32", "gpipe_agoq", "interleaved_agoq", "ring8_recompute", "resume_second_half"])
+@pytest.mark.parametrize("name", ["1f1b_fp32", "gpipe_agoq", "interleaved_agoq", "ring8_recompute", "resume_second_half", "adamw8bit"])
 def test_every_rank_reports_its_temporaries(runs, name):
     """The second step run counts temporaries; they include at least one full-precision gradient of
     the rank's embedding or head (vocab x hidden) before it folds into the gradient buffer."""

@@ -247,9 +247,15 @@ class Trainer:
         cfg = self.cfg
         # The second step this process runs also counts its temporaries (the first one includes
         # torch's one-off shape inference and lazily created state); the count costs a Python call
-        # per operator, so that step's time is not representative.
+        # per operator, so that step's time is not representative. A dispatch mode cannot watch
+        # compiled code, so torch.compile'd functions (torchao's 8-bit AdamW step) run eagerly in
+        # that step: their temporaries are counted as eager code allocates them, an upper bound.
         probe = self.steps_run == 1
-        with self.tracker.temporaries() if probe else contextlib.nullcontext() as temporaries:
+        with contextlib.ExitStack() as stack:
+            temporaries = None
+            if probe:
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+                temporaries = stack.enter_context(self.tracker.temporaries())
             rec = self._train_step(temporaries)
         if temporaries is not None:
             rec["memory_probe"] = True
