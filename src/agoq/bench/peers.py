@@ -3,7 +3,7 @@
 Every run trains agoq.models.Llama (tiny preset) on the KJV with the same sampler, seed and tokens
 per step, data parallel over 2 gloo processes, AdamW with the same warmup + cosine schedule and
 gradient clipping. The peers run the plain (unfused) loss with bf16 compute; ``agoq train`` runs
-pp=1 x dp=2 once with the bf16 policy and once as full AGoQ. A peer that cannot run records its error.
+pp=1 x dp=2 with the bf16 policy, as full AGoQ, and as full AGoQ with ZeRO-1. A peer that cannot run records its error.
 Each run is then repeated for a few steps with every tensor it allocates counted, the same way for
 all four, for a peak-memory figure that the torch runtime's own resident memory does not drown.
 """
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 AGOQ_RUNS = {
     "agoq_train_bf16": ["--precision.activations=bf16", "--precision.gradients=fp32"],
     "agoq_train_agoq": ["--precision.activations=agoq", "--precision.gradients=int8"],
+    "agoq_train_agoq_zero1": ["--precision.activations=agoq", "--precision.gradients=int8", "--parallel.zero1=true"],
 }
 MEMORY_STEPS = 3  # steps run under the tensor count (the peak is reached by the second)
 
@@ -276,6 +277,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
         "deepspeed_zero1": "DeepSpeed ZeRO-1, bf16 weights, fp32 master shards, torch AdamW, 25 MiB buckets",
         "agoq_train_bf16": "agoq train, bf16 policy, fp32 all-reduce",
         "agoq_train_agoq": "agoq train, full AGoQ (4-bit activations, 8-bit gradients)",
+        "agoq_train_agoq_zero1": "agoq train, full AGoQ + ZeRO-1 (optimizer state sharded, as DeepSpeed's)",
     }
     lines = [
         f"{results['config']}; {results['steps']} steps, mean step time after the first two. Peak tensors: every tensor "
