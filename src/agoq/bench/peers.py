@@ -3,9 +3,10 @@
 Every run trains agoq.models.Llama (tiny preset) on the KJV with the same sampler, seed and tokens
 per step, data parallel over 2 gloo processes, AdamW with the same warmup + cosine schedule and
 gradient clipping. The peers run the plain (unfused) loss with bf16 compute; ``agoq train`` runs
-pp=1 x dp=2 with the bf16 policy, as full AGoQ, and as full AGoQ with ZeRO-1. A peer that cannot run records its error.
-Each run is then repeated for a few steps with every tensor it allocates counted, the same way for
-all four, for a peak-memory figure that the torch runtime's own resident memory does not drown.
+pp=1 x dp=2 with the bf16 policy, as full AGoQ, and as full AGoQ with ZeRO-1. A peer that cannot
+run records its error. Each run is then repeated for a few steps with every tensor it allocates
+counted, the same way for all of them, for a peak-memory figure that the torch runtime's own
+resident memory does not drown.
 """
 
 from __future__ import annotations
