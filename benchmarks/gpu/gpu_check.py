@@ -153,6 +153,7 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     from agoq.train.config import OptimSection
     from agoq.train.gradsync import PlainGradientSync, QuantizedGradientSync
     from agoq.train.optim import MasterWeightOptimizer
+    from agoq.train.saved import SavedActivationTracker
 
     overrides: dict[str, Any] = dict(max_seq_len=args.train_seq)
     if args.dry_run:
@@ -178,8 +179,19 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         losses, times = [], []
         _sync(device)
         _reset_peak(device)
+        counted: dict[str, int | None] = {}
         with backend.use_backend(agoq_backend if mode == "agoq" else "torch"):
             for step in range(steps):
+                # The second step is counted tensor by tensor, as the trainer does on every device
+                # (agoq.train.saved), beside CUDA's own peak over the same step: the check that the
+                # CPU-measured temporaries and totals mean what a GPU allocator reports.
+                probe = step == 1
+                if probe:
+                    _sync(device)
+                    before, earlier_peak = _allocated(device), _peak(device)
+                    _reset_peak(device)
+                    allocations = SavedActivationTracker().temporaries()
+                    allocations.__enter__()
                 t0 = time.perf_counter()
                 sync.start_step()
                 loss_sum = 0.0
@@ -200,6 +212,10 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                 _sync(device)
                 times.append(time.perf_counter() - t0)
                 losses.append(loss_sum)
+                if probe:
+                    allocations.__exit__(None, None, None)
+                    step_peak = _peak(device)
+                    counted = {"counted_step_peak_bytes": allocations.peak_bytes, "cuda_step_peak_bytes": _sub(step_peak, before)}
         timed = times[args.warmup :] or times
         results.append(
             {
@@ -210,8 +226,9 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                 "final_loss_mean_last5": statistics.mean(losses[-5:]),
                 "step_s_median": statistics.median(timed),
                 "tokens_per_s": micro * mb * seq / statistics.median(timed),
-                "peak_bytes": _peak(device),
+                "peak_bytes": None if device.type != "cuda" else max(_peak(device), earlier_peak if steps > 1 else 0),
                 "grad_buffer_bytes": sync.buffer_bytes(),
+                **counted,
             }
         )
         del model, named, opt, sync
@@ -259,11 +276,16 @@ def _markdown_layer(res: dict[str, Any]) -> str:
 
 def _markdown_train(res: dict[str, Any]) -> str:
     lines = [f"{res['model']} ({res['parameters'] / 1e9:.2f} B parameters), {res['tokens_per_step']} tokens/step", "",
-             "| mode | steps | final loss (last 5) | tokens/s | x bf16 | peak GiB | x bf16 |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| mode | steps | final loss (last 5) | tokens/s | x bf16 | peak GiB | x bf16 | step peak GiB, counted | step peak GiB, CUDA |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def gib(v: int | None) -> str:
+        return "-" if v is None else f"{v / 2**30:.3f}"
+
     for r in res["rows"]:
-        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
         pv = "-" if r["peak_vs_bf16"] is None else f"{r['peak_vs_bf16']:.3f}"
-        lines.append(f"| {r['mode']} | {r['steps']} | {r['final_loss_mean_last5']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_bf16']:.3f} | {peak} | {pv} |")
+        lines.append(f"| {r['mode']} | {r['steps']} | {r['final_loss_mean_last5']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_bf16']:.3f} | "
+                     f"{gib(r['peak_bytes'])} | {pv} | {gib(r.get('counted_step_peak_bytes'))} | {gib(r.get('cuda_step_peak_bytes'))} |")
     return "\n".join(lines)
 
 

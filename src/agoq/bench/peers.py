@@ -3,7 +3,10 @@
 Every run trains agoq.models.Llama (tiny preset) on the KJV with the same sampler, seed and tokens
 per step, data parallel over 2 gloo processes, AdamW with the same warmup + cosine schedule and
 gradient clipping. The peers run the plain (unfused) loss with bf16 compute; ``agoq train`` runs
-pp=1 x dp=2 once with the bf16 policy and once as full AGoQ. A peer that cannot run records its error.
+pp=1 x dp=2 with the bf16 policy, as full AGoQ, and as full AGoQ with ZeRO-1. A peer that cannot
+run records its error. Each run is then repeated for a few steps with every tensor it allocates
+counted, the same way for all of them, for a peak-memory figure that the torch runtime's own
+resident memory does not drown.
 """
 
 from __future__ import annotations
@@ -28,22 +31,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="runs/bench_peers", help="folder for agoq train's outputs")
 
 
-def _peer_worker(rank: int, peer: str, steps: int, port: int, queue: Any) -> None:
-    """One data-parallel rank of a peer's training loop; puts (rank, result-or-error) on the queue."""
+# agoq train at pp=1 x dp=2, one micro-batch per step (the peers' batch), per precision policy.
+AGOQ_RUNS = {
+    "agoq_train_bf16": ["--precision.activations=bf16", "--precision.gradients=fp32"],
+    "agoq_train_agoq": ["--precision.activations=agoq", "--precision.gradients=int8"],
+    "agoq_train_agoq_zero1": ["--precision.activations=agoq", "--precision.gradients=int8", "--parallel.zero1=true"],
+}
+MEMORY_STEPS = 3  # steps run under the tensor count (the peak is reached by the second)
+
+
+def _peer_worker(rank: int, peer: str, steps: int, port: int, queue: Any, count_tensors: bool = False) -> None:
+    """One data-parallel rank of a run; puts (rank, result-or-error) on the queue.
+
+    With ``count_tensors`` the run is short and every tensor it allocates, from before the model
+    is built, is counted (agoq.train.saved.StepAllocations): its peak is what a GPU's
+    max_memory_allocated would report, measured the same way for every framework.
+    """
     import torch
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(DP))
     try:
-        queue.put((rank, _peer_loop(rank, peer, steps)))
+        if count_tensors:
+            from agoq.train.saved import SavedActivationTracker
+
+            with SavedActivationTracker().temporaries() as allocations:
+                _run_loop(rank, peer, MEMORY_STEPS)
+            queue.put((rank, {"peak_tensor_bytes": allocations.peak_bytes}))
+        else:
+            queue.put((rank, _run_loop(rank, peer, steps)))
     except BaseException:
         queue.put((rank, {"error": traceback.format_exc(limit=6)}))
+
+
+def _run_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
+    return _agoq_loop(peer, steps) if peer in AGOQ_RUNS else _peer_loop(rank, peer, steps)
+
+
+def _agoq_loop(label: str, steps: int) -> dict[str, Any]:
+    """``agoq train`` in this process, as one rank of the dp group."""
+    import tempfile
+
+    from agoq.train.run import train_worker
+
+    with tempfile.TemporaryDirectory() as out:
+        return train_worker(_agoq_config(label, steps, Path(out)))
+
+
+def _agoq_config(label: str, steps: int, out_dir: Path) -> Any:
+    """``agoq train`` at pp=1 x dp=2, one micro-batch per step (the peers' batch), under ``label``'s policy."""
+    from agoq.train.config import load_config
+
+    return load_config(None, [
+        *AGOQ_RUNS[label], "--parallel.pp=1", f"--parallel.dp={DP}", "--parallel.microbatches=1", f"--train.steps={steps}",
+        "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false", f"--train.out_dir={out_dir}",
+    ])
 
 
 def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from agoq.gradient import DEFAULT_BUCKET_BYTES
     from agoq.models import Llama
     from agoq.train.config import load_config
     from agoq.train.data import TrainSampler, prepare_data
@@ -88,7 +137,9 @@ def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
             "gradient_accumulation_steps": 1,
             "gradient_clipping": o.grad_clip,
             "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 1},
+            # Buckets of DDP's and agoq's size (25 MiB of fp32): DeepSpeed's default of 5e8 values
+            # allocates a 1 GiB bucket whatever the model.
+            "zero_optimization": {"stage": 1, "reduce_bucket_size": DEFAULT_BUCKET_BYTES // 4, "allgather_bucket_size": DEFAULT_BUCKET_BYTES // 4},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
@@ -125,8 +176,8 @@ def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def run_peer(peer: str, steps: int) -> dict[str, Any]:
-    """Spawn DP ranks of one peer; per-rank results, or the first error."""
+def _spawn(peer: str, steps: int, count_tensors: bool) -> dict[int, dict[str, Any]]:
+    """Run DP ranks of one run in fresh processes; rank -> result."""
     import torch.multiprocessing as mp
 
     from agoq.train.run import _free_port
@@ -134,7 +185,7 @@ def run_peer(peer: str, steps: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_peer_worker, args=(r, peer, steps, port, queue)) for r in range(DP)]
+    procs = [ctx.Process(target=_peer_worker, args=(r, peer, steps, port, queue, count_tensors)) for r in range(DP)]
     for p in procs:
         p.start()
     got = dict(queue.get() for _ in range(DP))
@@ -142,6 +193,22 @@ def run_peer(peer: str, steps: int) -> dict[str, Any]:
         p.join(timeout=60)
         if p.is_alive():
             p.kill()
+    return got
+
+
+def tensor_peaks(run: str) -> dict[str, Any]:
+    """A short run of ``run`` with every tensor counted: the largest peak over ranks, or the error."""
+    got = _spawn(run, MEMORY_STEPS, count_tensors=True)
+    errors = [got[r]["error"] for r in sorted(got) if "error" in got[r]]
+    if errors:
+        return {"tensor_count_error": errors[0]}
+    peaks = [got[r]["peak_tensor_bytes"] for r in sorted(got)]
+    return {"peak_tensor_bytes": max(peaks), "peak_tensor_bytes_per_rank": peaks}
+
+
+def run_peer(peer: str, steps: int) -> dict[str, Any]:
+    """Spawn DP ranks of one peer; per-rank results, or the first error."""
+    got = _spawn(peer, steps, count_tensors=False)
     errors = [got[r]["error"] for r in sorted(got) if "error" in got[r]]
     if errors:
         return {"run": peer, "error": errors[0]}
@@ -156,16 +223,11 @@ def run_peer(peer: str, steps: int) -> dict[str, Any]:
     }
 
 
-def run_agoq(label: str, policy: list[str], steps: int, out_dir: Path) -> dict[str, Any]:
-    """``agoq train`` at pp=1 x dp=2, one micro-batch per step (the peers' batch)."""
-    from agoq.train.config import load_config
+def run_agoq(label: str, steps: int, out_dir: Path) -> dict[str, Any]:
+    """``agoq train`` launched as usual (its own processes), timed and summarised like a peer."""
     from agoq.train.run import launch
 
-    cfg = load_config(None, [
-        *policy, "--parallel.pp=1", f"--parallel.dp={DP}", "--parallel.microbatches=1", f"--train.steps={steps}",
-        "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
-        f"--train.out_dir={out_dir / label}",
-    ])
+    cfg = _agoq_config(label, steps, out_dir / label)
     s = launch(cfg)
     recs = s["records"]
     return {
@@ -187,13 +249,17 @@ def run(args: argparse.Namespace) -> int:
 
     rows = [run_peer("ddp", args.steps), run_peer("deepspeed_zero1", args.steps)]
     out = Path(args.out_dir)
-    rows.append(run_agoq("agoq_train_bf16", ["--precision.activations=bf16", "--precision.gradients=fp32"], args.steps, out))
-    rows.append(run_agoq("agoq_train_agoq", ["--precision.activations=agoq", "--precision.gradients=int8"], args.steps, out))
+    rows += [run_agoq(label, args.steps, out) for label in AGOQ_RUNS]
+    for r in rows:
+        if "error" not in r:
+            r.update(tensor_peaks(r["run"]))
     base = rows[0] if "error" not in rows[0] else None
     for r in rows:
         if base is not None and "error" not in r:
             r["step_time_vs_ddp"] = r["step_time_s"] / base["step_time_s"]
             r["peak_rss_vs_ddp"] = r["peak_rss_bytes"] / base["peak_rss_bytes"]
+            if "peak_tensor_bytes" in r and "peak_tensor_bytes" in base:
+                r["peak_tensor_vs_ddp"] = r["peak_tensor_bytes"] / base["peak_tensor_bytes"]
     results = {
         "config": f"tiny LLaMA (agoq.models.Llama), KJV, dp={DP} over gloo, 16 x 128 tokens per step (8 sequences per rank), AdamW 3e-3 warmup + cosine, clip 1.0, seed 0",
         "steps": args.steps,
@@ -209,23 +275,27 @@ def readme_markdown(results: dict[str, Any]) -> str:
     mib = 2**20
     what = {
         "ddp": "PyTorch DDP, fp32 weights, bf16 autocast, torch AdamW",
-        "deepspeed_zero1": "DeepSpeed ZeRO-1, bf16 weights, fp32 master shards, torch AdamW",
+        "deepspeed_zero1": "DeepSpeed ZeRO-1, bf16 weights, fp32 master shards, torch AdamW, 25 MiB buckets",
         "agoq_train_bf16": "agoq train, bf16 policy, fp32 all-reduce",
         "agoq_train_agoq": "agoq train, full AGoQ (4-bit activations, 8-bit gradients)",
+        "agoq_train_agoq_zero1": "agoq train, full AGoQ + ZeRO-1 (optimizer state sharded, as DeepSpeed's)",
     }
     lines = [
-        f"{results['config']}; {results['steps']} steps, mean step time after the first two; peak RSS is the largest over ranks (includes the ~0.5 GiB of an imported torch).",
+        f"{results['config']}; {results['steps']} steps, mean step time after the first two. Peak tensors: every tensor "
+        f"allocated from before the model is built, counted the same way for every run over a separate {MEMORY_STEPS}-step run "
+        "(what a GPU's max_memory_allocated would show); peak RSS includes the ~0.5 GiB of an imported torch. Both are the largest over ranks.",
         "",
-        "| run | what | peak RSS MiB / rank | vs DDP | s / step | vs DDP | final loss |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| run | what | peak tensors MiB / rank | vs DDP | peak RSS MiB / rank | s / step | vs DDP | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
         if "error" in r:
             last = [x for x in r["error"].strip().splitlines() if x.strip()][-1]
-            lines.append(f"| {r['run']} | {what.get(r['run'], '')} | could not run: `{last[:160]}` | | | | |")
+            lines.append(f"| {r['run']} | {what.get(r['run'], '')} | could not run: `{last[:160]}` | | | | | |")
             continue
+        tensors = f"{r['peak_tensor_bytes'] / mib:.2f} | {r.get('peak_tensor_vs_ddp', 1):.2f}x" if "peak_tensor_bytes" in r else "not counted | "
         lines.append(
-            f"| {r['run']} | {what.get(r['run'], '')} | {r['peak_rss_bytes'] / mib:.0f} | {r.get('peak_rss_vs_ddp', 1):.2f}x | "
+            f"| {r['run']} | {what.get(r['run'], '')} | {tensors} | {r['peak_rss_bytes'] / mib:.0f} | "
             f"{r['step_time_s']:.3f} | {r.get('step_time_vs_ddp', 1):.2f}x | {r['final_loss']:.3f} |"
         )
     return "\n".join(lines)

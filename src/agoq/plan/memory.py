@@ -29,12 +29,14 @@ import torch
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, plan_buckets
+from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
 from agoq.parallel.inflight import inflight_microbatches, peak_inflight_bytes, schedule_order
 from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_name, split_layers
 from agoq.quant import QuantFormat, parse_format
+
+from agoq.train.optim import STEP_GROUP_BYTES
 
 if TYPE_CHECKING:
     from agoq.train.config import TrainConfig
@@ -541,8 +543,13 @@ class _Planner:
     # ---- temporaries (estimates)
 
     def temporary_bytes(self, rank: int, numels: list[int], setup: Setup, bits: list[int], recompute: int, policy: ActivationPolicy) -> int:
-        """The largest transient working set of a rank: the worst of a layer's backward and the loss, plus the gradient path."""
-        m, es = self.m, self.es
+        """The largest transient working set of a rank: the worst of its step's three phases.
+
+        The trainer counts the same three (agoq.train.saved.StepAllocations): forward and backward,
+        the gradient reduction, and the optimizer step; tests/test_plan_train.py checks this bound
+        against its measurements.
+        """
+        m, es, dp = self.m, self.es, self.cfg.dp
         fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["quantized" if setup.activations else "baseline"]
         worst = 0
         for s, b in zip(self.rank_stages[rank], bits):
@@ -557,16 +564,38 @@ class _Planner:
                 else:
                     loss = self.tokens * self.vocab_tp * (4 + es)  # fp32 gradient of the log-softmax and its cast
                 worst = max(worst, loss)
-        grad_path = max(numels) * es  # autograd's full-precision gradient of the largest tensor, before it is folded
-        if setup.gradients:
-            bucket = DEFAULT_BUCKET_BYTES // 4
-            fmt = QuantFormat("int", 8, self.cfg.gradient_block)
-            # one bucket received in 8 bits, its fp32 reduced chunk, one optimizer group of fp32 gradients
-            grad_path += fmt.nbytes(bucket) + 4 * bucket // self.cfg.dp + DEFAULT_BUCKET_BYTES
-        if setup.optimizer:
-            grad_path += ADAM_MOMENTS * 4 * max(numels)  # one tensor's moments dequantized for its update
         p2p = 2 * self.hidden_bytes if self.cfg.pp > 1 else 0  # send and receive buffers
-        return worst + grad_path + p2p
+        largest = max(numels)
+        # Backward: autograd's full-precision gradient of the largest tensor before it is folded into
+        # the gradient buffer (into 8 bits a piece at a time), besides a layer's or the loss's work.
+        backward = worst + largest * es + p2p
+        if setup.gradients:
+            # A piece being folded: the stored values dequantized, the sum, and the quantizer's work.
+            backward += 3 * 4 * min(FOLD_PIECE, largest)
+        reduction = optimizer = 0
+        fmt8 = QuantFormat("int", 8, self.cfg.gradient_block)
+        buckets = self.bucket_sizes(rank)
+        bucket = max(buckets)
+        chunk = bucket // dp
+        if setup.gradients and dp > 1:
+            in_flight = 2 * fmt8.nbytes(bucket)  # two buckets' 8-bit rows on the wire (sent, received or gathered)
+            backward += in_flight
+            # One bucket reduced: its fp32 chunk, the chunk requantized (codes, and the fp32 values and
+            # integer codes the quantizer works on), beside the buckets in flight.
+            reduction = in_flight + 4 * chunk + 5 * chunk + fmt8.nbytes(chunk)
+        if setup.zero1:
+            # Every bucket's fp32 shard of the reduced gradient waits for the optimizer step, which
+            # then all-gathers one bucket's updated weights in the compute dtype.
+            shards = 4 * sum(n // dp for n in buckets)
+            reduction = max(reduction, shards)
+            optimizer = shards + es * (bucket + chunk)
+        elif setup.gradients:
+            # Gradients read back from 8 bits in fp32 for a group of parameters, the group's last
+            # parameter, and the dequantization of that one.
+            optimizer = STEP_GROUP_BYTES + 4 * largest + 4 * largest
+        if setup.optimizer:
+            optimizer += ADAM_MOMENTS * 4 * largest  # one tensor's moments dequantized for its update
+        return max(backward, reduction, optimizer)
 
     # ---- iteration time (estimate)
 
@@ -596,6 +625,11 @@ class _Planner:
         layer_bits = stage_layer_bits(self.m, self.key, self.cfg.pp, self.cfg.microbatches, self.cfg.vstages,
                                       self.cfg.micro_batch, self.seq_tp, policy, self.fmt.bits, dtype=self.dtype)
         return [layer_bits[r.start] for r in self.ranges]
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (one planner per plan; the bucket layout is costly for 70B)
+    def bucket_sizes(self, rank: int) -> tuple[int, ...]:
+        """Padded value counts of a rank's gradient buckets."""
+        return tuple(n for n, _ in self.buckets(self.rank_numels(rank)))
 
     @functools.lru_cache(maxsize=None)  # noqa: B019  (one planner per plan; the bucket layout is costly for 70B)
     def states(self, rank: int, setup: Setup) -> tuple[list[int], tuple[int, int, int]]:

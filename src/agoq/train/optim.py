@@ -10,6 +10,9 @@ import torch.nn as nn
 
 from agoq.train.config import OptimSection
 
+# fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
+# the 8-bit buffer), and the fused AdamW gains nothing from larger groups beyond a few MiB.
+STEP_GROUP_BYTES = 4 * 2**20
 
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at total_steps (step counts from 0)."""

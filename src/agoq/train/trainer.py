@@ -24,13 +24,10 @@ from agoq.models import Llama, LlamaConfig
 from agoq.train.config import TrainConfig
 from agoq.train.gradsync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, Progress, peak_rss_bytes
-from agoq.train.optim import MasterWeightOptimizer, count_bytes, lr_at
+from agoq.train.optim import STEP_GROUP_BYTES, MasterWeightOptimizer, count_bytes, lr_at
 from agoq.train.saved import SavedActivationTracker, StepAllocations
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
-# the 8-bit buffer), and the fused AdamW gains nothing from larger groups beyond a few MiB.
-STEP_GROUP_BYTES = 4 * 2**20
 
 
 class StageForward(nn.Module):
