@@ -48,11 +48,18 @@ def _cpu_model() -> str:
 
 
 def git_revision() -> str:
-    """The current commit (with '-dirty' if the tree has changes), or 'unknown'."""
+    """The current commit (with '-dirty' if tracked files other than results have changes), or 'unknown'.
+
+    Result files are left out: one benchmark writing its JSON must not mark the next one's
+    revision as modified code.
+    """
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", f":(exclude){RESULTS_DIR.resolve()}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        return rev + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
