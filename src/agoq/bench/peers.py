@@ -283,7 +283,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"{results['config']}; {results['steps']} steps, mean step time after the first two. Peak tensors: every tensor "
         f"allocated from before the model is built, counted the same way for every run over a separate {MEMORY_STEPS}-step run "
-        "(what a GPU's max_memory_allocated would show); peak RSS includes the ~0.5 GiB of an imported torch. Both are the largest over ranks.",
+        "(about what a GPU's max_memory_allocated would show); peak RSS includes the ~0.5 GiB of an imported torch. Both are the largest over ranks.",
         "",
         "| run | what | peak tensors MiB / rank | vs DDP | peak RSS MiB / rank | s / step | vs DDP | final loss |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
