@@ -159,6 +159,11 @@ class QuantGradBuffer:
         return buckets, segments
 
     @property
+    def _piece(self) -> int:
+        """Values dequantized at once when folding or reading back: FOLD_PIECE in whole blocks."""
+        return max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
+
+    @property
     def storage_bytes(self) -> int:
         """Bytes the buffer stores: packed codes plus fp32 scales, padding included."""
         return sum(b.payload.numel() + b.scales.numel() * SCALE_BYTES for b in self.buckets)
@@ -236,7 +241,7 @@ class QuantGradBuffer:
                 "pass the right count to zero_grad(microbatches=...)"
             )
         flat = grad.detach().reshape(-1)
-        piece = max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
+        piece = self._piece
         if backend.kernels(self.device, self.fmt) is not None:
             piece = max(piece, flat.numel())  # the Triton fold has no fp32 temporaries: one launch per segment
         self._piece_peak = 0
@@ -347,8 +352,6 @@ class QuantGradBuffer:
             bucket.reduction.start_gather(reduced)
 
     def _complete(self, bucket: _Bucket) -> None:
-        if bucket.state == "launched":
-            self._progress(bucket)
         if bucket.reduction is not None and self.collective == "all_reduce":
             q = from_wire(bucket.reduction.gathered(), bucket.layout)
             bucket.payload.copy_(q.payload)
@@ -432,11 +435,10 @@ class QuantGradBuffer:
         """
         self._check_readable()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        piece = max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
         for b in self.buckets:
             values = b.values
-            for start in range(0, values.numel, piece):
-                total += sum_of_squares(dequantize(values.blocks(start, piece)))
+            for start in range(0, values.numel, self._piece):
+                total += sum_of_squares(dequantize(values.blocks(start, self._piece)))
         return float(total.sqrt())
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:

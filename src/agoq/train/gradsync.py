@@ -98,7 +98,7 @@ class PlainGradientSync(GradientSync):
             self.counter.reset()
             ring_all_reduce_8bit(self.buffer, "avg", self.group, counter=self.counter)
             self.wire_bytes_last_step = self.counter.bytes()
-            return ok and all_finite(self.buffer)
+            return ok and self._reduced_finite()
         if self.world > 1:
             # Issued whatever this rank saw: every dp rank must call the same collectives.
             if self.wire_dtype == torch.float32:
@@ -109,10 +109,16 @@ class PlainGradientSync(GradientSync):
                 self.buffer.copy_(low)
             self.buffer.div_(self.world)
         self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
-        return ok and all_finite(self.buffer)
+        return ok and self._reduced_finite()
+
+    def _reduced_finite(self) -> bool:
+        # One pass over the reduced gradients gives both their squared norm (kept for
+        # local_grad_sq_norm) and whether they are all finite.
+        self._sq_norm = sum_of_squares(self.buffer)
+        return bool(torch.isfinite(self._sq_norm))
 
     def local_grad_sq_norm(self) -> float:
-        return float(sum_of_squares(self.buffer))
+        return float(self._sq_norm)
 
     def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
         yield from enumerate(self.views)
