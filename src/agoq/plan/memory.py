@@ -755,6 +755,14 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
     ``vocab_size`` is the tokenizer's real vocabulary when it differs from data.vocab_size.
     """
     p, pr, d = cfg.parallel, cfg.precision, cfg.data
+    dtype = pr.compute_dtype
+    if dtype == "auto":
+        # The dtype the trainer would pick on this machine (the same cached decision).
+        from agoq.train.compute_dtype import choose_compute_dtype, worker_threads
+
+        mc = cfg.model_config()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = choose_compute_dtype("auto", device, mc.hidden, mc.intermediate, worker_threads(cfg.world_size)).name
     if pr.activations not in ("bf16", "agoq"):
         raise PlanError(f"precision.activations={pr.activations!r} is not planned; the planner models bf16 and agoq")
     if pr.fused_loss is not None and pr.fused_loss != (pr.activations == "agoq"):
@@ -766,7 +774,7 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
     return PlanConfig(
         model=model, seq_len=d.seq_len, model_name=cfg.model.preset, tp=1, pp=p.pp, dp=p.dp,
         micro_batch=d.batch_size // (p.dp * p.microbatches), global_batch=d.batch_size,
-        schedule=p.schedule, virtual_stages=p.virtual_stages, dtype=pr.compute_dtype,
+        schedule=p.schedule, virtual_stages=p.virtual_stages, dtype=dtype,
         activation_format=pr.activation_format, gradient_block=pr.gradient_block,
         stage_bits=pr.stage_bits, recompute_layers=pr.recompute_layers or None, setups=(setup.name,), **memory,  # type: ignore[arg-type]
     )

@@ -20,7 +20,7 @@ ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
 GRADIENT_MODES = ("fp32", "bf16", "int8", "ring8")
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")
 
 
 class ConfigError(ValueError):
@@ -57,7 +57,9 @@ class PrecisionSection:
     gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
     gradient_block: int = 256
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
-    compute_dtype: str = "bf16"  # bf16 | fp32 (master weights are always fp32)
+    # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);
+    # bf16 | fp32 force one. Master weights are always fp32.
+    compute_dtype: str = "auto"
     recompute_layers: int = 0  # activation checkpointing of the first N decoder layers of each stage (the baseline's way to fit)
 
 
@@ -300,7 +302,7 @@ def validate(cfg: TrainConfig) -> None:
     if pr.recompute_layers < 0:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} must be >= 0")
     if pr.compute_dtype not in DTYPES:
-        raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use bf16 or fp32")
+        raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use auto, bf16 or fp32")
     from agoq.quant import parse_format
 
     for key, spec in (("activation_format", pr.activation_format), ("gradient_block", f"int8/{pr.gradient_block}")):

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
+from agoq.train.compute_dtype import choose_compute_dtype, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.train.gradsync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, Progress, peak_rss_bytes
@@ -101,12 +102,19 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
         # Share the cores: more threads than cores per process only thrashes.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))))
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend)
+    if cfg.precision.compute_dtype == "auto":
+        # Under torchrun nothing chose before launch: rank 0 decides, so every rank computes alike.
+        mc = cfg.model_config()
+        choice = [choose_compute_dtype("auto", device.type, mc.hidden, mc.intermediate, torch.get_num_threads()) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        cfg.precision.compute_dtype = choice[0].name
+        if dist.get_rank() == 0:
+            print(f"agoq train: compute dtype {choice[0].name} ({choice[0].reason})", flush=True)
     world = dist.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(

@@ -1,0 +1,51 @@
+"""compute_dtype='auto': bf16 only where this machine runs it faster (agoq.train.compute_dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agoq.train import compute_dtype as cd
+from agoq.train.config import ConfigError, load_config
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    cd.choose_compute_dtype.cache_clear()
+    yield
+    cd.choose_compute_dtype.cache_clear()
+
+
+def test_default_is_auto_and_bad_values_are_refused():
+    assert load_config().precision.compute_dtype == "auto"
+    with pytest.raises(ConfigError, match="compute_dtype='fp16' is unknown; use auto, bf16 or fp32"):
+        load_config(None, ["--precision.compute_dtype=fp16"])
+
+
+def test_cpu_without_bf16_instructions_gets_fp32_without_probing(monkeypatch):
+    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ())
+    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("no probe on an AVX2-only CPU"))
+    choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
+    assert choice.name == "fp32" and "AVX512-BF16" in choice.reason
+
+
+@pytest.mark.parametrize("t32,t16,expected", [(1.0, 0.5, "bf16"), (1.0, 0.95, "fp32"), (1.0, 1.8, "fp32")])
+def test_cpu_with_bf16_instructions_follows_the_probe(monkeypatch, t32, t16, expected):
+    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
+    monkeypatch.setattr(cd, "probe_seconds", lambda dtype, *a, **k: t32 if dtype == torch.float32 else t16)
+    choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
+    assert choice.name == expected
+    assert f"{t32 / t16:.2f}x" in choice.reason and "AMX-BF16" in choice.reason
+
+
+def test_an_explicit_dtype_is_kept(monkeypatch):
+    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("no probe when the dtype is set"))
+    assert cd.choose_compute_dtype("bf16", "cpu", 256, 688, 1).name == "bf16"
+    assert cd.choose_compute_dtype("fp32", "cuda", 256, 688, 1).name == "fp32"
+
+
+def test_the_probe_is_sub_second_and_restores_threads():
+    threads = torch.get_num_threads()
+    seconds = cd.probe_seconds(torch.float32, 256, 688, 1)
+    assert 0 < seconds < 1.0
+    assert torch.get_num_threads() == threads
