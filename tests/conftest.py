@@ -9,3 +9,8 @@ import torch
 # interpreter when they are defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite checks the torch reference path; tests/test_compiled.py checks that the compiled CPU
+# path (the default of `agoq train` on CPUs) gives the same codes, scales and training losses.
+# Compiling every format in every spawned worker would cost minutes of the suite's time.
+os.environ.setdefault("AGOQ_QUANT_BACKEND", "torch")

@@ -196,7 +196,7 @@ def test_rms_norm_forward_writes_the_norm_and_the_quantized_input(dtype: torch.d
     x, w = (_data(64 * 256, torch.float32, seed=5).view(64, 256) * 0.5).to(dtype), (1 + 0.1 * torch.randn(256)).to(dtype)
     h, q = tq.rms_norm_quantize(x.to(DEVICE), w.to(DEVICE), EPS, fmt)
     _assert_same_q(q, _reference_quantize(x, fmt))
-    want, _ = _norm_forward(x, w, EPS)
+    want, _ = _norm_forward(x, w, eps=EPS)
     assert h.dtype == dtype
     _close(h, want, 2 * ULP[dtype], "norm output")
 
@@ -207,12 +207,12 @@ def test_rms_norm_backward_from_the_quantized_input(dtype: torch.dtype) -> None:
     x, w = torch.randn(48, 512).to(dtype), (1 + 0.1 * torch.randn(512)).to(dtype)
     q = _reference_quantize(x, fmt)
     xq = _reference_dequantize(q, torch.float32)
-    want_h, want_rstd = _norm_forward(xq, w, EPS, out_dtype=dtype)
+    want_h, want_rstd = _norm_forward(xq, w, eps=EPS, out_dtype=dtype)
     h, rstd = tq.rms_norm_recompute(q.to(DEVICE), w.to(DEVICE), EPS, dtype)
     _close(h, want_h, 2 * ULP[dtype], "recomputed GEMM input")
     _close(rstd, want_rstd, 4 * ULP[torch.float32], "rstd")
     grad_h = torch.randn(48, 512)
-    want_gx, want_gw = _norm_backward(grad_h, xq, want_rstd, w, dtype, True)
+    want_gx, want_gw = _norm_backward(grad_h, xq, want_rstd, w, x_dtype=dtype, need_weight_grad=True)
     gx, gw = tq.rms_norm_backward(grad_h.to(DEVICE), q.to(DEVICE), rstd, w.to(DEVICE), dtype, True)
     assert gx.dtype == dtype and gw.dtype == w.dtype
     _close(gx, want_gx, 2 * ULP[dtype] + 1e-6, "input gradient")

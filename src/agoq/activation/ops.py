@@ -37,7 +37,7 @@ _KEPT_BY_ATTENTION = "_agoq_kept_by_attention"
 # ---- the one RMSNorm implementation (forward, backward) ----------------------------------------
 
 
-def _norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_forward(x: torch.Tensor, weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x) * weight in out_dtype, fp32 rstd [..., 1]); statistics in fp32."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -45,7 +45,7 @@ def _norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
 
 
 def _norm_backward(
-    grad_out: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype, need_weight_grad: bool
+    grad_out: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, *, x_dtype: torch.dtype, need_weight_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(grad of x in x_dtype, grad of weight in its dtype) of RMSNorm, computed in fp32."""
     y = x.float() * rstd
@@ -69,7 +69,7 @@ def _quantize_saved(t: torch.Tensor, fmt: QuantFormat) -> QTensor:
 
 def _norm_kernels(device: torch.device, fmt: QuantFormat, hidden: int) -> Any:
     """The fused Triton norm kernels when agoq.quant.backend selects them for this layer, else None."""
-    kernels = backend.kernels(device, fmt)
+    kernels = backend.layer_kernels(device, fmt)
     return kernels if kernels is not None and kernels.norm_supported(hidden, fmt) else None
 
 
@@ -78,14 +78,14 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        out, rstd = _norm_forward(x, weight, eps)
+        out, rstd = _norm_forward(x, weight, eps=eps)
         ctx.save_for_backward(x, rstd, weight)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, rstd, weight = ctx.saved_tensors
-        gx, gw = _norm_backward(grad_out, x, rstd, weight, x.dtype, ctx.needs_input_grad[1])
+        gx, gw = _norm_backward(grad_out, x, rstd, weight, x_dtype=x.dtype, need_weight_grad=ctx.needs_input_grad[1])
         return gx, gw, None
 
 
@@ -108,7 +108,7 @@ class _NormLinear(torch.autograd.Function):
             h, q = kernels.rms_norm_quantize(x, norm_weight, eps, fmt)
             outs = tuple(F.linear(h, w) for w in weights)
         else:
-            h, _ = _norm_forward(x, norm_weight, eps)
+            h, _ = _norm_forward(x, norm_weight, eps=eps)
             outs = tuple(F.linear(h, w) for w in weights)
             q = _quantize_saved(x, fmt)
         ctx.save_for_backward(q.payload, q.scales, norm_weight, *weights)
@@ -125,8 +125,10 @@ class _NormLinear(torch.autograd.Function):
             x = None
             h, rstd = kernels.rms_norm_recompute(q, norm_weight, eps, dtype)
         else:
+            # Under the compiled backend the recompute is one fused loop (and so is the backward
+            # below); its reductions may sum in another order: h agrees within dtype rounding.
             x = dequantize(q, torch.float32)
-            h, rstd = _norm_forward(x, norm_weight, eps, out_dtype=dtype)
+            h, rstd = backend.formula(_norm_forward, x.device, eps=eps, out_dtype=dtype)(x, norm_weight)
         grad_h = torch.zeros(shape, dtype=torch.float32, device=payload.device)
         weight_grads: list[torch.Tensor | None] = []
         for i, (g, w) in enumerate(zip(grads, weights)):
@@ -138,7 +140,8 @@ class _NormLinear(torch.autograd.Function):
         if x is None:
             gx, gw = kernels.rms_norm_backward(grad_h, q, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
         else:
-            gx, gw = _norm_backward(grad_h, x, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
+            norm_backward = backend.formula(_norm_backward, x.device, x_dtype=dtype, need_weight_grad=ctx.needs_input_grad[1])
+            gx, gw = norm_backward(grad_h, x, rstd, norm_weight)
         return (gx, gw, None, None, *weight_grads)
 
 
@@ -169,7 +172,7 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-        kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
+        kernels = backend.layer_kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
         if kernels is not None:  # one pass writes SiLU(gate) * up and the quantized gate and up
             act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
             out = F.linear(act, down_weight)
@@ -184,7 +187,7 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
         gshape, gdtype, ushape, udtype, fmt = ctx.meta
-        kernels = backend.kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
+        kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
         if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
             grad_act = F.linear(grad_out, down_weight.t())
             qg, qu = QTensor(gp, gs, gshape, gdtype, fmt), QTensor(up_p, up_s, ushape, udtype, fmt)
@@ -193,16 +196,25 @@ class _SwiGLULinear(torch.autograd.Function):
             return grad_gate, grad_up, grad_down, None
         gate = dequantize(QTensor(gp, gs, gshape, gdtype, fmt), torch.float32)
         up = dequantize(QTensor(up_p, up_s, ushape, udtype, fmt), torch.float32)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_down = None
-        if ctx.needs_input_grad[2]:
-            act = (silu * up).to(grad_out.dtype)
-            grad_down = _tokens(grad_out).t().mm(_tokens(act))
-        grad_act = F.linear(grad_out, down_weight.t()).float()
-        grad_gate = (grad_act * up * sig * (1 + gate * (1 - sig))).to(gdtype)
-        grad_up = (grad_act * silu).to(udtype)
+        grad_act = F.linear(grad_out, down_weight.t())
+        need_act = ctx.needs_input_grad[2]
+        grads = backend.formula(_swiglu_backward, gate.device, act_dtype=grad_out.dtype if need_act else None, gate_dtype=gdtype, up_dtype=udtype)
+        act, grad_gate, grad_up = grads(grad_act, gate, up)
+        grad_down = _tokens(grad_out).t().mm(_tokens(act)) if need_act else None
         return grad_gate, grad_up, grad_down, None
+
+
+def _swiglu_backward(
+    grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, act_dtype: torch.dtype | None, gate_dtype: torch.dtype, up_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up), in fp32 from fp32 gate and up."""
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = (silu * up).to(act_dtype) if act_dtype is not None else None
+    g = grad_act.float()
+    grad_gate = (g * up * sig * (1 + gate * (1 - sig))).to(gate_dtype)
+    grad_up = (g * silu).to(up_dtype)
+    return act, grad_gate, grad_up
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:

@@ -109,18 +109,18 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     xn = x[:nt].view(tokens, hidden)
     w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device=device, dtype=bf16)
     qx = quantize(xn, fmt)
-    rstd = _norm_forward(dequantize(qx, torch.float32), w, 1e-5)[1]
+    rstd = _norm_forward(dequantize(qx, torch.float32), w, eps=1e-5)[1]
     grad_h = torch.randn(tokens, hidden, generator=gen).to(device)
 
     def norm_fwd_torch() -> Any:
-        h, _ = _norm_forward(xn, w, 1e-5)
+        h, _ = _norm_forward(xn, w, eps=1e-5)
         return h, quantize(xn, fmt, nonfinite="propagate")
 
     def norm_recompute_torch() -> Any:
-        return _norm_forward(dequantize(qx, torch.float32), w, 1e-5, out_dtype=bf16)
+        return _norm_forward(dequantize(qx, torch.float32), w, eps=1e-5, out_dtype=bf16)
 
     def norm_bwd_torch() -> Any:
-        return _norm_backward(grad_h, dequantize(qx, torch.float32), rstd, w, bf16, True)
+        return _norm_backward(grad_h, dequantize(qx, torch.float32), rstd, w, x_dtype=bf16, need_weight_grad=True)
 
     norm_q = qbytes(fmt, nt)
     cases += [

@@ -1,16 +1,20 @@
-"""Which implementation runs quantization: the torch reference path or the Triton kernels.
+"""Which implementation runs quantization: the torch reference, compiled CPU code, or Triton.
 
-- ``auto`` (default): Triton for CUDA tensors when triton is importable, torch everywhere else;
-- ``torch``: always the torch reference;
+- ``auto`` (default): Triton for CUDA tensors when triton is importable; on CPUs the compiled
+  path when a C++ compiler is present (else torch, with one warning); torch everywhere else;
+- ``torch``: always the torch reference (eager, the definition the others must equal);
+- ``compiled``: :mod:`agoq.quant.compiled`, torch.compile'd whole-tensor formulas (inductor's
+  C++/OpenMP code) for quantize, dequantize, the gradient fold and the all-reduce's local sum;
+  the activation ops also compile their recompute formulas (RMSNorm, SwiGLU);
 - ``triton``: the kernels wherever they apply. On CPU tensors Triton runs only under its
   interpreter (``TRITON_INTERPRET=1`` set before triton is first imported), about a thousand times
   slower than torch: that is for tests.
 
 The choice comes from :func:`set_backend` / :func:`use_backend`, else from the environment variable
-``AGOQ_QUANT_BACKEND`` (torch|triton|auto). Calls the kernels do not cover always take the torch
-path: stochastic rounding, and formats whose block size is not a multiple of 8 (or above
-``agoq.quant.triton.MAX_BLOCK``). Both paths give bit-identical codes and scales (see
-agoq.quant.triton.kernels for how), so switching changes speed, not results.
+``AGOQ_QUANT_BACKEND`` (auto|torch|compiled|triton). Calls the kernels do not cover always take the
+torch path: stochastic rounding, and formats whose block size is not a multiple of 8 (or above
+``agoq.quant.triton.MAX_BLOCK``). Every path gives bit-identical codes and scales (tests check it),
+so switching changes speed, not results.
 
 This module imports triton only when the Triton backend is actually used.
 """
@@ -20,15 +24,18 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import warnings
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from agoq.quant.formats import QuantFormat
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "compiled", "triton")
 ENV_VAR = "AGOQ_QUANT_BACKEND"
 
 _choice: str | None = None  # set_backend's choice; None: the environment decides
@@ -47,8 +54,24 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.lru_cache(maxsize=None)
+def compiler_available() -> bool:
+    """Whether torch.compile can build CPU code here: a C++ compiler on PATH (inductor's requirement)."""
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_compiler() -> None:
+    warnings.warn(
+        "no C++ compiler found (g++, c++ or clang++): quantization runs on the eager torch path, 2-4x slower; "
+        "install one (e.g. apt-get install g++) or set AGOQ_QUANT_BACKEND=torch to silence this",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def get_backend() -> str:
-    """The configured choice: 'auto', 'torch' or 'triton' (set_backend, else AGOQ_QUANT_BACKEND, else auto)."""
+    """The configured choice: 'auto', 'torch', 'compiled' or 'triton' (set_backend, else AGOQ_QUANT_BACKEND, else auto)."""
     if _choice is not None:
         return _choice
     env = os.environ.get(ENV_VAR)
@@ -56,7 +79,7 @@ def get_backend() -> str:
 
 
 def set_backend(name: str | None) -> None:
-    """Choose 'auto', 'torch' or 'triton' for this process; None returns the choice to AGOQ_QUANT_BACKEND."""
+    """Choose 'auto', 'torch', 'compiled' or 'triton' for this process; None returns the choice to AGOQ_QUANT_BACKEND."""
     global _choice
     if name is None:
         _choice = None
@@ -79,14 +102,29 @@ def use_backend(name: str | None) -> Iterator[None]:
         _choice = saved
 
 
+def _compiled_cpu() -> str:
+    # Compiled code cannot run under a Python dispatch mode (torch's MemTracker, agoq's count of a
+    # step's temporaries): there the reference runs, and what is counted is its allocations.
+    if _get_current_dispatch_mode() is not None:
+        return "torch"
+    if compiler_available():
+        return "compiled"
+    _warn_no_compiler()
+    return "torch"
+
+
 def resolve(device: torch.device | str) -> str:
-    """'torch' or 'triton': the backend quantization of tensors on ``device`` uses now."""
+    """'torch', 'compiled' or 'triton': the backend quantization of tensors on ``device`` uses now."""
     choice = get_backend()
     device = torch.device(device)
     if choice == "torch":
         return "torch"
     if choice == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return _compiled_cpu() if device.type == "cpu" else "torch"
+    if choice == "compiled":
+        return _compiled_cpu() if device.type == "cpu" else "torch"
     if not triton_available():
         raise RuntimeError(f"{ENV_VAR}=triton but triton is not installed: pip install 'agoq[triton]', or set {ENV_VAR}=torch")
     if device.type not in ("cuda", "cpu"):
@@ -95,14 +133,41 @@ def resolve(device: torch.device | str) -> str:
 
 
 def kernels(device: torch.device | str, fmt: QuantFormat | None = None) -> ModuleType | None:
-    """The Triton kernel module (agoq.quant.triton) if it should handle ``fmt`` on ``device``, else None."""
-    if resolve(device) != "triton":
+    """The kernel module (agoq.quant.compiled or agoq.quant.triton) that should quantize ``fmt`` on ``device``, else None.
+
+    Both offer quantize, dequantize, accumulate_ (the gradient fold) and reduce_rows (the 8-bit
+    all-reduce's local sum) with the reference's exact results.
+    """
+    which = resolve(device)
+    if which == "torch":
         return None
-    import agoq.quant.triton as kernel_module
+    if which == "compiled":
+        import agoq.quant.compiled as kernel_module
+    else:
+        import agoq.quant.triton as kernel_module  # type: ignore[no-redef]
 
     if fmt is not None and not kernel_module.supports(fmt):
         return None
     return kernel_module
 
 
-__all__ = ["BACKENDS", "ENV_VAR", "get_backend", "kernels", "resolve", "set_backend", "triton_available", "use_backend"]
+def layer_kernels(device: torch.device | str, fmt: QuantFormat | None = None) -> ModuleType | None:
+    """The Triton module when its fused RMSNorm / SwiGLU + quantize kernels should run, else None."""
+    if resolve(device) != "triton":
+        return None
+    return kernels(device, fmt)
+
+
+def formula(fn: Callable[..., Any], device: torch.device | str, **constants: Any) -> Callable[..., Any]:
+    """``fn`` with keyword ``constants`` fixed: torch.compile'd under the compiled backend, else as it is."""
+    if resolve(device) == "compiled":
+        from agoq.quant.compiled import compiled
+
+        return compiled(fn, **constants)
+    return functools.partial(fn, **constants)
+
+
+__all__ = [
+    "BACKENDS", "ENV_VAR", "compiler_available", "formula", "get_backend", "kernels", "layer_kernels", "resolve",
+    "set_backend", "triton_available", "use_backend",
+]

@@ -25,13 +25,16 @@ if sys.byteorder != "little":
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@functools.lru_cache(maxsize=None)
-def group_shape(bits: int) -> tuple[int, int]:
+def packing_group(bits: int) -> tuple[int, int]:
     """(codes per group, bytes per group) for a bit width: the smallest run that fills whole bytes."""
     if not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"bit width must be an integer in 1..8, got {bits!r}")
     g = 8 // math.gcd(bits, 8)
     return g, g * bits // 8
+
+
+# Cached for the eager path; torch.compile'd code calls packing_group (it does not trace caches).
+group_shape = functools.lru_cache(maxsize=None)(packing_group)
 
 
 def packed_nbytes(numel: int, bits: int) -> int:

@@ -1,0 +1,313 @@
+"""Compiled CPU kernels for agoq.quant: torch.compile (inductor's C++/OpenMP code) of the hot paths.
+
+The same API as :mod:`agoq.quant.triton` (quantize, dequantize, accumulate_, reduce_rows), chosen
+through :mod:`agoq.quant.backend`. Each function below is one whole-tensor formula that inductor fuses
+into one or two loops over memory: the eager reference (agoq.quant.qtensor) needs 10-30 separate
+passes and a Python call per pass, which is what made small tensors slow (a 176K-value gradient
+fold cost about 1 ms eagerly, most of it call overhead).
+
+Bit-identical to the reference, by construction and by test (tests/test_compiled.py):
+- the scale is the same expression (absmax / max_value, raised one ulp where s * max_value < absmax
+  in fp64), and values are divided by it, never multiplied by a reciprocal;
+- int codes round half to even (inductor's nearbyint / roundscale, as torch.round), fp4/nf4 count
+  the same decision boundaries (``y > boundary``), fp8 uses the same float8_e4m3fn cast;
+- packing is integer arithmetic (codes shifted into one word per packing group, then cut into
+  bytes), so any correct formulation gives the same bytes.
+
+Why torch.compile and not a hand-written extension: it needs only the C++ compiler that inductor
+already uses, it keeps the formulas in Python beside the reference they must equal, and compiled
+code is cached on disk (inductor's FX graph cache), so later runs start in about a second per
+function. Shapes are compiled dynamically: one compile per function and format, not per size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
+from agoq.quant.packing import packing_group
+from agoq.quant.qtensor import QTensor
+
+# Each (formula, constants) pair has a code object of its own (see _compiled), so recompiles are
+# only shape families (size 1 vs larger, contiguous or not): the default limit of 8 would do; this
+# leaves headroom for input dtypes.
+_RECOMPILE_LIMIT = 64
+_KERNELS: list[Callable[..., Any]] = []
+
+
+def supports(fmt: QuantFormat) -> bool:
+    """Whether the compiled path covers ``fmt``: blocks of whole packing groups (every format with block % 8 == 0)."""
+    return fmt.block_size % packing_group(fmt.bits)[0] == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < _RECOMPILE_LIMIT:
+            setattr(dynamo_config, name, _RECOMPILE_LIMIT)
+    constants = dict(static)
+
+    def call(*tensors: Any) -> Any:
+        return fn(*tensors, **constants)
+
+    # A code object of its own per (formula, constants): torch.compile keeps its compiled variants
+    # and their limit per code object, so formats and dtypes do not crowd each other out.
+    fresh = types.FunctionType(call.__code__.replace(co_name=f"agoq_{fn.__name__}_{len(_KERNELS)}"), call.__globals__, None, None, call.__closure__)
+    _KERNELS.append(fresh)
+    kernel = torch.compile(fresh, dynamic=True, fullgraph=True)
+
+    # Tensor arguments get dynamic shapes (one compile serves every size); the integer constants
+    # (bits, block size) are specialized, so the formulas may branch on them and size by them.
+    def run(*tensors: Any) -> Any:
+        with dynamo_config.patch(specialize_int=True):
+            return kernel(*tensors)
+
+    return run
+
+
+def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
+    """``fn`` with keyword ``constants`` fixed, compiled by torch.compile once and reused (dynamic shapes)."""
+    return _compiled(fn, tuple(sorted(constants.items())))
+
+
+# ---- the formulas (traced by torch.compile; each also runs eagerly) ------------------------------------
+#
+# Codes are carried as exact small integers in floating point (fp32 where a packing group fills
+# one byte, fp64 where it spans up to 5 bytes, below 2**53): inductor vectorizes float arithmetic
+# over a small inner dimension well, and integer shifts hardly at all (measured: packing int4 with
+# int16 shifts cost 1.3 ms per 352K values, with float weights 0.4 ms including the quantization).
+
+
+def _encode(y: torch.Tensor, kind: str, bits: int, boundaries: torch.Tensor | None, codes: torch.Tensor | None) -> torch.Tensor:
+    """Codes (as floats) of scaled values |y| <= max_value: the reference's _encode, whole-tensor."""
+    if kind == "int":
+        return torch.round(y) + (1 << (bits - 1))
+    if kind == "fp8":
+        return y.to(torch.float8_e4m3fn).view(torch.uint8).float()
+    # Value i wins iff exactly i boundaries lie below y; 15 comparisons fuse into one loop.
+    idx = (y.unsqueeze(-1) > boundaries).sum(-1)
+    return codes[idx].float()
+
+
+def _code_dtype(bits: int) -> torch.dtype:
+    return torch.float32 if packing_group(bits)[1] == 1 else torch.float64
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Little-endian packing of [blocks, block] codes given as exact floats: uint8 [blocks, block * bits / 8].
+
+    The block dimension stays outermost, so each block's loop is a short contiguous one that
+    vectorizes (flattening it costs an integer division per element: 3x slower).
+    """
+    if bits == 8:
+        return codes.to(torch.uint8)
+    g, gbytes = packing_group(bits)
+    dt = _code_dtype(bits)
+    blocks, block = codes.shape
+    weights = torch.tensor([2.0 ** (bits * k) for k in range(g)], dtype=dt, device=codes.device)
+    word = (codes.to(dt).view(blocks, block // g, g) * weights).sum(-1)  # exact: below 2**40
+    if gbytes == 1:
+        return word.to(torch.uint8)
+    word = word.unsqueeze(-1)
+    cut = torch.tensor([256.0**j for j in range(gbytes + 1)], dtype=dt, device=codes.device)
+    # byte j = floor(word / 256**j) - 256 * floor(word / 256**(j+1)): exact for integers below 2**53.
+    above = torch.floor(word / cut)
+    return (above[..., :-1] - 256.0 * above[..., 1:]).to(torch.uint8).view(blocks, -1)
+
+
+def _unpack(payload: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """Codes (exact floats) [blocks, block] of a payload of whole blocks."""
+    if bits == 8:
+        return payload.float().view(-1, block)
+    g, gbytes = packing_group(bits)
+    dt = _code_dtype(bits)
+    rows = payload.to(dt).view(-1, block // g, gbytes)
+    if gbytes == 1:
+        word = rows
+    else:
+        cut = torch.tensor([256.0**j for j in range(gbytes)], dtype=dt, device=payload.device)
+        word = (rows * cut).sum(-1, keepdim=True)
+    shifts = torch.tensor([2.0 ** (bits * k) for k in range(g + 1)], dtype=dt, device=payload.device)
+    # code k = floor(word / 2**(bits k)) - 2**bits * floor(word / 2**(bits (k+1))), exactly.
+    above = torch.floor(word / shifts)
+    return (above[..., :-1] - float(1 << bits) * above[..., 1:]).view(-1, block)
+
+
+def _quantize_blocks(
+    x: torch.Tensor, boundaries: torch.Tensor | None, codes: torch.Tensor | None, *, block: int, kind: str, bits: int, max_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed payload, fp32 scales) of flat ``x`` of whole blocks, assuming finite input.
+
+    A block holding NaN/Inf comes out with a non-finite scale; the caller redoes such a tensor on
+    the reference path, which handles it (rare, and it keeps the per-element loop free of masks).
+    """
+    y = x.float().view(-1, block)
+    absmax = torch.maximum(y.amax(dim=1), y.amin(dim=1).neg())
+    s = absmax / max_value
+    low = s.double() * max_value < absmax.double()
+    s = torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
+    y = y / torch.where(s > 0, s, 1.0).unsqueeze(1)
+    return _pack(_encode(y, kind, bits, boundaries, codes), bits).view(-1), s
+
+
+def _values(payload: torch.Tensor, scales: torch.Tensor, by_code: torch.Tensor | None, block: int, kind: str, bits: int) -> torch.Tensor:
+    """fp32 [blocks, block] values of whole blocks: format value times block scale."""
+    c = _unpack(payload, bits, block)
+    v = (c - (1 << (bits - 1))).float() if kind == "int" else by_code[c.long()]
+    return v * scales.unsqueeze(1)
+
+
+def _dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor, by_code: torch.Tensor | None, *, block: int, kind: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values of whole blocks, multiplied in fp32 and rounded once into ``dtype``."""
+    return _values(payload, scales, by_code, block, kind, bits).view(-1).to(dtype)
+
+
+def _accumulate(
+    payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, by_code: torch.Tensor | None, boundaries: torch.Tensor | None,
+    codes: torch.Tensor | None, *, first: bool, block: int, kind: str, bits: int, max_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize(grad, or dequantize(region) + grad): the fold of one gradient piece of whole blocks."""
+    x = grad.float()
+    if not first:
+        x = _values(payload, scales, by_code, block, kind, bits).view(-1) + x
+    return _quantize_blocks(x, boundaries, codes, block=block, kind=kind, bits=bits, max_value=max_value)
+
+
+def _reduce_rows(
+    payload_rows: torch.Tensor, scale_rows: torch.Tensor, by_code: torch.Tensor | None, boundaries: torch.Tensor | None,
+    codes: torch.Tensor | None, *, average: bool, rows: int, block: int, kind: str, bits: int, max_value: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 sum of W rows in row order (/ W if ``average``), its requantized payload and scales)."""
+    acc = _values(payload_rows[0], scale_rows[0], by_code, block, kind, bits).view(-1)
+    for i in range(1, rows):
+        acc = acc + _values(payload_rows[i], scale_rows[i], by_code, block, kind, bits).view(-1)
+    if average:
+        acc = acc / rows
+    payload, scales = _quantize_blocks(acc, boundaries, codes, block=block, kind=kind, bits=bits, max_value=max_value)
+    return acc, payload, scales
+
+
+# ---- the API of a kernel module -------------------------------------------------------------------------
+
+
+def _constants(fmt: QuantFormat) -> dict[str, Any]:
+    return {"block": fmt.block_size, "kind": fmt.kind, "bits": fmt.bits}
+
+
+def _tables(fmt: QuantFormat, device: torch.device) -> dict[str, torch.Tensor | None]:
+    if fmt.kind == "int":
+        return {"by_code": None, "boundaries": None, "codes": None}
+    t = codebook_tables(fmt.kind, device)
+    return {"by_code": t.by_code, "boundaries": t.boundaries if fmt.kind != "fp8" else None, "codes": t.codes if fmt.kind != "fp8" else None}
+
+
+def _reference() -> Any:
+    """The torch reference path (agoq.quant.qtensor), for what the compiled kernels leave to it."""
+    from agoq.quant import backend
+
+    return backend.use_backend("torch")
+
+
+def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole blocks (a copy only when it is not already)."""
+    pad = -flat.numel() % block
+    return F.pad(flat, (0, pad)) if pad else flat
+
+
+def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
+    """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
+    from agoq.quant.qtensor import quantize as reference_quantize
+
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    t = _tables(fmt, x.device)
+    kernel = compiled(_quantize_blocks, max_value=fmt.max_value, **_constants(fmt))
+    payload, scales = kernel(_whole_blocks(flat, fmt.block_size), t["boundaries"], t["codes"]) if n else (flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=SCALE_DTYPE))
+    if not bool(torch.isfinite(scales).all()):
+        with _reference():
+            return reference_quantize(x, fmt, nonfinite="propagate")
+    nbytes = fmt.payload_bytes(n)
+    if payload.numel() != nbytes:
+        # The reference stores code 0 for the padding of the last block: clear its bits in the last byte.
+        payload = payload[:nbytes].clone()
+        spare = nbytes * 8 - n * fmt.bits
+        if spare:
+            payload[-1] &= (1 << (8 - spare)) - 1
+    return QTensor(payload, scales, x.shape, x.dtype, fmt)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor ``q`` represents, in its shape and dtype (or ``dtype``)."""
+    n, fmt = q.numel, q.fmt
+    if n == 0:
+        return torch.empty(q.shape, dtype=dtype or q.dtype, device=q.device)
+    payload = q.payload
+    whole = fmt.payload_bytes(q.scales.numel() * fmt.block_size)
+    if payload.numel() != whole:
+        payload = F.pad(payload, (0, whole - payload.numel()))
+    kernel = compiled(_dequantize_blocks, dtype=dtype or q.dtype, **_constants(fmt))
+    out = kernel(payload, q.scales, _tables(fmt, q.device)["by_code"])
+    if out.numel() != n:  # the last block's padding: less than one block of spare values
+        out = out[:n]
+    return out.view(q.shape)
+
+
+def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, *, first: bool) -> None:
+    """In place: (payload, scales) := quantize(grad if first else dequantize(payload, scales) + grad).
+
+    The region holds whole blocks; ``grad`` may be shorter (the rest adds zero). Blocks that end up
+    holding NaN/Inf get a NaN scale.
+    """
+    from agoq.quant.qtensor import dequantize as reference_dequantize, quantize as reference_quantize
+
+    n = scales.numel() * fmt.block_size
+    if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
+        raise ValueError(
+            f"accumulate_ needs storage of whole blocks: {payload.numel()} bytes and {scales.numel()} scales "
+            f"for {n} values of {fmt.name}, and at most {n} gradient values (got {grad.numel()})"
+        )
+    if n == 0:
+        return
+    g = grad.detach().reshape(-1)
+    g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
+    t = _tables(fmt, payload.device)
+    kernel = compiled(_accumulate, first=first, max_value=fmt.max_value, **_constants(fmt))
+    new_payload, new_scales = kernel(payload, scales, g, t["by_code"], t["boundaries"], t["codes"])
+    if not bool(torch.isfinite(new_scales).all()):
+        with _reference():
+            x = g.float() if first else reference_dequantize(QTensor(payload, scales, torch.Size([n]), torch.float32, fmt)) + g
+            q = reference_quantize(x, fmt, nonfinite="propagate")
+        new_payload, new_scales = q.payload, q.scales
+    payload.copy_(new_payload)
+    scales.copy_(new_scales)
+
+
+def reduce_rows(
+    payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, *, average: bool, keep_sum: bool = True, requantize: bool = False
+) -> tuple[torch.Tensor | None, QTensor | None]:
+    """Sum W quantized rows in fp32, in row order (then / W if ``average``); optionally requantize the sum."""
+    from agoq.quant.qtensor import quantize as reference_quantize
+
+    w, nblocks = scale_rows.shape
+    n = nblocks * fmt.block_size
+    if payload_rows.shape != (w, fmt.payload_bytes(n)):
+        raise ValueError(f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}")
+    t = _tables(fmt, payload_rows.device)
+    kernel = compiled(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
+    acc, payload, scales = kernel(payload_rows, scale_rows, t["by_code"], t["boundaries"], t["codes"])
+    q = QTensor(payload, scales, torch.Size([n]), torch.float32, fmt) if requantize else None
+    if q is not None and not bool(torch.isfinite(scales).all()):
+        with _reference():
+            q = reference_quantize(acc, fmt, nonfinite="propagate")
+    return (acc if keep_sum else None), q
+
+
+__all__ = ["accumulate_", "compiled", "dequantize", "quantize", "reduce_rows", "supports"]

@@ -1,0 +1,116 @@
+"""The compiled CPU path (agoq.quant.compiled) equals the torch reference: codes, scales, sums, losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agoq.quant import QTensor, backend, dequantize, parse_format, quantize
+from agoq.quant import compiled as C
+
+pytestmark = pytest.mark.skipif(not backend.compiler_available(), reason="no C++ compiler for torch.compile")
+
+FORMATS = ["int2/128", "int3/128", "int4/128", "int5/128", "int6/128", "int8/256", "fp4/128", "nf4/128", "fp8/128", "int4/64"]
+
+
+def _data(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)[torch.randperm(n, generator=g)]
+    x[: min(n, 128)] = 0.0  # an all-zero block: scale 0, exact zeros
+    return x.to(dtype)
+
+
+def _reference(fn, *args, **kwargs):
+    with backend.use_backend("torch"):
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("spec", FORMATS)
+def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str) -> None:
+    fmt = parse_format(spec)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 1000, 4 * 128 * 3 + 77, 65536):  # partial last block and partial last byte included
+            x = _data(n, dtype)
+            ref = _reference(quantize, x, fmt)
+            got = C.quantize(x, fmt)
+            assert torch.equal(got.payload, ref.payload), (spec, dtype, n)
+            assert torch.equal(got.scales, ref.scales), (spec, dtype, n)
+            for out in (None, torch.float32):
+                assert torch.equal(C.dequantize(ref, out), _reference(dequantize, ref, out)), (spec, dtype, n, out)
+
+
+def test_the_backend_switch_routes_quantize_and_dequantize() -> None:
+    fmt = parse_format("int4/128")
+    x = _data(4096, torch.float32)
+    with backend.use_backend("compiled"):
+        assert backend.kernels("cpu", fmt) is C
+        q = quantize(x, fmt)
+        y = dequantize(q)
+    ref = _reference(quantize, x, fmt)
+    assert torch.equal(q.payload, ref.payload) and torch.equal(y, _reference(dequantize, ref))
+
+
+def test_non_finite_input_takes_the_reference_path_for_both_modes() -> None:
+    fmt = parse_format("int4/128")
+    x = _data(1024, torch.float32)
+    x[300], x[900] = float("nan"), float("inf")
+    with backend.use_backend("compiled"):
+        q = quantize(x, fmt, nonfinite="propagate")
+        with pytest.raises(ValueError, match="flat index 300"):
+            quantize(x, fmt)
+    ref = _reference(quantize, x, fmt, nonfinite="propagate")
+    assert torch.equal(q.payload, ref.payload)
+    assert torch.equal(torch.isnan(q.scales), torch.isnan(ref.scales))
+    assert torch.equal(q.scales[~torch.isnan(q.scales)], ref.scales[~torch.isnan(ref.scales)])
+    assert torch.isnan(q.scales).tolist() == [False, False, True, False, False, False, False, True]
+
+
+@pytest.mark.parametrize("spec", ["int8/256", "int4/128", "fp8/128"])
+def test_the_gradient_fold_equals_dequantize_add_requantize(spec: str) -> None:
+    fmt = parse_format(spec)
+    n = 8 * fmt.block_size
+    pay_c = torch.zeros(fmt.payload_bytes(n), dtype=torch.uint8)
+    sc_c = torch.zeros(n // fmt.block_size)
+    pay_r, sc_r = pay_c.clone(), sc_c.clone()
+    for step in range(3):
+        g = _data(n - 5, torch.bfloat16, seed=step)  # shorter than the region: the rest adds zero
+        C.accumulate_(pay_c, sc_c, g, fmt, first=step == 0)
+        with backend.use_backend("torch"):
+            region = QTensor(pay_r, sc_r, torch.Size([n]), torch.float32, fmt)
+            x = torch.zeros(n) if step == 0 else dequantize(region)
+            x[: g.numel()] += g.float()
+            q = quantize(x, fmt)
+        pay_r.copy_(q.payload)
+        sc_r.copy_(q.scales)
+        assert torch.equal(pay_c, pay_r) and torch.equal(sc_c, sc_r), (spec, step)
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_the_all_reduce_local_sum_is_the_reference_sum_in_rank_order(average: bool) -> None:
+    fmt = parse_format("int8/256")
+    rows = [quantize(_data(1024, torch.float32, seed=r), fmt) for r in range(3)]
+    pay = torch.stack([q.payload for q in rows])
+    sc = torch.stack([q.scales for q in rows])
+    acc, q = C.reduce_rows(pay, sc, fmt, average=average, requantize=True)
+    with backend.use_backend("torch"):
+        want = dequantize(rows[0])
+        for r in rows[1:]:
+            want = want + dequantize(r)
+        if average:
+            want = want / 3
+        want_q = quantize(want, fmt)
+    assert torch.equal(acc, want)
+    assert torch.equal(q.payload, want_q.payload) and torch.equal(q.scales, want_q.scales)
+
+
+def test_a_dispatch_mode_sends_work_to_the_reference_path() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with backend.use_backend("compiled"):
+        assert backend.resolve("cpu") == "compiled"
+        with Count():
+            assert backend.resolve("cpu") == "torch"
