@@ -114,3 +114,14 @@ def test_a_dispatch_mode_sends_work_to_the_reference_path() -> None:
         assert backend.resolve("cpu") == "compiled"
         with Count():
             assert backend.resolve("cpu") == "torch"
+
+
+def test_a_fold_that_overflows_marks_its_block_with_a_nan_scale() -> None:
+    fmt = parse_format("int8/256")
+    pay = torch.zeros(fmt.payload_bytes(512), dtype=torch.uint8)
+    sc = torch.zeros(2)
+    g = torch.ones(512)
+    g[300] = float("inf")
+    C.accumulate_(pay, sc, g, fmt, first=True)
+    assert sc[0].item() == pytest.approx(1 / 127, rel=1e-6)  # the finite block keeps its scale
+    assert torch.isnan(sc[1])

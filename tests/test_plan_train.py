@@ -48,7 +48,7 @@ def _configs(tmp, layout: str) -> dict:
         f"--data.corpus={tmp / 'corpus.txt'}", f"--data.cache_dir={tmp / 'cache'}", "--data.vocab_size=512",
         "--data.seq_len=64", "--data.batch_size=4", f"--parallel.microbatches={microbatches}", f"--parallel.pp={pp}",
         f"--parallel.dp={dp}", f"--train.steps={steps}", "--optim.warmup_steps=0", "--train.eval_every=0", "--train.eval_batches=1", "--train.baseline=false",
-        "--checkpoint.every=0", "--checkpoint.resume=false",
+        "--checkpoint.every=0", "--checkpoint.resume=false", "--precision.compute_dtype=bf16",
     ]
     runs = {f"{model}/{policy}": model_flags + flags for model, model_flags in MODELS.items() for policy, flags in POLICIES.items()}
     if dp > 1:

@@ -148,7 +148,11 @@ def test_nonfinite_blocks_get_nan_scales_and_the_torch_path_raises() -> None:
 def test_backend_choice_env_api_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     assert backend.get_backend() == "auto"
-    assert backend.resolve("cpu") == "torch" and backend.kernels("cpu") is None
+    # auto: compiled CPU code where a C++ compiler is present (agoq.quant.compiled), else torch
+    want_cpu = "compiled" if backend.compiler_available() else "torch"
+    assert backend.resolve("cpu") == want_cpu
+    with backend.use_backend("torch"):
+        assert backend.kernels("cpu") is None
     assert backend.resolve("cuda") == "triton"  # auto: Triton on CUDA whenever it is importable
     monkeypatch.setenv(backend.ENV_VAR, "triton")
     assert backend.kernels("cpu", parse_format("int4")) is tq
@@ -157,9 +161,9 @@ def test_backend_choice_env_api_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -
         assert backend.resolve("cuda") == "torch"
     assert backend.get_backend() == "triton"
     monkeypatch.setenv(backend.ENV_VAR, "cuda-please")
-    with pytest.raises(ValueError, match="AGOQ_QUANT_BACKEND must be one of auto, torch, triton, got 'cuda-please'"):
+    with pytest.raises(ValueError, match="AGOQ_QUANT_BACKEND must be one of auto, torch, compiled, triton, got 'cuda-please'"):
         backend.get_backend()
-    with pytest.raises(ValueError, match="one of auto, torch, triton"):
+    with pytest.raises(ValueError, match="one of auto, torch, compiled, triton"):
         backend.set_backend("fast")
 
 

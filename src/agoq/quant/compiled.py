@@ -173,12 +173,19 @@ def _dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor, by_code: tor
 def _accumulate(
     payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, by_code: torch.Tensor | None, boundaries: torch.Tensor | None,
     codes: torch.Tensor | None, *, first: bool, block: int, kind: str, bits: int, max_value: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize(grad, or dequantize(region) + grad): the fold of one gradient piece of whole blocks."""
+) -> None:
+    """In place: the fold of one gradient piece of whole blocks, quantize(grad or dequantize(region) + grad).
+
+    Written into the inputs inside the compiled graph (no result copies). A block that ends up
+    non-finite gets a NaN scale, which is all the gradient buffer reads of it (it then skips the
+    step); its codes are unspecified, unlike the reference's, so no fallback pass is needed.
+    """
     x = grad.float()
     if not first:
         x = _values(payload, scales, by_code, block, kind, bits).view(-1) + x
-    return _quantize_blocks(x, boundaries, codes, block=block, kind=kind, bits=bits, max_value=max_value)
+    new_payload, new_scales = _quantize_blocks(x, boundaries, codes, block=block, kind=kind, bits=bits, max_value=max_value)
+    payload.copy_(new_payload)
+    scales.copy_(torch.where(torch.isfinite(new_scales), new_scales, math.nan))
 
 
 def _reduce_rows(
@@ -264,10 +271,8 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
     """In place: (payload, scales) := quantize(grad if first else dequantize(payload, scales) + grad).
 
     The region holds whole blocks; ``grad`` may be shorter (the rest adds zero). Blocks that end up
-    holding NaN/Inf get a NaN scale.
+    holding NaN/Inf get a NaN scale (their codes are unspecified).
     """
-    from agoq.quant.qtensor import dequantize as reference_dequantize, quantize as reference_quantize
-
     n = scales.numel() * fmt.block_size
     if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
         raise ValueError(
@@ -280,14 +285,7 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
     t = _tables(fmt, payload.device)
     kernel = compiled(_accumulate, first=first, max_value=fmt.max_value, **_constants(fmt))
-    new_payload, new_scales = kernel(payload, scales, g, t["by_code"], t["boundaries"], t["codes"])
-    if not bool(torch.isfinite(new_scales).all()):
-        with _reference():
-            x = g.float() if first else reference_dequantize(QTensor(payload, scales, torch.Size([n]), torch.float32, fmt)) + g
-            q = reference_quantize(x, fmt, nonfinite="propagate")
-        new_payload, new_scales = q.payload, q.scales
-    payload.copy_(new_payload)
-    scales.copy_(new_scales)
+    kernel(payload, scales, g, t["by_code"], t["boundaries"], t["codes"])
 
 
 def reduce_rows(

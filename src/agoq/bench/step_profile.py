@@ -1,0 +1,168 @@
+"""Where a training step's time goes: the bf16 policy vs AGoQ, side by side, by torch.profiler.
+
+One process (pp = dp = 1, so no communication: this isolates the compute and quantization cost),
+the same model, data, dtype and micro-batches for every configuration. Step times are the median
+of interleaved rounds (configurations alternate, so machine noise hits them alike); the profile of
+a few more steps groups self CPU time into categories, to show what AGoQ adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+DESCRIPTION = "step time and a per-category profile of the bf16 policy vs AGoQ (eager and compiled quantization)"
+
+# (name, activations, gradients, quantization backend)
+CONFIGS = (
+    ("bf16 policy", "bf16", "fp32", "torch"),
+    ("agoq, eager quantization", "agoq", "int8", "torch"),
+    ("agoq, compiled quantization", "agoq", "int8", "compiled"),
+)
+
+# Profiler event names -> category, first match wins (self CPU time, so nothing counts twice).
+CATEGORIES = (
+    ("GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_", "aten::linear", "aten::matmul")),
+    ("attention core", ("scaled_dot_product", "flash_attention")),
+    ("compiled quantization kernels", ("CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatcher", "inductor")),
+    ("gradient hooks (fold into the buffer)", ("AccumulateGrad",)),
+    ("fused ops' Python and autograd", ("_NormLinear", "_SwiGLULinear", "_SavedInputLinear", "_RMSNorm", "_Rotary", "_ChunkedLoss", "_Loss")),
+    ("loss (log-softmax, recompute)", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("optimizer", ("adamw", "Optimizer")),
+    ("allocation", ("aten::empty", "aten::zeros", "aten::full", "aten::fill_", "aten::zero_")),
+    ("quantize/dequantize, pack/unpack (eager ops)", ("aten::amax", "aten::amin", "aten::round", "aten::bitwise", "aten::index_select", "aten::nextafter", "aten::__rshift__", "aten::__lshift__", "aten::isnan", "aten::isfinite", "aten::masked_fill", "aten::div_")),
+    ("copies and casts", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::cat", "aten::stack")),
+    ("other elementwise", ("aten::",)),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, dtype, lengths and output folder."""
+    parser.add_argument("--model", default="tiny", help="model preset (tiny, small)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="compute dtype of every configuration")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median reported)")
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: what each worker of the default 4-process run gets on 2 cores)")
+    parser.add_argument("--out-dir", default=None, help="folder of step_profile.json (default benchmarks/results)")
+
+
+def _category(name: str) -> str:
+    for category, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return category
+    return "Python and other"
+
+
+def _trainer(args: argparse.Namespace, activations: str, gradients: str) -> Any:
+    from agoq.train.config import load_config
+    from agoq.train.trainer import Trainer
+
+    cfg = load_config(None, [
+        f"--model.preset={args.model}", f"--precision.activations={activations}", f"--precision.gradients={gradients}",
+        f"--precision.compute_dtype={args.dtype}", "--parallel.pp=1", "--parallel.dp=1", "--checkpoint.every=0",
+        "--checkpoint.resume=false", "--train.out_dir=runs/bench_step_profile",
+    ])
+    return Trainer(cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the configurations, time them interleaved, profile each, write step_profile.json."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from agoq.bench._common import write_result
+    from agoq.quant import backend
+    from agoq.train.compute_dtype import cpu_bf16_flags
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ[k] = v
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.set_num_threads(args.threads)
+    trainers = {}
+    compile_s = {}
+    for name, acts, grads, which in CONFIGS:
+        with backend.use_backend(which):
+            t0 = time.perf_counter()
+            tr = _trainer(args, acts, grads)
+            for _ in range(2):  # the first steps compile (compiled backend) and warm the allocator
+                tr._train_step(None)
+            compile_s[name] = time.perf_counter() - t0
+        trainers[name] = (tr, which)
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(args.rounds):
+        for name, (tr, which) in trainers.items():
+            with backend.use_backend(which):
+                t0 = time.perf_counter()
+                for _ in range(args.steps_per_round):
+                    tr._train_step(None)
+                times[name].append((time.perf_counter() - t0) / args.steps_per_round)
+    rows = []
+    base = statistics.median(times[CONFIGS[0][0]])
+    for name, (tr, which) in trainers.items():
+        with backend.use_backend(which), profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                tr._train_step(None)
+            profiled = (time.perf_counter() - t0) / args.profile_steps
+        by_cat: dict[str, float] = {}
+        for ev in prof.key_averages():
+            cat = _category(ev.key)
+            by_cat[cat] = by_cat.get(cat, 0.0) + ev.self_cpu_time_total / 1e3 / args.profile_steps
+        accounted = sum(by_cat.values())
+        # What the profiler saw no operator for (Python between ops, hooks' bookkeeping): the rest
+        # of the profiled wall time.
+        by_cat["Python and other"] = by_cat.get("Python and other", 0.0) + max(0.0, profiled * 1e3 - accounted)
+        median = statistics.median(times[name])
+        rows.append({
+            "config": name, "backend": which, "step_s_median": median, "step_s_all": times[name], "vs_bf16_policy": median / base,
+            "first_two_steps_s": compile_s[name], "profile_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        })
+    results = {
+        "model": args.model, "dtype": args.dtype, "threads": args.threads, "cpu_bf16_flags": list(cpu_bf16_flags()),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "setup": "1 process (pp = dp = 1), 4 micro-batches of 4 x 128 tokens, AdamW; int8 gradients fold into the 8-bit buffer (no communication at dp = 1)",
+        "rows": rows,
+    }
+    cmd = f"agoq bench step-profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
+    name = f"step_profile_{args.model}_{args.dtype}"
+    write_result(name, results, command=cmd, out_dir=args.out_dir)
+    print(readme_markdown(results))
+    return 0
+
+
+def readme_markdown(results: dict[str, Any]) -> str:
+    """Step times and the per-category profile as markdown tables."""
+    rows = results["rows"]
+    flags = ", ".join(f.upper() for f in results["cpu_bf16_flags"]) or "no AVX512-BF16/AMX-BF16"
+    lines = [
+        f"{results['model']} model, {results['dtype']} compute, {results['threads']} thread(s), CPU {results['cpu_capability']} ({flags}); {results['setup']}.",
+        "",
+        "| configuration | s / step (median) | vs bf16 policy | first two steps s (incl. compile) |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['step_s_median']:.3f} | {r['vs_bf16_policy']:.2f}x | {r['first_two_steps_s']:.1f} |")
+    cats = []
+    for r in rows:
+        for c in r["profile_ms_per_step"]:
+            if c not in cats:
+                cats.append(c)
+    lines += ["", "ms per step by category (self CPU time, torch.profiler):", "", "| category | " + " | ".join(r["config"] for r in rows) + " |", "|---|" + "---:|" * len(rows)]
+    for c in cats:
+        lines.append(f"| {c} | " + " | ".join(f"{r['profile_ms_per_step'].get(c, 0.0):.1f}" for r in rows) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Script entry point."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
