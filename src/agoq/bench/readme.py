@@ -89,7 +89,8 @@ def render(name: str, results_dir: Path) -> str:
     if extra is None:
         from importlib import import_module
 
-        module = name.split("_")[0] if name.startswith("convergence_") else name  # convergence_<preset>
+        # convergence_<preset> and step_profile_<preset>_<dtype> come from one module each
+        module = "convergence" if name.startswith("convergence_") else "step_profile" if name.startswith("step_profile_") else name
         extra = getattr(import_module(f"agoq.bench.{module}"), "readme_markdown")
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 

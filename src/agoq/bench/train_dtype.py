@@ -33,7 +33,14 @@ def run(args: argparse.Namespace) -> int:
     base = rows[1]["step_time_s"]
     for r in rows:
         r["step_time_vs_fp32"] = r["step_time_s"] / base
-    results = {"config": "embedded default (tiny, pp=2 x dp=2, 1f1b, agoq, int8 gradients)", "steps": args.steps, "rows": rows}
+    import torch
+
+    from agoq.train.compute_dtype import cpu_bf16_flags
+
+    results = {
+        "config": "embedded default (tiny, pp=2 x dp=2, 1f1b, agoq, int8 gradients)", "steps": args.steps, "rows": rows,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16_flags": list(cpu_bf16_flags()),
+    }
     write_result("train_dtype", results, command=f"agoq bench train-dtype --steps {args.steps}")
     print(readme_markdown(results))
     return 0
@@ -41,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
 
 def readme_markdown(results: dict[str, Any]) -> str:
     """The comparison as a markdown table."""
+    flags = ", ".join(f.upper() for f in results.get("cpu_bf16_flags", [])) or "no AVX512-BF16 or AMX-BF16"
+    cpu = f" CPU: {results['cpu_capability']} ({flags})." if "cpu_capability" in results else ""
     lines = [
-        f"{results['config']}, {results['steps']} steps each, mean step time after the first:",
+        f"{results['config']}, {results['steps']} steps each, mean step time after the first.{cpu}",
         "",
         "| compute dtype | s / step | tokens / s | final loss | time vs fp32 |",
         "|---|---:|---:|---:|---:|",

@@ -2,8 +2,8 @@
 
 GPUs with bf16 support get bf16. On CPUs the answer depends on the instruction set, and a wrong
 default is expensive: measured with the embedded default run, a bf16 step was 0.86x the fp32 step on
-an AMX-BF16 CPU, 1.5x on an AVX512-BF16 CPU without AMX, and 10.7x on an AVX2-only CPU (torch then
-emulates every bf16 operation). So a CPU without AVX512-BF16 or AMX-BF16 gets fp32 at once, and one
+one AMD EPYC (flags not recorded), 1.45x on an Intel Xeon with AVX512-BF16 and no AMX, and 10.7x on
+an AVX2-only AMD EPYC (torch then emulates every bf16 operation). So a CPU without AVX512-BF16 or AMX-BF16 gets fp32 at once, and one
 with them gets bf16 only if a sub-second probe (forward + backward of a SwiGLU MLP at the model's
 width, on as many threads as each worker will use) runs at least ``BF16_MIN_SPEEDUP`` faster in bf16.
 """
