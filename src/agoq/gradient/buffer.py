@@ -133,6 +133,7 @@ class QuantGradBuffer:
             raise ValueError(f"bucket size must be at least one element, got {bucket_numel}")
         self.bucket_numel = _round_up(bucket_numel, self.fmt.block_size)
         self.buckets, self.segments = self._build_layout()
+        self._region_cache: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self.peak_fp_grad_bytes = 0
         self.skipped_steps = 0
@@ -211,6 +212,7 @@ class QuantGradBuffer:
         self._folds = [0] * len(self.params)
         self._next = 0
         self._bad_mask = torch.zeros(len(self.params), dtype=torch.bool, device=self.device)
+        self._bad_flags: list[tuple[int, torch.Tensor]] = []  # (parameter, "a block went non-finite") per compiled fold
         self._finished = False
         self._ok = True
 
@@ -241,24 +243,52 @@ class QuantGradBuffer:
                 "pass the right count to zero_grad(microbatches=...)"
             )
         flat = grad.detach().reshape(-1)
-        piece = self._piece
-        if backend.kernels(self.device, self.fmt) is not None:
-            piece = max(piece, flat.numel())  # the Triton fold has no fp32 temporaries: one launch per segment
-        self._piece_peak = 0
-        for seg in self.segments[pi]:
-            bucket = self.buckets[seg.bucket]
-            # Piece by piece (whole blocks, so the result is the same): quantize's fp32 temporaries
-            # stay a fixed size however large the parameter is.
-            for start in range(0, seg.numel, piece):
-                k = min(piece, seg.numel - start)
-                g = flat[seg.param_offset + start : seg.param_offset + start + k]
-                self._fold_piece(pi, bucket, seg.offset + start, g, first)
-        self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + self._piece_peak)
+        kernels = backend.kernels(self.device, self.fmt)
+        fold_ = getattr(kernels, "fold_", None)
+        if fold_ is not None:
+            # Compiled path: one call per piece into precomputed region views; the call zeroes a
+            # non-finite block's scale itself and hands back a flag, collected for finish().
+            for start, end, pay, sc in self._regions(pi):
+                self._bad_flags.append((pi, fold_(pay, sc, flat[start:end], self.fmt, first=first)))
+            # The compiled kernel's fp32 temporaries: at most one piece (FOLD_PIECE values).
+            self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + 4 * min(flat.numel(), self._piece))
+        else:
+            piece = self._piece
+            if kernels is not None:
+                piece = max(piece, flat.numel())  # the Triton fold has no fp32 temporaries: one launch per segment
+            self._piece_peak = 0
+            for seg in self.segments[pi]:
+                bucket = self.buckets[seg.bucket]
+                # Piece by piece (whole blocks, so the result is the same): quantize's fp32 temporaries
+                # stay a fixed size however large the parameter is.
+                for start in range(0, seg.numel, piece):
+                    k = min(piece, seg.numel - start)
+                    g = flat[seg.param_offset + start : seg.param_offset + start + k]
+                    self._fold_piece(pi, bucket, seg.offset + start, g, first)
+            self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + self._piece_peak)
         self._folds[pi] += 1
         if self._folds[pi] == self.microbatches:
             for seg in self.segments[pi]:
                 self.buckets[seg.bucket].pending -= 1
             self._launch_ready()
+
+    def _regions(self, pi: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(start, end in the flat gradient, payload view, scales view) of each fold piece of a parameter, built once.
+
+        The bucket tensors are allocated once and only ever written in place, so the views stay valid.
+        """
+        cached = self._region_cache.get(pi)
+        if cached is None:
+            cached = []
+            block, piece = self.fmt.block_size, self._piece
+            for seg in self.segments[pi]:
+                values = self.buckets[seg.bucket].values
+                for start in range(0, seg.numel, piece):
+                    k = min(piece, seg.numel - start)
+                    region = values.blocks(seg.offset + start, _round_up(k, block))
+                    cached.append((seg.param_offset + start, seg.param_offset + start + k, region.payload, region.scales))
+            self._region_cache[pi] = cached
+        return cached
 
     def _fold_piece(self, pi: int, bucket: _Bucket, offset: int, g: torch.Tensor, first: bool) -> None:
         """Fold k gradient values into the bucket region that starts at ``offset`` (a block boundary)."""
@@ -373,6 +403,11 @@ class QuantGradBuffer:
                 self._complete(self.buckets[i - 1])  # one all-gather in flight while the next bucket reduces
         if self.buckets:
             self._complete(self.buckets[-1])
+        if self._bad_flags:  # one reduction for the whole step instead of one per fold
+            flags = torch.stack([f for _, f in self._bad_flags])
+            if bool(flags.any()):
+                self._bad_mask[self._bad_flags[int(flags.nonzero()[0])][0]] = True
+            self._bad_flags = []
         bad_params = self._bad_mask.nonzero()
         first_bad = int(bad_params[0]) if bad_params.numel() else None
         flags = agree_nonfinite(first_bad, self.group, device=self.device, counter=self.counter)

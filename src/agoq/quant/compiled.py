@@ -187,6 +187,15 @@ def _accumulate(
     return new_payload, torch.where(torch.isfinite(new_scales), new_scales, math.nan)
 
 
+def _fold(
+    codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, *, first: bool, block: int, kind: str, bits: int, max_value: float, book: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_accumulate for the gradient buffer: (payload, scales with 0 for non-finite blocks, whether there was one)."""
+    payload, new_scales = _accumulate(codes, scales, grad, first=first, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+    bad = torch.isnan(new_scales)
+    return payload, torch.where(bad, 0.0, new_scales), bad.any()
+
+
 def _reduce_rows(
     code_rows: torch.Tensor, scale_rows: torch.Tensor, *, average: bool, rows: int, block: int, kind: str, bits: int, max_value: float, book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,6 +312,25 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
     scales.copy_(new_scales)
 
 
+def fold_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, *, first: bool) -> torch.Tensor:
+    """In place, for the gradient buffer: accumulate_, then a non-finite block's scale is set to 0
+    (its values read as zeros and stay off the wire). Returns a 0-d bool tensor: whether any block
+    was non-finite (no host sync here; the buffer reads all flags once per step)."""
+    n = scales.numel() * fmt.block_size
+    if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
+        raise ValueError(
+            f"fold_ needs storage of whole blocks: {payload.numel()} bytes and {scales.numel()} scales "
+            f"for {n} values of {fmt.name}, and at most {n} gradient values (got {grad.numel()})"
+        )
+    g = grad.reshape(-1)
+    g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
+    kernel = compiled(_fold, first=first, max_value=fmt.max_value, **_constants(fmt))
+    new_payload, new_scales, bad = kernel(_codes(payload, fmt.bits), scales, g)
+    payload.copy_(new_payload)
+    scales.copy_(new_scales)
+    return bad
+
+
 def reduce_rows(
     payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, *, average: bool, keep_sum: bool = True, requantize: bool = False
 ) -> tuple[torch.Tensor | None, QTensor | None]:
@@ -322,4 +350,4 @@ def reduce_rows(
     return (acc if keep_sum else None), q
 
 
-__all__ = ["accumulate_", "compiled", "dequantize", "quantize", "reduce_rows", "supports"]
+__all__ = ["accumulate_", "compiled", "dequantize", "fold_", "quantize", "reduce_rows", "supports"]
