@@ -49,3 +49,23 @@ def test_the_probe_is_sub_second_and_restores_threads():
     seconds = cd.probe_seconds(torch.float32, 256, 688, 1)
     assert 0 < seconds < 1.0
     assert torch.get_num_threads() == threads
+
+
+def test_quantization_compiles_only_for_runs_that_repay_it(monkeypatch):
+    from agoq.quant import backend
+
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    monkeypatch.setattr(backend, "compiler_available", lambda: True)
+    short = cd.choose_quant_backend("auto", "cpu", cd.COMPILE_MIN_STEPS - 1)
+    assert short.name == "torch" and f"{cd.COMPILE_MIN_STEPS - 1}-step run" in short.reason
+    assert cd.choose_quant_backend("auto", "cpu", cd.COMPILE_MIN_STEPS).name == "compiled"
+    monkeypatch.setattr(backend, "compiler_available", lambda: False)
+    assert cd.choose_quant_backend("auto", "cpu", 10_000).name == "torch"
+    assert cd.choose_quant_backend("compiled", "cpu", 5).name == "compiled"  # the config decides when set
+    monkeypatch.setenv(backend.ENV_VAR, "torch")
+    assert cd.choose_quant_backend("auto", "cpu", 10_000).reason == f"set by {backend.ENV_VAR}"
+
+
+def test_a_bad_quant_backend_is_refused_before_launch():
+    with pytest.raises(ConfigError, match="precision.quant_backend='fast' is unknown; use one of auto, torch, compiled, triton"):
+        load_config(None, ["--precision.quant_backend=fast"])

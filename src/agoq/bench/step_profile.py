@@ -57,13 +57,13 @@ def _category(name: str) -> str:
     return "Python and other"
 
 
-def _trainer(args: argparse.Namespace, activations: str, gradients: str) -> Any:
+def _trainer(args: argparse.Namespace, activations: str, gradients: str, which: str) -> Any:
     from agoq.train.config import load_config
     from agoq.train.trainer import Trainer
 
     cfg = load_config(None, [
         f"--model.preset={args.model}", f"--precision.activations={activations}", f"--precision.gradients={gradients}",
-        f"--precision.compute_dtype={args.dtype}", "--parallel.pp=1", "--parallel.dp=1", "--checkpoint.every=0",
+        f"--precision.compute_dtype={args.dtype}", f"--precision.quant_backend={which}", "--parallel.pp=1", "--parallel.dp=1", "--checkpoint.every=0",
         "--checkpoint.resume=false", "--train.out_dir=runs/bench_step_profile",
     ])
     return Trainer(cfg)
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     for name, acts, grads, which in CONFIGS:
         with backend.use_backend(which):
             t0 = time.perf_counter()
-            tr = _trainer(args, acts, grads)
+            tr = _trainer(args, acts, grads, which)
             for _ in range(2):  # the first steps compile (compiled backend) and warm the allocator
                 tr._train_step(None)
             compile_s[name] = time.perf_counter() - t0

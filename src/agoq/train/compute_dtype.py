@@ -1,4 +1,5 @@
-"""Which compute dtype a run uses when the config says ``auto``: bf16 only where it is faster.
+"""What a run computes with when the config says ``auto``: the dtype (bf16 only where it is
+faster) and the quantization backend (compiled CPU code only where it pays for its compile).
 
 GPUs with bf16 support get bf16. On CPUs the answer depends on the instruction set, and a wrong
 default is expensive: measured with the embedded default run, a bf16 step was 0.86x the fp32 step on
@@ -92,6 +93,31 @@ def choose_compute_dtype(requested: str, device_type: str, hidden: int, intermed
     return DtypeChoice("fp32", f"{verdict} (bf16 needs >= {BF16_MIN_SPEEDUP}x)")
 
 
+# The compiled CPU path saves about 0.19 s per step of the default run and costs about 12 s of
+# compiling per run with inductor's on-disk cache warm (46 s cold, the first run on a machine):
+# measured with `agoq train --train.steps=5` on a 2-core Xeon. Below this many steps, eager wins.
+COMPILE_MIN_STEPS = 100
+
+
+def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeChoice:
+    """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason."""
+    import os
+
+    from agoq.quant import backend
+
+    if requested != "auto":
+        return DtypeChoice(requested, "set in the config")
+    if os.environ.get(backend.ENV_VAR):
+        return DtypeChoice(backend.get_backend(), f"set by {backend.ENV_VAR}")
+    if device_type == "cuda":
+        return DtypeChoice("auto", "Triton kernels where installed") if backend.triton_available() else DtypeChoice("torch", "triton is not installed")
+    if not backend.compiler_available():
+        return DtypeChoice("torch", "no C++ compiler for torch.compile")
+    if steps < COMPILE_MIN_STEPS:
+        return DtypeChoice("torch", f"eager: a {steps}-step run is shorter than the {COMPILE_MIN_STEPS} steps that repay compiling")
+    return DtypeChoice("compiled", "torch.compile'd kernels, cached on disk after the first run on this machine")
+
+
 def worker_threads(world_size: int) -> int:
     """Threads each of ``world_size`` local CPU workers gets (the cores shared evenly)."""
     import os
@@ -99,4 +125,7 @@ def worker_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
 
 
-__all__ = ["BF16_MIN_SPEEDUP", "DtypeChoice", "choose_compute_dtype", "cpu_bf16_flags", "probe_seconds", "worker_threads"]
+__all__ = [
+    "BF16_MIN_SPEEDUP", "COMPILE_MIN_STEPS", "DtypeChoice", "choose_compute_dtype", "choose_quant_backend", "cpu_bf16_flags",
+    "probe_seconds", "worker_threads",
+]

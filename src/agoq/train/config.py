@@ -60,6 +60,10 @@ class PrecisionSection:
     # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);
     # bf16 | fp32 force one. Master weights are always fp32.
     compute_dtype: str = "auto"
+    # auto | torch | compiled | triton: how quantization runs (agoq.quant.backend). auto: Triton on
+    # GPUs; on CPUs the compiled path for runs long enough to repay compiling, else eager torch
+    # (the environment variable AGOQ_QUANT_BACKEND, if set, decides instead).
+    quant_backend: str = "auto"
     recompute_layers: int = 0  # activation checkpointing of the first N decoder layers of each stage (the baseline's way to fit)
 
 
@@ -301,6 +305,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
     if pr.recompute_layers < 0:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} must be >= 0")
+    from agoq.quant.backend import BACKENDS
+
+    if pr.quant_backend not in BACKENDS:
+        raise ConfigError(f"precision.quant_backend={pr.quant_backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if pr.compute_dtype not in DTYPES:
         raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use auto, bf16 or fp32")
     from agoq.quant import parse_format

@@ -133,17 +133,21 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
 
 
-def resolve_compute_dtype(cfg: TrainConfig) -> None:
-    """Replace compute_dtype='auto' by what this machine runs faster, and say which and why (local runs)."""
-    if cfg.precision.compute_dtype != "auto":
-        return
-    from agoq.train.compute_dtype import choose_compute_dtype, worker_threads
+def resolve_auto_choices(cfg: TrainConfig) -> None:
+    """Replace compute_dtype and quant_backend 'auto' by what suits this machine and run, and say which and why."""
+    from agoq.train.compute_dtype import choose_compute_dtype, choose_quant_backend, worker_threads
 
-    mc = cfg.model_config()
+    pr = cfg.precision
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    choice = choose_compute_dtype("auto", device, mc.hidden, mc.intermediate, worker_threads(cfg.world_size))
-    cfg.precision.compute_dtype = choice.name
-    print(f"agoq train: compute dtype {choice.name} ({choice.reason})", flush=True)
+    if pr.compute_dtype == "auto":
+        mc = cfg.model_config()
+        choice = choose_compute_dtype("auto", device, mc.hidden, mc.intermediate, worker_threads(cfg.world_size))
+        pr.compute_dtype = choice.name
+        print(f"agoq train: compute dtype {choice.name} ({choice.reason})", flush=True)
+    if pr.quant_backend == "auto":
+        quant = choose_quant_backend("auto", device, cfg.train.steps)
+        pr.quant_backend = quant.name
+        print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
 
 
 def _free_port() -> int:
@@ -165,7 +169,7 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
 
     d = cfg.data
     prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
-    resolve_compute_dtype(cfg)
+    resolve_auto_choices(cfg)
     # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted gloo
     # workers the dead round's addresses ("Connection refused"); a fresh store per round avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

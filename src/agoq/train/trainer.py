@@ -107,6 +107,14 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend)
+    if cfg.precision.quant_backend == "auto":
+        from agoq.train.compute_dtype import choose_quant_backend
+
+        cfg.precision.quant_backend = choose_quant_backend("auto", device.type, cfg.train.steps).name
+    # Process-wide: every quantize, fold and reduction of this worker takes this path.
+    from agoq.quant import backend as quant_backend
+
+    quant_backend.set_backend(cfg.precision.quant_backend)
     if cfg.precision.compute_dtype == "auto":
         # Under torchrun nothing chose before launch: rank 0 decides, so every rank computes alike.
         mc = cfg.model_config()
