@@ -297,7 +297,7 @@ class QuantGradBuffer:
         region = bucket.values.blocks(offset, n)
         pay, sc = region.payload, region.scales
         kernels = backend.kernels(self.device, self.fmt)
-        if kernels is not None:  # compiled or Triton: dequantize, add, requantize in one pass
+        if kernels is not None:  # Triton (the compiled path has fold_): dequantize, add, requantize in one pass
             kernels.accumulate_(pay, sc, g, self.fmt, first=first)
             bad = torch.isnan(sc)
             sc.masked_fill_(bad, 0.0)

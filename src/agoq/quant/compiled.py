@@ -11,8 +11,8 @@ Bit-identical to the reference, by construction and by test (tests/test_compiled
   in fp64), and values are divided by it, never multiplied by a reciprocal;
 - int codes round half to even (inductor's nearbyint / roundscale, as torch.round), fp4/nf4 count
   the same decision boundaries (``y > boundary``), fp8 uses the same float8_e4m3fn cast;
-- packing is integer arithmetic (codes shifted into one word per packing group, then cut into
-  bytes), so any correct formulation gives the same bytes.
+- packing is exact arithmetic on small integers (held in fp32/fp64 below 2**53, see _pack), and
+  unpacking is the reference's own (agoq.quant.packing), so the bytes are the same.
 
 Why torch.compile and not a hand-written extension: it needs only the C++ compiler that inductor
 already uses, it keeps the formulas in Python beside the reference they must equal, and compiled
@@ -156,7 +156,7 @@ def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, bi
     else:
         c = codes.float().view(-1, block)
         if kind == "int":
-            v = (c - (1 << (bits - 1))).float()
+            v = c - (1 << (bits - 1))
         else:  # 16 codes: select against literal values (vectorizes; a gather does not)
             v = torch.zeros_like(c, dtype=torch.float32)
             for code, value in enumerate(book[2]):
@@ -290,44 +290,38 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return out.view(q.shape)
 
 
+def _fold_region(formula: Callable[..., Any], payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, first: bool) -> tuple:
+    """Run an _accumulate-style formula on a region of whole blocks and write its payload and scales back."""
+    n = scales.numel() * fmt.block_size
+    if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
+        raise ValueError(
+            f"folding a gradient needs storage of whole blocks: {payload.numel()} bytes and {scales.numel()} scales "
+            f"for {n} values of {fmt.name}, and at most {n} gradient values (got {grad.numel()})"
+        )
+    g = grad.detach().reshape(-1)
+    g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
+    kernel = compiled(formula, first=first, max_value=fmt.max_value, **_constants(fmt))
+    new_payload, new_scales, *rest = kernel(_codes(payload, fmt.bits), scales, g)
+    payload.copy_(new_payload)
+    scales.copy_(new_scales)
+    return tuple(rest)
+
+
 def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, *, first: bool) -> None:
     """In place: (payload, scales) := quantize(grad if first else dequantize(payload, scales) + grad).
 
     The region holds whole blocks; ``grad`` may be shorter (the rest adds zero). Blocks that end up
     holding NaN/Inf get a NaN scale (their codes are unspecified).
     """
-    n = scales.numel() * fmt.block_size
-    if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
-        raise ValueError(
-            f"accumulate_ needs storage of whole blocks: {payload.numel()} bytes and {scales.numel()} scales "
-            f"for {n} values of {fmt.name}, and at most {n} gradient values (got {grad.numel()})"
-        )
-    if n == 0:
-        return
-    g = grad.detach().reshape(-1)
-    g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
-    kernel = compiled(_accumulate, first=first, max_value=fmt.max_value, **_constants(fmt))
-    new_payload, new_scales = kernel(_codes(payload, fmt.bits), scales, g)
-    payload.copy_(new_payload)
-    scales.copy_(new_scales)
+    if scales.numel():
+        _fold_region(_accumulate, payload, scales, grad, fmt, first)
 
 
 def fold_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, *, first: bool) -> torch.Tensor:
     """In place, for the gradient buffer: accumulate_, then a non-finite block's scale is set to 0
     (its values read as zeros and stay off the wire). Returns a 0-d bool tensor: whether any block
     was non-finite (no host sync here; the buffer reads all flags once per step)."""
-    n = scales.numel() * fmt.block_size
-    if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
-        raise ValueError(
-            f"fold_ needs storage of whole blocks: {payload.numel()} bytes and {scales.numel()} scales "
-            f"for {n} values of {fmt.name}, and at most {n} gradient values (got {grad.numel()})"
-        )
-    g = grad.reshape(-1)
-    g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
-    kernel = compiled(_fold, first=first, max_value=fmt.max_value, **_constants(fmt))
-    new_payload, new_scales, bad = kernel(_codes(payload, fmt.bits), scales, g)
-    payload.copy_(new_payload)
-    scales.copy_(new_scales)
+    (bad,) = _fold_region(_fold, payload, scales, grad, fmt, first)
     return bad
 
 

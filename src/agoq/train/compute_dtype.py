@@ -12,12 +12,18 @@ width, on as many threads as each worker will use) runs at least ``BF16_MIN_SPEE
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from agoq.train.config import TrainConfig
 
 # bf16 must beat fp32 by this factor to be chosen on a CPU: within noise, fp32 is the safer choice
 # (exact master-weight arithmetic, no conversion passes).
@@ -93,6 +99,12 @@ def choose_compute_dtype(requested: str, device_type: str, hidden: int, intermed
     return DtypeChoice("fp32", f"{verdict} (bf16 needs >= {BF16_MIN_SPEEDUP}x)")
 
 
+def compute_dtype_for(cfg: "TrainConfig", device_type: str, threads: int) -> DtypeChoice:
+    """choose_compute_dtype for a training config's compute_dtype and model width."""
+    mc = cfg.model_config()
+    return choose_compute_dtype(cfg.precision.compute_dtype, device_type, mc.hidden, mc.intermediate, threads)
+
+
 # The compiled CPU path saves about 0.19 s per step of the default run and costs about 12 s of
 # compiling per run with inductor's on-disk cache warm (46 s cold, the first run on a machine):
 # measured with `agoq train --train.steps=5` on a 2-core Xeon. Below this many steps, eager wins.
@@ -101,8 +113,6 @@ COMPILE_MIN_STEPS = 100
 
 def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeChoice:
     """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason."""
-    import os
-
     from agoq.quant import backend
 
     if requested != "auto":
@@ -120,12 +130,10 @@ def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeC
 
 def worker_threads(world_size: int) -> int:
     """Threads each of ``world_size`` local CPU workers gets (the cores shared evenly)."""
-    import os
-
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
 
 
 __all__ = [
-    "BF16_MIN_SPEEDUP", "COMPILE_MIN_STEPS", "DtypeChoice", "choose_compute_dtype", "choose_quant_backend", "cpu_bf16_flags",
+    "BF16_MIN_SPEEDUP", "COMPILE_MIN_STEPS", "DtypeChoice", "choose_compute_dtype", "choose_quant_backend", "compute_dtype_for", "cpu_bf16_flags",
     "probe_seconds", "worker_threads",
 ]

@@ -135,13 +135,12 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
 
 def resolve_auto_choices(cfg: TrainConfig) -> None:
     """Replace compute_dtype and quant_backend 'auto' by what suits this machine and run, and say which and why."""
-    from agoq.train.compute_dtype import choose_compute_dtype, choose_quant_backend, worker_threads
+    from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
 
     pr = cfg.precision
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if pr.compute_dtype == "auto":
-        mc = cfg.model_config()
-        choice = choose_compute_dtype("auto", device, mc.hidden, mc.intermediate, worker_threads(cfg.world_size))
+        choice = compute_dtype_for(cfg, device, worker_threads(cfg.world_size))
         pr.compute_dtype = choice.name
         print(f"agoq train: compute dtype {choice.name} ({choice.reason})", flush=True)
     if pr.quant_backend == "auto":

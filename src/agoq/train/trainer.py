@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
-from agoq.train.compute_dtype import choose_compute_dtype, worker_threads
+from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.train.gradsync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, Progress, peak_rss_bytes
@@ -107,18 +107,16 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend)
-    if cfg.precision.quant_backend == "auto":
-        from agoq.train.compute_dtype import choose_quant_backend
-
+    # Under torchrun nothing chose before launch (agoq.train.run.resolve_auto_choices): decide here.
+    if cfg.precision.quant_backend == "auto":  # deterministic: the same on every rank
         cfg.precision.quant_backend = choose_quant_backend("auto", device.type, cfg.train.steps).name
     # Process-wide: every quantize, fold and reduction of this worker takes this path.
     from agoq.quant import backend as quant_backend
 
     quant_backend.set_backend(cfg.precision.quant_backend)
     if cfg.precision.compute_dtype == "auto":
-        # Under torchrun nothing chose before launch: rank 0 decides, so every rank computes alike.
-        mc = cfg.model_config()
-        choice = [choose_compute_dtype("auto", device.type, mc.hidden, mc.intermediate, torch.get_num_threads()) if dist.get_rank() == 0 else None]
+        # A timed probe: rank 0 decides, so every rank computes alike.
+        choice = [compute_dtype_for(cfg, device.type, torch.get_num_threads()) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         cfg.precision.compute_dtype = choice[0].name
         if dist.get_rank() == 0:
