@@ -25,6 +25,9 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        # The speed of bf16 and of vector code depends on these (README: compute dtype).
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": _cpu_flags(),
     }
     try:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -35,6 +38,13 @@ def machine_info() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
     return info
+
+
+def _cpu_flags() -> list[str]:
+    """Which of AVX2, AVX512F, AVX512-BF16 and AMX-BF16 this CPU has."""
+    from agoq.train.compute_dtype import cpu_flags
+
+    return list(cpu_flags(("avx2", "avx512f", "avx512_bf16", "amx_bf16")))
 
 
 def _cpu_model() -> str:

@@ -75,7 +75,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
 
 def _provenance(payload: dict[str, Any]) -> str:
     m = payload.get("machine", {})
-    where = f"{m.get('processor', '?')}, {m.get('cpu_count', '?')} cores" + (f", {m['gpu']}" if m.get("gpu") else "")
+    flags = f", flags {'/'.join(f.upper() for f in m['cpu_flags'])}" if m.get("cpu_flags") else ""
+    where = f"{m.get('processor', '?')}, {m.get('cpu_count', '?')} cores{flags}" + (f", {m['gpu']}" if m.get("gpu") else "")
     return (
         f"<sub>Source: `benchmarks/results/{payload['benchmark']}.json`, produced by `{payload['command']}` "
         f"at revision {payload['git_revision']} on {payload['date'][:10]} ({where}, torch {m.get('torch', '?')}).</sub>"

@@ -41,17 +41,25 @@ class DtypeChoice:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_bf16_flags() -> tuple[str, ...]:
-    """The bf16 instruction-set flags of this CPU that /proc/cpuinfo lists (empty where unknown)."""
+def _cpuinfo_flags() -> frozenset[str]:
+    """Every flag /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
     try:
-        flags = set()
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags.update(line.split(":", 1)[1].split())
-                break
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return ()
-    return tuple(f for f in BF16_CPU_FLAGS if f in flags)
+        pass
+    return frozenset()
+
+
+def cpu_flags(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of ``names`` this CPU has (e.g. 'avx2', 'avx512_bf16', 'amx_bf16')."""
+    return tuple(f for f in names if f in _cpuinfo_flags())
+
+
+def cpu_bf16_flags() -> tuple[str, ...]:
+    """The bf16 instruction-set flags of this CPU (AVX512-BF16, AMX-BF16) that /proc/cpuinfo lists."""
+    return cpu_flags(BF16_CPU_FLAGS)
 
 
 def probe_seconds(dtype: torch.dtype, hidden: int, intermediate: int, threads: int, repeats: int = 3) -> float:
@@ -134,6 +142,6 @@ def worker_threads(world_size: int) -> int:
 
 
 __all__ = [
-    "BF16_MIN_SPEEDUP", "COMPILE_MIN_STEPS", "DtypeChoice", "choose_compute_dtype", "choose_quant_backend", "compute_dtype_for", "cpu_bf16_flags",
+    "BF16_MIN_SPEEDUP", "COMPILE_MIN_STEPS", "DtypeChoice", "choose_compute_dtype", "choose_quant_backend", "compute_dtype_for", "cpu_bf16_flags", "cpu_flags",
     "probe_seconds", "worker_threads",
 ]
