@@ -113,9 +113,10 @@ def compute_dtype_for(cfg: "TrainConfig", device_type: str, threads: int) -> Dty
     return choose_compute_dtype(cfg.precision.compute_dtype, device_type, mc.hidden, mc.intermediate, threads)
 
 
-# The compiled CPU path saves about 0.19 s per step of the default run and costs about 12 s of
-# compiling per run with inductor's on-disk cache warm (46 s cold, the first run on a machine):
-# measured with `agoq train --train.steps=5` on a 2-core Xeon. Below this many steps, eager wins.
+# The compiled CPU path saves about 0.19 s per step of the default run (4 workers on a 2-core
+# Xeon) and costs 10-12 s of compiling per run with inductor's on-disk cache warm, about 50 s cold
+# (the first run on a machine): `agoq bench run-time`, benchmarks/results/run_time.json. Below this
+# many steps, eager wins.
 COMPILE_MIN_STEPS = 100
 
 

@@ -1,0 +1,69 @@
+"""Wall time of whole `agoq train` commands as a user runs them: the embedded default, and a short
+run with eager quantization, with compiled quantization (inductor's cache warm) and compiled with a
+cold cache (the first run on a machine). Each is a fresh process, so launch, data, dtype probe,
+compiles, training, the bf16 baseline measurement and the summary are all inside the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+DESCRIPTION = "wall time of whole `agoq train` runs: the default, and a short run eager / compiled (warm and cold cache)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Run lengths."""
+    parser.add_argument("--steps", type=int, default=200, help="steps of the default run (its own default: 200)")
+    parser.add_argument("--short-steps", type=int, default=5, help="steps of the short runs")
+
+
+def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, Any]:
+    import os
+
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "agoq", "train", *overrides, f"--train.out_dir={out}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"{label} failed:\n{proc.stderr[-2000:]}")
+    opening = [line for line in proc.stdout.splitlines() if line.startswith("agoq train:")]
+    return {"run": label, "overrides": overrides, "env": env, "wall_s": wall, "opening_lines": opening}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time the runs one after another and write run_time.json."""
+    from agoq.bench._common import write_result
+
+    short = [f"--train.steps={args.short_steps}", "--checkpoint.every=0"]
+    with tempfile.TemporaryDirectory() as cold_cache:
+        rows = [
+            _timed("default", [f"--train.steps={args.steps}"], {}),
+            _timed(f"{args.short_steps} steps, eager quantization", [*short, "--precision.quant_backend=torch"], {}),
+            _timed(f"{args.short_steps} steps, compiled, warm cache", [*short, "--precision.quant_backend=compiled"], {}),
+            _timed(f"{args.short_steps} steps, compiled, cold cache", [*short, "--precision.quant_backend=compiled"], {"TORCHINDUCTOR_CACHE_DIR": cold_cache}),
+        ]
+    results = {"rows": rows}
+    write_result("run_time", results, command=f"agoq bench run-time --steps {args.steps} --short-steps {args.short_steps}")
+    print(readme_markdown(results))
+    return 0
+
+
+def readme_markdown(results: dict[str, Any]) -> str:
+    """The runs' wall times as a markdown table."""
+    lines = ["| `agoq train` run | wall s | its opening lines |", "|---|---:|---|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['run']} | {r['wall_s']:.0f} | {'; '.join(r['opening_lines']).replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Script entry point."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
