@@ -13,6 +13,7 @@ from agoq.parallel import (
     allocate_stage_bits,
     inflight_microbatches,
     layer_bits,
+    loss_recompute_needed,
     peak_bytes,
     peak_inflight_bytes,
     schedule_order,
@@ -155,3 +156,24 @@ def test_llama_interleaved_4x2x8_bits_per_rank():
     per_layer = stage_layer_bits(cfg, "interleaved1f1b", 4, 8, 2, 1, 4096, make_policy("agoq"))
     # 40 layers in 8 stages of 5; rank r holds stages r and r + 4.
     assert per_layer == ([4] * 5 + [6] * 5 + [8] * 10) * 2
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, virtual_stages, recompute",
+    [("1f1b", 1, 1, False), ("1f1b", 2, 1, False), ("interleaved-1f1b", 2, 2, False), ("gpipe", 2, 1, True), ("gpipe", 4, 1, True)],
+)
+def test_the_fused_loss_recomputes_only_where_the_last_stage_holds_several_microbatches(schedule, pp, virtual_stages, recompute):
+    from agoq.train.config import load_config
+    from agoq.train.trainer import make_policy_for
+
+    assert loss_recompute_needed(schedule, pp, 8, virtual_stages) is recompute
+    cfg = load_config(None, [f"--parallel.pp={pp}", "--parallel.dp=1", f"--parallel.schedule={schedule}",
+                             f"--parallel.virtual_stages={virtual_stages}", "--parallel.microbatches=8", "--precision.compute_dtype=fp32"])
+    assert make_policy_for(cfg).loss_recompute is recompute
+    # What the loss keeps: hidden states and targets when recomputing, else the hidden-state gradient
+    # and the [vocab, hidden] head gradient (the planner reads the same function; tests/test_plan_train.py checks it against
+    # the trainer's meter).
+    m = get_config("tiny")
+    policy = make_policy("agoq", loss_recompute=recompute)
+    last = stage_saved_bytes(m, policy, range(0), True, 4, 1, 128, tp=1)
+    assert last == 128 * m.hidden * 2 + (128 * 8 if recompute else m.vocab_size * m.hidden * 2)

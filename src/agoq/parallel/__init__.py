@@ -9,7 +9,7 @@ from agoq.parallel.dbca import (
     stage_layer_bits,
     stage_saved_bytes,
 )
-from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, peak_inflight_bytes, schedule_order
+from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
 from agoq.parallel.pipeline import (
     SCHEDULES,
     build_schedule,
@@ -35,6 +35,7 @@ __all__ = [
     "check_schedule",
     "count_inflight",
     "inflight_microbatches",
+    "loss_recompute_needed",
     "is_multi_stage",
     "layer_bits",
     "make_mesh",

@@ -32,7 +32,7 @@ from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
-from agoq.parallel.inflight import inflight_microbatches, peak_inflight_bytes, schedule_order
+from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
 from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_name, split_layers
 from agoq.quant import QuantFormat, parse_format
 
@@ -490,7 +490,9 @@ class _Planner:
         if not setup.activations:
             return make_policy("bf16")
         spec = self.fmt.name
-        return make_policy("agoq", overrides={k: spec for k in ("norm_input", "act_input", "out_proj_input")})
+        c = self.cfg
+        recompute = loss_recompute_needed(c.schedule, c.pp, c.microbatches, c.vstages)
+        return make_policy("agoq", overrides={k: spec for k in ("norm_input", "act_input", "out_proj_input")}, loss_recompute=recompute)
 
     def layer_bytes(self, policy: ActivationPolicy, bits: int) -> int:
         """What one decoder layer keeps for one micro-batch on one tp rank at ``bits``."""
@@ -513,7 +515,7 @@ class _Planner:
         """(saved for backward, pipeline buffers) of one in-flight micro-batch on a stage."""
         layers = self.ranges[stage]
         last = stage == self.num_stages - 1
-        saved = stage_saved_bytes(self.m, policy, layers, last, bits, self.cfg.micro_batch, self.seq_tp, self.dtype)
+        saved = stage_saved_bytes(self.m, policy, layers, last, bits, self.cfg.micro_batch, self.seq_tp, self.dtype, tp=self.cfg.tp)
         k = min(recompute, len(layers))
         if k:
             # A recomputed layer keeps only its input (Megatron's block recomputation).

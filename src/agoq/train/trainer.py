@@ -86,8 +86,11 @@ def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None)
             overrides[kind] = pr.activation_format
         if pr.activations == "uniform4":
             overrides["attention"] = pr.activation_format
-    policy = make_policy(pr.activations, overrides=overrides, layer_bits=layer_bits, fused_loss=pr.fused_loss)
-    return policy
+    from agoq.parallel.inflight import loss_recompute_needed
+
+    p = cfg.parallel
+    recompute = loss_recompute_needed(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    return make_policy(pr.activations, overrides=overrides, layer_bits=layer_bits, fused_loss=pr.fused_loss, loss_recompute=recompute)
 
 
 def _setup_distributed(cfg: TrainConfig) -> RankContext:
