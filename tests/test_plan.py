@@ -17,6 +17,7 @@ from agoq.models import PRESETS
 from agoq.parallel import stage_layer_bits
 from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
 from agoq.plan.memory import _Planner
+from agoq.plan.report import verdict
 
 GiB = 2**30
 
@@ -121,12 +122,17 @@ def test_baseline_recomputes_the_fewest_layers_that_fit_and_agoq_needs_none():
     speedup = plan.speedup_estimate("A+G+O")
     assert speedup == pytest.approx(base.relative_time / agoq.relative_time)
     assert 1.1 < speedup < 1.4  # 4 of 5 layers per chunk recomputed (+27% work) against +3% for quantization
+    # Each row says what it means in words.
+    assert verdict(base) == f"fits with {base.recompute_layers} layers per stage recomputed"
+    assert verdict(agoq) == "fits as is"
 
 
 def test_a_configuration_that_cannot_fit_says_so():
     plan = _plan(seq_len=131072, tp=8, gpu_memory=24 * GiB, setups=("baseline", "A+G+O"))
     base = plan.get("baseline")
     assert base.recompute_layers is None and base.fits is False
+    assert verdict(base) == "**does not fit**, even recomputing every layer"
+    assert verdict(_plan(seq_len=4096, setups=("baseline",)).get("baseline")) == "no memory limit given (--gpu-memory)"
     assert plan.speedup_estimate("A+G+O") is None
 
 

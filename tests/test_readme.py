@@ -36,3 +36,18 @@ def test_readme_result_tables_match_the_committed_json(tmp_path):
     copy.write_text((ROOT / "README.md").read_text())
     update_readme(copy, ROOT / "benchmarks" / "results")
     assert copy.read_text() == (ROOT / "README.md").read_text(), "README tables are stale: run `agoq bench readme`"
+
+
+def test_every_agoq_plan_command_in_the_readme_runs_as_written(capsys):
+    import shlex
+
+    from agoq.cli import main
+
+    readme = (ROOT / "README.md").read_text()
+    commands = [b.replace("\\\n", " ") for b in _bash_blocks(readme) if b.startswith("agoq plan")]
+    assert commands, "the README shows no agoq plan command"
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, command
+        out = capsys.readouterr().out
+        # Each configuration says in words whether it fits (tests/test_plan.py checks the figures).
+        assert "fits as is" in out or "fits with" in out or "does not fit" in out, out[-2000:]

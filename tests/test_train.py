@@ -45,6 +45,10 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
             out[name]["vocab"] = res["config"]["model"]["overrides"]["vocab_size"]
         if "ranks" in res:
             out[name]["all_stats"] = res["ranks"]
+            out[name]["run"] = res["run"]
+    # This worker's own high-water mark, read independently of agoq.train.metrics.
+    status = open("/proc/self/status").read()
+    out["_vmhwm_bytes"] = 1024 * int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
     return out
 
 
@@ -154,3 +158,98 @@ def test_every_rank_reports_its_temporaries(runs, name):
         assert stats["peak_temporary_bytes"] >= vocab_by_hidden, (name, stats)
     # One-step runs have no second step to count.
     assert all(s["peak_temporary_bytes"] is None for s in runs["results"][0]["dbca"]["all_stats"])
+
+
+def test_each_rank_reports_its_own_peak_rss_not_the_launchers(runs):
+    import resource
+
+    launcher = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # Ranks report at the end of each run; their high-water mark can only have grown since.
+    reported = {s["rank"]: s["peak_rss_bytes"] for s in runs["results"][0]["adamw8bit"]["all_stats"]}
+    for rank, result in enumerate(runs["results"]):
+        vmhwm = result["_vmhwm_bytes"]
+        assert 0.9 * vmhwm <= reported[rank] <= vmhwm, (rank, reported[rank], vmhwm)
+        assert reported[rank] != launcher
+    assert len(set(reported.values())) > 1, reported  # four processes, four high-water marks
+
+
+def test_tokens_per_second_is_tokens_per_step_over_the_mean_step_time(runs):
+    cfg = runs["cfgs"]["1f1b_fp32"]
+    run = runs["results"][0]["1f1b_fp32"]["run"]
+    assert run["tokens_per_step"] == cfg.data.batch_size * cfg.data.seq_len
+    assert run["tokens_per_s"] == pytest.approx(run["tokens_per_step"] / run["step_time_s"], rel=1e-12)
+    losses = runs["results"][0]["1f1b_fp32"]["losses"]
+    assert run["final_loss"] == losses[-1] and run["min_train_loss"] == min(losses)
+    assert run["train_loss"] == pytest.approx(sum(losses[-10:]) / len(losses[-10:]), rel=1e-12)
+
+
+def test_rerunning_a_finished_run_shows_its_summary_and_how_to_start_again(runs, capsys):
+    from agoq.cli import main
+
+    tmp = runs["tmp"]
+    # Folder d holds resume_first_half's checkpoint of step 2 (and the summary of the run resumed from it).
+    finished = BASE + [f"--data.cache_dir={tmp / 'cache'}", f"--train.out_dir={tmp / 'd'}", "--train.steps=2",
+                       "--checkpoint.resume=true", "--precision.compute_dtype=fp32"]
+    assert main(["train", *finished]) == 0
+    out = capsys.readouterr().out
+    assert "is already complete: its newest checkpoint is step 2 of train.steps=2" in out
+    assert "train loss" in out and "saved activations (peak)" in out  # the summary, again
+    assert "--train.out_dir=" in out and "--checkpoint.resume=false" in out
+
+
+def test_train_help_lists_every_config_key(capsys):
+    from agoq.cli import main
+    from agoq.train.config import TrainConfig
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for section in dataclasses.fields(TrainConfig):
+        for f in dataclasses.fields(section.type if isinstance(section.type, type) else type(getattr(TrainConfig(), section.name))):
+            assert f"{section.name}.{f.name} = " in out, f"{section.name}.{f.name} missing from agoq train --help"
+
+
+def test_print_config_writes_toml_that_loads_back_to_the_same_config(tmp_path, capsys):
+    from agoq.cli import main
+
+    assert main(["train", "--print-config", "--parallel.pp=1", "--optim.lr=0.001", "--model.overrides={n_layers = 4}"]) == 0
+    text = capsys.readouterr().out
+    path = tmp_path / "effective.toml"
+    path.write_text(text)
+    expected = load_config(None, ["--parallel.pp=1", "--optim.lr=0.001", "--model.overrides={n_layers = 4}"])
+    assert load_config(path) == expected
+
+
+def test_the_terminal_summary_fits_a_terminal(runs):
+    from agoq.train.metrics import summary_markdown, summary_text
+
+    tmp = runs["tmp"]
+    import json
+
+    summary = json.loads((tmp / "d" / "summary.json").read_text())
+    text = summary_text(summary)
+    assert max(len(line) for line in text.splitlines()[3:]) <= 100, text  # the per-rank block (headline lines wrap)
+    assert all(f"rank {r}" in text for r in range(4))
+    table = summary_markdown(summary)
+    assert table.count("\n| ") == 1 + 4  # header and one row per rank
+
+
+def test_the_run_plot_shows_memory_per_rank_beside_the_bf16_baseline(tmp_path):
+    from agoq.train.metrics import memory_bars, plot_run
+
+    ranks = [
+        {"rank": r, "param_bytes": 4000, "param_count": 1000, "grad_buffer_bytes": 1100, "optimizer_bytes": 8000, "peak_saved_bytes": 500 + r}
+        for r in range(2)
+    ]
+    summary = {
+        "ranks": ranks,
+        "baseline": {"ranks": {"0": {"peak_saved_bytes": 2000}, "1": {"peak_saved_bytes": 1500}}},
+        "records": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5, "val_loss": 4.7}],
+    }
+    bars = memory_bars(summary)
+    assert bars[1]["run"] == {"parameters": 4000, "gradients": 1100, "optimizer": 8000, "saved activations": 501}
+    # The baseline keeps fp32 gradients (4 bytes per parameter) and its measured saved activations.
+    assert bars[1]["baseline"] == {"parameters": 4000, "gradients": 4000, "optimizer": 8000, "saved activations": 1500}
+    path = plot_run(summary, tmp_path / "loss.png", "t")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

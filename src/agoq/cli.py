@@ -32,14 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"agoq {agoq.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from agoq.train.config import config_help
+
     train = sub.add_parser(
         "train",
         help="train a LLaMA model (default: tiny model on the KJV Bible, 4 local processes, pp=2 x dp=2)",
         description="Train a LLaMA model with AGoQ. With no arguments: the embedded default run. "
         "Override any config value with --section.key=value, e.g. --train.steps=50 --parallel.pp=1.",
+        epilog=config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
     train.add_argument("--max-restarts", type=int, default=0, help="restart the local workers this many times after a failure")
+    train.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML (file and overrides applied) and exit")
     from agoq.plan.cli import DESCRIPTION as PLAN_DESCRIPTION, add_arguments as plan_arguments
 
     plan = sub.add_parser("plan", help="memory per pipeline rank of a real configuration, bf16 baseline vs AGoQ", description=PLAN_DESCRIPTION)
@@ -56,9 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agoq`` console script."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Config overrides (--section.key=value) go straight to the config loader: argparse would take
+    # one whose value holds a space ("--model.overrides={n_layers = 4}") for the config file.
+    overrides = [a for a in argv if a.startswith("--") and "." in a.split("=", 1)[0]] if argv[:1] == ["train"] else []
+    args, extra = parser.parse_known_args([a for a in argv if a not in overrides])
     if args.command == "train":
-        return _train(args, extra)
+        return _train(args, overrides + extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "plan":
@@ -81,9 +90,19 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except ConfigError as e:
         print(f"agoq train: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        from agoq.train.config import to_toml
+
+        print(to_toml(cfg), end="")
+        return 0
+    from agoq.train.lock import FolderInUse
     from agoq.train.run import launch
 
-    launch(cfg, max_restarts=args.max_restarts)
+    try:
+        launch(cfg, max_restarts=args.max_restarts)
+    except (FolderInUse, ConfigError) as e:  # found before any worker started
+        print(f"agoq train: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

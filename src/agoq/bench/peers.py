@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import time
 import traceback
@@ -157,6 +156,8 @@ def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown peer {peer!r}; use ddp or deepspeed_zero1")
 
+    from agoq.train.metrics import peak_rss_bytes
+
     losses, times = [], []
     for step in range(steps):
         x, y = sampler.next_batch()
@@ -169,7 +170,7 @@ def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
     out = {
         "losses": losses,
         "step_time_s": statistics.fmean(times[2:] or times),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
     }
     dist.barrier()
     dist.destroy_process_group()

@@ -129,15 +129,16 @@ def inflight_microbatches(schedule: str, pp: int, n_microbatches: int, virtual_s
     )
 
 
-def loss_recompute_needed(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> bool:
-    """Whether the fused loss should recompute its logits in backward under this schedule.
+def loss_recompute_needed(pp: int) -> bool:
+    """Whether the fused loss should recompute its logits in backward under this layout.
 
     Precomputing the gradients in forward keeps one [vocab, hidden] LM-head weight gradient per
-    in-flight micro-batch on the last stage. Where that stage holds one micro-batch at a time (pp = 1,
-    1F1B, interleaved 1F1B) it is the gradient the head's backward creates right after anyway, so
-    the recompute's extra LM-head GEMM (about 8% of a tiny model's step on CPU) buys nothing. Where
-    it holds several (GPipe: every micro-batch), recomputing keeps only the hidden states.
+    in-flight micro-batch. Without a pipeline (pp = 1) one micro-batch is in flight and that is the
+    gradient the head's backward creates right after anyway, so the recompute's extra LM-head GEMM
+    (about 8% of a tiny model's step on CPU) buys nothing. Under a pipeline the last stage also
+    holds one micro-batch at a time in 1F1B, but the extra gradient there can make the last stage,
+    not the first, the rank with the highest saved-bytes peak, and DBCA's stage bits are chosen
+    under the first stage's measured peak: recomputing keeps that premise (only the hidden states
+    are kept).
     """
-    if pp == 1:
-        return False  # one micro-batch's forward and backward, then the next
-    return inflight_microbatches(schedule, pp, n_microbatches, virtual_stages).per_stage[-1] > 1
+    return pp > 1

@@ -490,8 +490,7 @@ class _Planner:
         if not setup.activations:
             return make_policy("bf16")
         spec = self.fmt.name
-        c = self.cfg
-        recompute = loss_recompute_needed(c.schedule, c.pp, c.microbatches, c.vstages)
+        recompute = loss_recompute_needed(self.cfg.pp)
         return make_policy("agoq", overrides={k: spec for k in ("norm_input", "act_input", "out_proj_input")}, loss_recompute=recompute)
 
     def layer_bytes(self, policy: ActivationPolicy, bits: int) -> int:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-from agoq.plan.memory import Plan, format_size
+from agoq.plan.memory import Plan, SetupPlan, format_size
 from agoq.parallel.pipeline import schedule_name
 
 TIME_NOTE = (
     "Iteration times are estimates: per token, a layer's forward costs its GEMMs plus causal attention, backward "
     "twice that, a recomputed layer one more forward, AGoQ's quantization +2% forward / +3% backward (the paper's "
-    "kernel measurements), the fused loss one more LM-head forward; the slowest pp rank sets the pace; "
+    "kernel measurements), the fused loss one more LM-head forward where it recomputes (GPipe); the slowest pp rank sets the pace; "
     "communication and pipeline bubbles are not modelled."
 )
 
@@ -24,6 +24,17 @@ def _bits(bits: tuple[int, ...] | None) -> str:
     if bits is None:
         return "bf16"
     return "/".join("bf16" if b >= 16 else str(b) for b in bits)
+
+
+def verdict(sp: SetupPlan) -> str:
+    """What a configuration's row means for the user, in words: fits as is, fits with recomputation, or does not fit."""
+    k = sp.recompute_layers
+    recomputed = f"{k} layer{'s' if k != 1 else ''} per stage recomputed" if k else ""
+    if sp.fits is None:
+        return f"{recomputed}; no memory limit given" if recomputed else "no memory limit given (--gpu-memory)"
+    if sp.fits:
+        return f"fits with {recomputed}" if recomputed else "fits as is"
+    return "**does not fit**, even recomputing every layer" if k is None else f"**does not fit** with {recomputed or 'no recompute'}"
 
 
 def markdown(plan: Plan) -> str:
@@ -59,19 +70,19 @@ def markdown(plan: Plan) -> str:
                 f"| {format_size(r.activations_peak)} | {format_size(r.pipeline_buffers)} | {format_size(r.temporary)} "
                 f"| **{format_size(r.total)}** | {r.recompute_layers} |"
             )
+    has_baseline = any(s.setup.name == "baseline" for s in plan.setups)
     lines += [
         "",
-        "| configuration | what it keeps | peak without recompute | fits | recompute (layers per stage) | peak | "
-        "est. iteration time vs baseline | est. speedup over baseline |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | what it keeps | peak without recompute | verdict | peak as it runs "
+        "| est. time / baseline without recompute | est. speedup over the baseline as it must run |",
+        "|---|---|---|---|---|---|---|",
     ]
     for sp in plan.setups:
-        fits = "-" if sp.fits is None else ("yes" if sp.fits else "**no**")
-        k = "cannot fit" if sp.recompute_layers is None else str(sp.recompute_layers)
-        speed = plan.speedup_estimate(sp.setup.name) if any(s.setup.name == "baseline" for s in plan.setups) else None
+        speed = plan.speedup_estimate(sp.setup.name) if has_baseline else None
         lines.append(
-            f"| {sp.setup.name} | {sp.setup.description} | {format_size(sp.peak_without_recompute)} | {fits} | {k} "
-            f"| {format_size(sp.peak)} | {'-' if sp.recompute_layers is None else f'{sp.relative_time:.3f} (estimate)'} | {'-' if speed is None else f'{speed:.2f}x (estimate)'} |"
+            f"| {sp.setup.name} | {sp.setup.description} | {format_size(sp.peak_without_recompute)} | {verdict(sp)} "
+            f"| {format_size(sp.peak)} | {'-' if sp.recompute_layers is None else f'{sp.relative_time:.3f}'} "
+            f"| {'-' if speed is None else f'{speed:.2f}x'} |"
         )
     lines += [
         "",

@@ -7,13 +7,16 @@ the fix (:class:`ConfigError`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agoq.models.config import PRESETS, LlamaConfig, get_config
+from agoq.train.tokenizer import MIN_VOCAB_SIZE
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
@@ -41,7 +44,7 @@ class ParallelSection:
 
     pp: int = 2  # pipeline stages (ranks per pipeline)
     dp: int = 2  # data-parallel replicas
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b
+    schedule: str = "1f1b"  # torch.distributed.pipelining schedule
     virtual_stages: int = 1  # model chunks per pp rank (interleaved-1f1b needs >= 2)
     microbatches: int = 4  # per pipeline per step
     zero1: bool = False  # shard optimizer state over dp (8-bit reduce-scatter + all-gather)
@@ -51,17 +54,16 @@ class ParallelSection:
 class PrecisionSection:
     """What AGoQ compresses: saved activations, gradients, and the compute dtype."""
 
-    activations: str = "agoq"  # bf16 | agoq | uniform4
+    activations: str = "agoq"  # saved-activation policy: agoq (4-bit norm/SwiGLU inputs, bf16 attention), uniform4 (attention too), bf16
     activation_format: str = "int4/128"  # format of quantized saved tensors (int2..int8, fp4, nf4, fp8)
     stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost; uniform
     gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
-    gradient_block: int = 256
+    gradient_block: int = 256  # values per scale of the 8-bit gradient buffer and wire format
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
     # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);
     # bf16 | fp32 force one. Master weights are always fp32.
     compute_dtype: str = "auto"
-    # auto | torch | compiled | triton: how quantization runs (agoq.quant.backend). auto: Triton on
-    # GPUs; on CPUs the compiled path for runs long enough to repay compiling, else eager torch
+    # How quantization runs (agoq.quant.backend). auto: Triton on GPUs; on CPUs the compiled path for runs long enough to repay compiling, else eager torch
     # (the environment variable AGOQ_QUANT_BACKEND, if set, decides instead).
     quant_backend: str = "auto"
     recompute_layers: int = 0  # activation checkpointing of the first N decoder layers of each stage (the baseline's way to fit)
@@ -71,11 +73,11 @@ class PrecisionSection:
 class OptimSection:
     """AdamW with warmup + cosine decay."""
 
-    name: str = "adamw"  # adamw | adamw8bit (torchao)
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
+    name: str = "adamw"  # torch fused AdamW, or torchao's 8-bit AdamW
+    lr: float = 3e-3  # peak learning rate, after warmup
+    min_lr: float = 3e-4  # end of the cosine decay
+    warmup_steps: int = 20  # linear warmup from 0
+    weight_decay: float = 0.1  # decoupled (AdamW), on matrices only
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -88,23 +90,23 @@ class DataSection:
 
     corpus: str = "kjv"  # 'kjv' or a .txt/.jsonl file or folder
     tokenizer: str | None = None  # a tokenizer.json; default: train a byte-level BPE on the corpus
-    vocab_size: int = 4096
-    seq_len: int = 128
+    vocab_size: int = 4096  # of the BPE tokenizer trained on the corpus (ignored with a tokenizer file)
+    seq_len: int = 128  # tokens per sequence
     batch_size: int = 16  # sequences per step, over all dp ranks
-    val_fraction: float = 0.01
-    cache_dir: str | None = None
+    val_fraction: float = 0.01  # of the corpus held out for validation
+    cache_dir: str | None = None  # tokenizer and token files; default: $AGOQ_CACHE_DIR, else ~/.cache/agoq
 
 
 @dataclass
 class TrainSection:
     """Length, seed, evaluation and output."""
 
-    steps: int = 200
+    steps: int = 200  # optimizer steps
     seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
-    out_dir: str = "runs/default"
+    log_every: int = 10  # steps between progress lines where there is no progress bar (every step goes to metrics/)
+    eval_every: int = 100  # steps between validation passes (and at the end); 0 disables
+    eval_batches: int = 4  # validation batches per pass
+    out_dir: str = "runs/default"  # metrics, summary, plot and checkpoints of the run
     baseline: bool = True  # also measure the bf16 configuration's memory and wire bytes for the summary
 
 
@@ -113,7 +115,7 @@ class CheckpointSection:
     """Distributed checkpoints (torch.distributed.checkpoint), written atomically."""
 
     every: int = 100  # steps; 0 disables
-    keep: int = 2
+    keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
 
 
@@ -153,7 +155,7 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
                 return None
@@ -212,12 +214,19 @@ def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_litera
         ftype = typing.get_type_hints(LlamaConfig)[key]
         obj.overrides[key] = _coerce(_literal(value) if parse_literal else value, ftype, f"model.{key}")
         return
-    types = _section_types(type(obj))
-    if key not in types:
-        raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(types)}")
-    if parse_literal and types[key] not in (str,) and not (typing.get_origin(types[key]) and str in typing.get_args(types[key])):
+    field_types = _section_types(type(obj))
+    if key not in field_types:
+        raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(field_types)}")
+    if parse_literal and not _is_text(field_types[key]):
         value = _literal(value)
-    setattr(obj, key, _coerce(value, types[key], f"{section}.{key}"))
+    setattr(obj, key, _coerce(value, field_types[key], f"{section}.{key}"))
+
+
+def _is_text(annotation: Any) -> bool:
+    """Whether a field holds a string (str, or str | None): its command-line value is taken as written."""
+    if annotation is str:
+        return True
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in typing.get_args(annotation)
 
 
 def _literal(text: Any) -> Any:
@@ -284,6 +293,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} for interleaved-1f1b")
     if mc.tie_embeddings and p.pp > 1:
         raise ConfigError("model.tie_embeddings=true is not supported with parallel.pp > 1; set model.tie_embeddings=false")
+    if d.batch_size < 1:
+        raise ConfigError(f"data.batch_size={d.batch_size} must be >= 1")
     if d.batch_size % (p.dp * p.microbatches):
         raise ConfigError(
             f"data.batch_size={d.batch_size} is not divisible by parallel.dp x parallel.microbatches = {p.dp * p.microbatches}; "
@@ -295,8 +306,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
     if d.corpus != "kjv" and not Path(d.corpus).exists():
         raise ConfigError(f"data.corpus={d.corpus!r} does not exist; pass a .txt/.jsonl file or folder, or 'kjv'")
-    if d.tokenizer is not None and not Path(d.tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a file; pass a tokenizer.json or leave it unset to train one")
+    if d.tokenizer is not None:
+        if not Path(d.tokenizer).is_file():
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a file; pass a tokenizer.json or leave it unset to train one")
+        from agoq.train.tokenizer import load_tokenizer
+
+        try:
+            load_tokenizer(d.tokenizer)
+        except Exception as e:  # tokenizers raises its own exception types for a file it cannot parse
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a tokenizer file that loads ({str(e).splitlines()[0][:120]}); pass a Hugging Face tokenizer.json") from None
     if pr.activations not in ACTIVATION_POLICIES:
         raise ConfigError(f"precision.activations={pr.activations!r} is unknown; use one of {', '.join(ACTIVATION_POLICIES)}")
     if pr.stage_bits not in STAGE_BITS_MODES:
@@ -324,11 +342,127 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.zero1=true works with precision.gradients = int8 or fp32, not {pr.gradients}")
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    # Finite first: NaN compares false with everything, so the range checks below would let it pass.
+    for key in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        value = getattr(o, key)
+        if not math.isfinite(value):
+            raise ConfigError(f"optim.{key}={value} must be a finite number")
+    if not math.isfinite(mc.rope_theta) or mc.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={mc.rope_theta} must be a finite number > 0")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1) (AdamW's moment decay; 0.9 and 0.95 are usual)")
+    if o.eps <= 0:
+        raise ConfigError(f"optim.eps={o.eps} must be > 0 (it keeps AdamW's division finite; 1e-8 is usual)")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
     if o.grad_clip < 0:
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if d.vocab_size < MIN_VOCAB_SIZE and d.tokenizer is None:
+        raise ConfigError(f"data.vocab_size={d.vocab_size} must be at least {MIN_VOCAB_SIZE}: the trained byte-level BPE holds 256 bytes and its end-of-document token")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
+    if t.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches={t.eval_batches} must be >= 1")
+    if t.log_every < 1:
+        raise ConfigError(f"train.log_every={t.log_every} must be >= 1")
+    if not t.out_dir.strip():
+        raise ConfigError("train.out_dir is empty; name a folder, e.g. --train.out_dir=runs/NAME")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+
+
+# ---- help and printing ------------------------------------------------------------------------
+
+def _allowed() -> dict[str, tuple[str, ...]]:
+    from agoq.quant.backend import BACKENDS
+
+    return {
+        "model.preset": tuple(PRESETS),
+        "parallel.schedule": SCHEDULES,
+        "precision.activations": ACTIVATION_POLICIES,
+        "precision.gradients": GRADIENT_MODES,
+        "precision.stage_bits": STAGE_BITS_MODES,
+        "precision.compute_dtype": DTYPES,
+        "precision.quant_backend": BACKENDS,
+        "optim.name": OPTIMIZERS,
+    }
+
+
+def _field_notes(section_cls: type) -> dict[str, str]:
+    """Each field's comment in this file (trailing, else the comment lines just above it): the one place they are written."""
+    import inspect
+    import re
+
+    try:
+        lines = inspect.getsource(section_cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    notes: dict[str, str] = {}
+    above: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# "))
+            continue
+        m = re.match(r"(\w+): [^=]+=.*?(?:#\s*(.*))?$", text)
+        if m:
+            notes[m.group(1)] = m.group(2) or " ".join(above)
+        above = []
+    return notes
+
+
+def config_help() -> str:
+    """Every config key with its default, allowed values and meaning, generated from the dataclasses."""
+    allowed = _allowed()
+    default = TrainConfig()
+    out = ["config keys (set in a TOML file or as --section.key=value; defaults shown):"]
+    for section in dataclasses.fields(TrainConfig):
+        cls = type(getattr(default, section.name))
+        notes = _field_notes(cls)
+        out.append(f"  [{section.name}] {(cls.__doc__ or '').strip()}")
+        for f in dataclasses.fields(cls):
+            key = f"{section.name}.{f.name}"
+            value = getattr(getattr(default, section.name), f.name)
+            line = f"    {key} = {_toml_value(value) if value is not None else '(unset)'}"
+            if key in allowed:
+                line += f"  [{' | '.join(allowed[key])}]"
+            note = notes.get(f.name)
+            if note:
+                line += f"  {note}"
+            out.append(line)
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The whole configuration as a TOML file that load_config reads back to an equal config (unset values omitted)."""
+    out = []
+    for section, values in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                out.append(f"# {key} is unset (its default)")
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)

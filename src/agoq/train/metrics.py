@@ -10,9 +10,22 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """Peak resident memory of a process (this one by default): VmHWM of /proc/<pid>/status.
+
+    Not getrusage's ru_maxrss: Linux keeps that across execve, so a worker the launcher spawned
+    would report the launcher's own peak until it outgrew it. VmHWM belongs to the process's own
+    address space. Where /proc is missing (macOS), ru_maxrss is the best there is (bytes there).
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -47,9 +60,10 @@ class JsonlWriter:
 class Progress:
     """Rank 0's progress bar: step, loss, tokens/s and ETA (tqdm when available)."""
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, every: int = 1) -> None:
         self.enabled = enabled
         self.total = total
+        self.every = max(1, every)  # steps between lines when there is no bar
         self._start = time.perf_counter()
         self._bar = None
         if enabled:
@@ -67,8 +81,17 @@ class Progress:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._bar.update(step - self._bar.n)
+        elif step % self.every == 0 or step == self.total:
+            print(f"step {step}/{self.total} loss {loss:.4f} tokens/s {tokens_per_s:,.0f}", file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        """Print a line above the bar (rank 0 only)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
         else:
-            print(f"step {step}/{self.total} loss {loss:.4f} tokens/s {tokens_per_s:,.0f}", file=sys.stderr)
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Finish the bar."""
@@ -76,35 +99,94 @@ class Progress:
             self._bar.close()
 
 
-def summary_table(summary: dict[str, Any]) -> str:
-    """The end-of-run table: the run's figures against the bf16 baseline configuration."""
-    lines = []
-    run, base = summary["run"], summary.get("baseline")
-    lines.append(f"agoq run: {summary['description']}")
-    lines.append(
-        f"final train loss {run['final_loss']:.4f}"
-        + (f", validation loss {run['val_loss']:.4f}" if run.get("val_loss") is not None else "")
-        + f", {run['tokens_per_s']:,.0f} tokens/s, {run['step_time_s']:.3f} s/step"
-    )
-    lines.append("")
-    header = "| rank | stage(s) | layer bits | saved activations (peak) | bf16 baseline | ratio | temporaries (peak) | dp bytes on the wire / step | fp32 all-reduce | ratio | grad buffer | optimizer state | all tensors (peak) | peak RSS |"
-    lines.append(header)
-    lines.append("|" + "---|" * (header.count("|") - 1))
-    for r in summary["ranks"]:
-        b = (base or {}).get("ranks", {}).get(str(r["rank"]), {})
-        act, act_b = r["peak_saved_bytes"], b.get("peak_saved_bytes")
-        wire, wire_b = r["wire_bytes_per_step"], r["fp32_wire_bytes_per_step"]
-        lines.append(
-            f"| {r['rank']} | {','.join(map(str, r['stages']))} | {r['layer_bits']} | {fmt_bytes(act)} | {fmt_bytes(act_b)} | "
-            f"{_ratio(act, act_b)} | {fmt_bytes(r.get('peak_temporary_bytes'))} | {fmt_bytes(wire)} | {fmt_bytes(wire_b)} | {_ratio(wire, wire_b)} | "
-            f"{fmt_bytes(r['grad_buffer_bytes'])} | {fmt_bytes(r['optimizer_bytes'])} | {fmt_bytes(r.get('peak_tensor_bytes'))} | {fmt_bytes(r['peak_rss_bytes'])} |"
-        )
+def _headline(summary: dict[str, Any]) -> list[str]:
+    """What ran, its loss and its throughput: the lines above either table."""
+    run = summary["run"]
+    loss = f"train loss {run['train_loss']:.4f} (mean of the last {run['train_loss_window']} steps; last {run['final_loss']:.4f}, min {run['min_train_loss']:.4f})"
+    if run.get("val_loss") is not None:
+        loss += f", validation loss {run['val_loss']:.4f}"
+    return [
+        f"agoq run: {summary['description']}",
+        loss,
+        f"throughput {run['tokens_per_s']:,.1f} tokens/s ({run['tokens_per_step']} tokens per step, {run['step_time_s']:.3f} s per step, "
+        "first step and memory-probe step excluded)",
+    ]
+
+
+def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(label, one cell per rank) of every per-rank figure, in the order the tables show them."""
+    base = (summary.get("baseline") or {}).get("ranks", {})
+    ranks = summary["ranks"]
+
+    def col(fn: Any) -> list[str]:
+        return [fn(r, base.get(str(r["rank"]), {})) for r in ranks]
+
+    return [
+        ("stage(s)", col(lambda r, b: ",".join(map(str, r["stages"])))),
+        ("layer bits", col(lambda r, b: str(r["layer_bits"]).replace(" ", ""))),
+        ("saved activations (peak)", col(lambda r, b: fmt_bytes(r["peak_saved_bytes"]))),
+        ("  bf16 baseline", col(lambda r, b: fmt_bytes(b.get("peak_saved_bytes")))),
+        ("  ratio", col(lambda r, b: _ratio(r["peak_saved_bytes"], b.get("peak_saved_bytes")))),
+        ("temporaries (peak)", col(lambda r, b: fmt_bytes(r.get("peak_temporary_bytes")))),
+        ("gradient buffer", col(lambda r, b: fmt_bytes(r["grad_buffer_bytes"]))),
+        ("optimizer state", col(lambda r, b: fmt_bytes(r["optimizer_bytes"]))),
+        ("all tensors (peak)", col(lambda r, b: fmt_bytes(r.get("peak_tensor_bytes")))),
+        ("peak RSS (process)", col(lambda r, b: fmt_bytes(r["peak_rss_bytes"]))),
+        ("dp bytes on the wire / step", col(lambda r, b: fmt_bytes(r["wire_bytes_per_step"]))),
+        ("  fp32 all-reduce", col(lambda r, b: fmt_bytes(r["fp32_wire_bytes_per_step"]))),
+        ("  ratio", col(lambda r, b: _ratio(r["wire_bytes_per_step"], r["fp32_wire_bytes_per_step"]))),
+    ]
+
+
+def _footer(summary: dict[str, Any]) -> list[str]:
+    base = summary.get("baseline")
+    if not base:
+        return []
     max_act = max(r["peak_saved_bytes"] for r in summary["ranks"])
-    if base:
-        max_b = max(v["peak_saved_bytes"] for v in base["ranks"].values())
+    max_b = max(v["peak_saved_bytes"] for v in base["ranks"].values())
+    return ["", f"max saved-activation peak over ranks: {fmt_bytes(max_act)} vs {fmt_bytes(max_b)} bf16 ({_ratio(max_act, max_b)})"]
+
+
+def summary_text(summary: dict[str, Any], ranks_per_block: int = 4) -> str:
+    """The end-of-run summary for a terminal: one column per rank, at most ``ranks_per_block`` ranks side by side.
+
+    The bf16 baseline's saved activations come from one forward/backward of the same run under the
+    bf16 policy; the fp32 wire bytes from an fp32 ring all-reduce of the same gradients.
+    """
+    lines = _headline(summary)
+    rows = _rank_rows(summary)
+    ranks = [r["rank"] for r in summary["ranks"]]
+    label_w = max(len(label) for label, _ in rows)
+    for lo in range(0, len(ranks), ranks_per_block):
+        cols = range(lo, min(lo + ranks_per_block, len(ranks)))
+        width = [max(len(f"rank {ranks[i]}"), *(len(cells[i]) for _, cells in rows)) for i in cols]
         lines.append("")
-        lines.append(f"max saved-activation peak over ranks: {fmt_bytes(max_act)} vs {fmt_bytes(max_b)} bf16 ({_ratio(max_act, max_b)})")
-    return "\n".join(lines)
+        lines.append(" " * label_w + "".join(f"  {f'rank {ranks[i]}':>{w}}" for i, w in zip(cols, width)))
+        for label, cells in rows:
+            lines.append(f"{label:<{label_w}}" + "".join(f"  {cells[i]:>{w}}" for i, w in zip(cols, width)))
+    return "\n".join(lines + _footer(summary))
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The same summary as one markdown table, one row per rank (written to summary.md)."""
+    lines = _headline(summary) + [""]
+    rows = _rank_rows(summary)
+    labels = ["rank"] + [label.strip() if not label.startswith("  ") else f"{label.strip()} ({prev})" for label, prev in _with_parents(rows)]
+    lines.append("| " + " | ".join(labels) + " |")
+    lines.append("|" + "---|" * len(labels))
+    for i, r in enumerate(summary["ranks"]):
+        lines.append("| " + " | ".join([str(r["rank"])] + [cells[i] for _, cells in rows]) + " |")
+    return "\n".join(lines + _footer(summary))
+
+
+def _with_parents(rows: list[tuple[str, list[str]]]) -> list[tuple[str, str]]:
+    """Each row's label with the label of the unindented row it belongs to."""
+    out, parent = [], ""
+    for label, _ in rows:
+        if not label.startswith("  "):
+            parent = label
+        out.append((label, parent))
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -113,8 +195,36 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.3f}x"
 
 
-def plot_loss(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """PNG of training (and validation) loss against step; None if matplotlib is missing."""
+def memory_bars(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per rank, the run's memory by category and the bf16 baseline's where it was measured or counted.
+
+    The baseline bar holds what is known of the bf16 configuration without running it in full: its
+    saved activations (measured in this run under the bf16 policy), fp32 gradients (4 bytes per
+    parameter, as the baseline keeps them) and the same parameters and optimizer state; its
+    temporaries were not measured, so they are left out of both bars for a like-for-like total.
+    """
+    base = (summary.get("baseline") or {}).get("ranks", {})
+    bars = []
+    for r in summary["ranks"]:
+        run = {
+            "parameters": r["param_bytes"],
+            "gradients": r["grad_buffer_bytes"],
+            "optimizer": r["optimizer_bytes"],
+            "saved activations": r["peak_saved_bytes"],
+        }
+        b = base.get(str(r["rank"]), {}).get("peak_saved_bytes")
+        baseline = None
+        if b is not None and r.get("param_count") is not None:
+            baseline = dict(run, **{"gradients": 4 * r["param_count"], "saved activations": b})
+        bars.append({"rank": r["rank"], "run": run, "baseline": baseline})
+    return bars
+
+
+def plot_run(summary: dict[str, Any], path: Path, title: str) -> Path | None:
+    """PNG of the run: loss against step, and memory per rank as stacked bars beside the bf16 baseline.
+
+    None if matplotlib cannot be imported.
+    """
     try:
         import matplotlib
 
@@ -122,20 +232,47 @@ def plot_loss(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    records = summary["records"]
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
     if train:
         ax.plot(*zip(*train), label="train")
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
+
+    bars = memory_bars(summary)
+    categories = ("parameters", "optimizer", "gradients", "saved activations")
+    colors = dict(zip(categories, ("#9e9e9e", "#7e57c2", "#26a69a", "#ef6c00")))
+    mib = 2.0**20
+    x, labels = 0.0, []
+    ticks = []
+    for bar in bars:
+        for kind, values, hatch in (("agoq", bar["run"], None), ("bf16", bar["baseline"], "//")):
+            if values is None:
+                continue
+            bottom = 0.0
+            for c in categories:
+                height = values[c] / mib
+                mem.bar(x, height, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="white",
+                        label=c if (x == 0.0) else None)
+                bottom += height
+            ticks.append(x)
+            labels.append(f"r{bar['rank']}\n{kind}")
+            x += 1.0
+        x += 0.5
+    mem.set_xticks(ticks, labels, fontsize=8)
+    mem.set_ylabel("MiB")
+    mem.set_title("memory per rank (bf16: saved activations measured, fp32 gradients counted)", fontsize=9)
+    mem.legend(fontsize=8)
+    mem.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from agoq.train.config import TrainConfig
-from agoq.train.metrics import Progress, peak_rss_bytes, plot_loss, summary_table
+from agoq.train.lock import run_lock
+from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
 
 
 def _describe(cfg: TrainConfig) -> str:
@@ -45,6 +46,40 @@ def _measure_baseline(trainer: Any) -> dict[str, Any]:
     return {"peak_saved_bytes": peak}
 
 
+# The train loss a summary quotes is the mean over this many last steps: one step's loss is noisy
+# (on the default run it swings by +-0.2 nats from step to step).
+LOSS_WINDOW = 10
+
+
+def run_figures(records: list[dict[str, Any]], timed: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
+    """A run's headline figures: smoothed and last train loss, validation loss, throughput.
+
+    ``tokens_per_s`` is tokens per step over the mean step time of the ``timed`` steps, so that it
+    and ``step_time_s`` always agree (a mean of per-step rates would not).
+    """
+    losses = [r["loss"] for r in records]
+    window = losses[-LOSS_WINDOW:]
+    step_time = sum(r["step_time_s"] for r in timed) / len(timed)
+    return {
+        "train_loss": sum(window) / len(window),
+        "train_loss_window": len(window),
+        "final_loss": losses[-1],
+        "min_train_loss": min(losses),
+        "val_loss": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),
+        "tokens_per_s": tokens_per_step / step_time,
+        "step_time_s": step_time,
+        "tokens_per_step": tokens_per_step,
+        "steps": records[-1]["step"],
+    }
+
+
+ESTIMATE_AFTER = 3  # records before rank 0 estimates the time left
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
 def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Entry point of every rank; rank 0 returns the run summary, the others their records and stats."""
     from agoq.train.trainer import Trainer
@@ -58,7 +93,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.checkpoint.resume and latest_checkpoint(ckpt_root) is not None:
         step, extra = load_checkpoint(ckpt_root, state["model"], state["optimizer"], layout=trainer.layout())
         trainer.load_extra(step, extra)
-    progress = Progress(cfg.train.steps, initial=trainer.step, enabled=ctx.rank == 0)
+    progress = Progress(cfg.train.steps, initial=trainer.step, enabled=ctx.rank == 0, every=cfg.train.log_every)
     records: list[dict[str, Any]] = []
     while trainer.step < cfg.train.steps:
         rec = trainer.train_step()
@@ -68,6 +103,11 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         trainer.metrics.write(rec)
         records.append(rec)
         progress.update(trainer.step, rec["loss"], rec["tokens_per_s"])
+        if len(records) == ESTIMATE_AFTER and trainer.step < cfg.train.steps:
+            # The first step holds one-time setup and the second counts every allocation: the third
+            # is the first ordinary one.
+            left = (cfg.train.steps - trainer.step) * rec["step_time_s"]
+            progress.note(f"agoq train: {rec['step_time_s']:.2f} s per step here; about {_duration(left)} to go")
         if cfg.checkpoint.every and (trainer.step % cfg.checkpoint.every == 0 or last):
             save_checkpoint(
                 ckpt_root, trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
@@ -95,6 +135,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "grad_buffer_bytes": trainer.sync.buffer_bytes(),
         "optimizer_bytes": trainer.optimizer.state_bytes(),
         "param_bytes": sum(p.numel() * p.element_size() for _, p in trainer.params),
+        "param_count": sum(p.numel() for _, p in trainer.params),
         "peak_tensor_bytes": None,
         "peak_rss_bytes": peak_rss_bytes(),
         "baseline_peak_saved_bytes": None if baseline is None else baseline["peak_saved_bytes"],
@@ -110,27 +151,93 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     if ctx.rank == 0 and records:
         # The first step includes one-time setup; the memory probe step counts every allocation.
         timed = [r for r in records[1:] if not r.get("memory_probe")] or records
-        run = {
-            "final_loss": records[-1]["loss"],
-            "val_loss": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),
-            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
-            "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
-            "steps": trainer.step,
-        }
+        run = run_figures(records, timed, cfg.data.batch_size * cfg.data.seq_len)
         base = None
         if baseline is not None:
             base = {"ranks": {str(g["rank"]): {"peak_saved_bytes": g["baseline_peak_saved_bytes"]} for g in gathered}}
         summary = {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": gathered, "baseline": base, "records": records}
         out = Path(cfg.train.out_dir)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_loss(records, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
-        print("\n" + summary_table(summary), flush=True)
-        print(f"\nmetrics: {out / 'metrics'}/rank*.jsonl, summary: {out / 'summary.json'}, loss curve: {out / 'loss.png'}", flush=True)
+        (out / "summary.md").write_text(summary_markdown(summary) + "\n")
+        plot_run(summary, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
+        print("\n" + summary_text(summary), flush=True)
+        print(f"\nwritten: {out / 'summary.json'} (everything), {out / 'summary.md'} (the table as markdown), "
+              f"{out / 'loss.png'} (loss and memory), {out / 'metrics'}/rank*.jsonl (every step)", flush=True)
     trainer.metrics.close()
     dist.barrier()
     if ctx.owns_group:
         dist.destroy_process_group()
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
+
+
+def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int) -> None:
+    """ConfigError unless the corpus holds at least one step's batch for training and one for validation."""
+    from agoq.train.config import ConfigError
+
+    d = cfg.data
+    batch = d.batch_size * (d.seq_len + 1)  # each sequence also needs its next-token targets
+    if train_tokens < batch:
+        raise ConfigError(
+            f"data.corpus={d.corpus!r} gives {train_tokens} training tokens, fewer than one batch of "
+            f"data.batch_size={d.batch_size} x (data.seq_len={d.seq_len} + 1) = {batch}; use a larger corpus or smaller batches"
+        )
+    if cfg.train.eval_every and val_tokens < d.seq_len + 1:
+        raise ConfigError(
+            f"data.corpus={d.corpus!r} leaves {val_tokens} validation tokens at data.val_fraction={d.val_fraction}, "
+            f"fewer than one sequence of {d.seq_len + 1}; raise data.val_fraction or set train.eval_every=0"
+        )
+
+
+def announce(cfg: TrainConfig, processes: str) -> None:
+    """The run's opening lines: what will run, where, in which precision, and where its output goes."""
+    p, pr, d = cfg.parallel, cfg.precision, cfg.data
+    params = cfg.model_config().num_parameters()
+    out = Path(cfg.train.out_dir)
+    print(
+        f"agoq train: model {cfg.model.preset} ({params / 1e6:.1f} M parameters), {processes}: pp={p.pp} x dp={p.dp} "
+        f"({p.schedule}, {p.microbatches} micro-batches per step)\n"
+        f"agoq train: activations {pr.activations}"
+        + (f" ({pr.activation_format}, stage bits {pr.stage_bits})" if pr.activations != "bf16" else "")
+        + f", gradients {pr.gradients}, optimizer {cfg.optim.name}, compute {pr.compute_dtype}, quantization {pr.quant_backend}\n"
+        f"agoq train: {cfg.train.steps} steps of {d.batch_size} x {d.seq_len} tokens"
+        + (", then one bf16-policy step to measure the baseline" if cfg.train.baseline and pr.activations != "bf16" else "")
+        + f"; output in {out}/ (summary.json, summary.md, loss.png, metrics/"
+        + (", checkpoints/" if cfg.checkpoint.every else "")
+        + ")",
+        flush=True,
+    )
+
+
+def finished_run(cfg: TrainConfig) -> int | None:
+    """The step of the newest checkpoint when it already reaches train.steps (so resuming would train nothing), else None."""
+    if not cfg.checkpoint.resume:
+        return None
+    from agoq.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(Path(cfg.train.out_dir) / "checkpoints")
+    if latest is None:
+        return None
+    step = int(latest.name.rsplit("_", 1)[-1])
+    return step if step >= cfg.train.steps else None
+
+
+def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
+    """Say that the run in train.out_dir is complete, show its summary again, and how to start a fresh one."""
+    out = Path(cfg.train.out_dir)
+    print(f"agoq train: the run in {out}/ is already complete: its newest checkpoint is step {step} of train.steps={cfg.train.steps}.")
+    summary = None
+    path = out / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+        print("\n" + summary_text(summary) + "\n")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"agoq train: its summary ({path}) cannot be shown: {e}")
+    print(
+        "agoq train: to train again, choose a new folder (--train.out_dir=runs/NAME), start over in this one "
+        "(--checkpoint.resume=false), or train further (--train.steps=N with N > " + str(step) + ")",
+        flush=True,
+    )
+    return summary
 
 
 def resolve_auto_choices(cfg: TrainConfig) -> None:
@@ -157,18 +264,34 @@ def _free_port() -> int:
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     """Run the training: in place under torchrun, else spawn pp x dp local processes with torch's launcher."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return train_worker(cfg)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    first = os.environ.get("RANK", "0") == "0"
+    done = finished_run(cfg)
+    if done is not None:
+        return report_finished(cfg, done) if first else None
+    if under_torchrun:
+        if not first:
+            return train_worker(cfg)
+        with run_lock(cfg.train.out_dir):  # rank 0 holds the folder for the job
+            announce(cfg, f"{os.environ.get('WORLD_SIZE', '?')} processes under torchrun")
+            return train_worker(cfg)
+    with run_lock(cfg.train.out_dir):
+        return _launch_local(cfg, max_restarts)
+
+
+def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
+    """Spawn pp x dp local worker processes with torch's elastic launcher and return rank 0's summary."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    Path(cfg.train.out_dir).mkdir(parents=True, exist_ok=True)
     # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,
     # and the workers only read the cache.
     from agoq.train.data import prepare_data
 
     d = cfg.data
-    prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+    data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+    check_data(cfg, len(data.train), len(data.val))
     resolve_auto_choices(cfg)
+    announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}")
     # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted gloo
     # workers the dead round's addresses ("Connection refused"); a fresh store per round avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -88,8 +88,7 @@ def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None)
             overrides["attention"] = pr.activation_format
     from agoq.parallel.inflight import loss_recompute_needed
 
-    p = cfg.parallel
-    recompute = loss_recompute_needed(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    recompute = loss_recompute_needed(cfg.parallel.pp)
     return make_policy(pr.activations, overrides=overrides, layer_bits=layer_bits, fused_loss=pr.fused_loss, loss_recompute=recompute)
 
 
