@@ -292,7 +292,7 @@ def test_unusable_checkpoints_give_one_line_errors_naming_path_and_fix(tmp_path)
         f.write_bytes(bytes(data))
 
     msg = damaged(scramble)
-    assert msg.startswith("reading checkpoint") and "damaged" in msg
+    assert "__0_0.distcp of step 1 is damaged" in msg and "SHA-256" in msg
 
     other = Llama(LlamaConfig(**{**CFG.to_dict(), "intermediate": 96}))
     msg = _error(load_checkpoint, tmp_path / "ck", other, None)
@@ -313,7 +313,7 @@ def test_mismatched_models_name_the_key_and_both_shapes(tmp_path):
     assert "not the model's registered parameters" in msg
     with pytest.raises(CheckpointError, match="keep=0"):
         save_checkpoint(tmp_path, 1, nn.Linear(1, 1), None, {}, keep=0)
-    with pytest.raises(CheckpointError, match="cannot be pickled"):
+    with pytest.raises(CheckpointError, match="cannot be stored as tensors and plain values"):
         save_checkpoint(tmp_path, 1, nn.Linear(1, 1), None, {"f": lambda: 0})
 
 

@@ -101,3 +101,192 @@ def test_a_corpus_shorter_than_one_batch_and_an_unwritable_out_dir_are_refused(t
     assert main(["train", f"--train.out_dir={blocked / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert f"train.out_dir='{blocked / 'run'}' cannot be written" in err and err.count("\n") == 1, err
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def _saved(tmp_path):
+    import torch
+
+    from agoq.models.config import LlamaConfig
+    from agoq.models.llama import Llama
+    from agoq.train.checkpoint import capture_rng_state, save_checkpoint
+
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=64, max_seq_len=16)
+    model = Llama(cfg)
+    model.reset_parameters(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x).backward()
+    opt.step()
+    step_dir = save_checkpoint(tmp_path / "ck", 7, model, opt, {"rng": capture_rng_state(), "sampler": {"index": 3}})
+    fresh = Llama(cfg)
+    fresh.reset_parameters(1)
+    return step_dir, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+
+
+def _refused(step_dir, model, opt, monkeypatch) -> str:
+    """Load, expecting a one-line refusal before DCP unpickles the index or any tensor reaches the model."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from agoq.train.checkpoint import CheckpointError, load_checkpoint
+
+    def no_unpickling(self):
+        raise AssertionError("the index was unpickled before the files were verified")
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", no_unpickling)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(step_dir, model, opt)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    monkeypatch.undo()
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def _flip(path, offset=None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_bit_flip_in_a_shard_is_refused_naming_the_file_and_step(tmp_path, monkeypatch):
+    step_dir, model, opt = _saved(tmp_path)
+    _flip(step_dir / "__0_0.distcp")
+    msg = _refused(step_dir, model, opt, monkeypatch)
+    assert f"{step_dir / '__0_0.distcp'} of step 7 is damaged" in msg and "SHA-256" in msg and "delete" in msg
+
+
+def test_a_bit_flip_in_the_index_is_refused_before_it_is_unpickled(tmp_path, monkeypatch):
+    step_dir, model, opt = _saved(tmp_path)
+    _flip(step_dir / ".metadata")
+    msg = _refused(step_dir, model, opt, monkeypatch)
+    assert f"{step_dir / '.metadata'} of step 7 is damaged" in msg
+
+
+def test_a_deleted_or_truncated_shard_is_refused(tmp_path, monkeypatch):
+    step_dir, model, opt = _saved(tmp_path)
+    shard = step_dir / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1])
+    assert "truncated or altered" in _refused(step_dir, model, opt, monkeypatch)
+    shard.unlink()
+    assert "is missing __0_0.distcp" in _refused(step_dir, model, opt, monkeypatch)
+
+
+class _Payload:
+    """Unpickling this creates a file: the stand-in for code a crafted checkpoint would run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_pickle_in_the_trainer_state_runs_nothing(tmp_path, monkeypatch):
+    import torch
+
+    from agoq.models.config import LlamaConfig
+    from agoq.models.llama import Llama
+    from agoq.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=64, max_seq_len=16)
+    model = Llama(cfg)
+    sentinel = tmp_path / "code_ran"
+    # The save refuses such state itself ...
+    with pytest.raises(CheckpointError, match="cannot be stored as tensors and plain values"):
+        save_checkpoint(tmp_path / "ck", 1, model, None, {"evil": _Payload(str(sentinel))})
+    assert not sentinel.exists()
+    # ... so write one the way an attacker would, with a correct manifest, and load it.
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: None)
+    step_dir = save_checkpoint(tmp_path / "ck", 1, model, None, {"evil": _Payload(str(sentinel))})
+    monkeypatch.setattr(torch, "load", real_load)
+    with pytest.raises(CheckpointError, match="holds more than tensors and plain values"):
+        load_checkpoint(step_dir, Llama(cfg), None)
+    assert not sentinel.exists()
+
+
+def test_the_trainer_state_round_trips_without_pickle(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from agoq.train.checkpoint import load_checkpoint, restore_rng_state
+
+    step_dir, model, opt = _saved(tmp_path)
+    step, extra = load_checkpoint(step_dir, model, opt)
+    assert step == 7 and extra["sampler"] == {"index": 3}
+    # Restoring the saved generators twice draws the same numbers twice: torch, Python and NumPy.
+    restore_rng_state(extra["rng"])
+    first = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng_state(extra["rng"])
+    assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1] and np.random.rand() == first[2]
+
+
+# ---------------------------------------------------------------------------------- whole runs
+
+SMALL = [
+    "--model.hidden=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.intermediate=160",
+    "--data.vocab_size=512", "--data.seq_len=32", "--data.batch_size=8", "--parallel.microbatches=2",
+    "--optim.warmup_steps=0", "--train.eval_every=0", "--train.baseline=false", "--precision.compute_dtype=fp32",
+]
+
+
+def test_metrics_rows_of_redone_steps_are_dropped_on_resume(tmp_path):
+    import json
+
+    from agoq.train.metrics import JsonlWriter
+
+    w = JsonlWriter(tmp_path / "rank0.jsonl")
+    for step in (1, 2, 3, 4, 5):  # a run saved at step 2, then crashed after step 5
+        w.write({"step": step})
+    w.keep_until(2)
+    w.write({"step": 3})
+    w.close()
+    assert [json.loads(l)["step"] for l in (tmp_path / "rank0.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_path, capsys):
+    from agoq.cli import main
+    from agoq.train.checkpoint import latest_checkpoint
+
+    out = tmp_path / "run"
+    args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={out}", "--train.steps=8",
+                    "--optim.lr=1e30", "--optim.min_lr=1e30", "--optim.grad_clip=0", "--train.max_skipped_steps=2",
+                    "--checkpoint.every=1", "--checkpoint.keep=2"]
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("agoq train:")]
+    assert len(lines) == 1 and "TrainingDiverged" in lines[0] and "non-finite for 2 steps in a row" in lines[0], err
+    assert "Traceback" not in err
+    assert "Traceback" in (out / "logs" / lines[0].split("logs/")[1].rstrip(")")).read_text()
+    # Only good steps were saved: the newest checkpoint's weights are finite.
+    import json
+
+    newest = latest_checkpoint(out / "checkpoints")
+    records = [json.loads(l) for l in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    good = [r["step"] for r in records if not r["skipped"] and r["loss"] == r["loss"] and abs(r["loss"]) != float("inf")]
+    assert newest is not None and int(newest.name.split("_")[1]) <= max(good)
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
+    out = tmp_path / "run"
+    args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={out}", "--train.steps=100000", "--checkpoint.every=0"]
+    proc = subprocess.Popen([sys.executable, "-m", "agoq", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    metrics = out / "metrics" / "rank0.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    assert metrics.exists(), "the run did not start"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "agoq train: interrupted" in err, err

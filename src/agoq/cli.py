@@ -95,14 +95,31 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(to_toml(cfg), end="")
         return 0
-    from agoq.train.lock import FolderInUse
-    from agoq.train.run import launch
+    import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from agoq.train.lock import FolderInUse
+    from agoq.train.run import failure_line, launch
+
+    # torch's launcher logs each worker's exit at WARNING/ERROR; agoq prints one line instead.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         launch(cfg, max_restarts=args.max_restarts)
     except (FolderInUse, ConfigError) as e:  # found before any worker started
         print(f"agoq train: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, SignalException):
+        print(f"agoq train: interrupted; checkpoints already written in {cfg.train.out_dir}/checkpoints are intact, "
+              "and running the same command resumes from the newest", file=sys.stderr)
+        return 130
+    except ChildFailedError as e:
+        if any(f.exitcode == 130 for f in e.failures.values()):
+            print("agoq train: interrupted", file=sys.stderr)
+            return 130
+        print(f"agoq train: {failure_line(cfg.train.out_dir, sorted(e.failures))}", file=sys.stderr)
+        return 1
     return 0
 
 

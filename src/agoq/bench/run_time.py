@@ -56,9 +56,12 @@ def run(args: argparse.Namespace) -> int:
 
 def readme_markdown(results: dict[str, Any]) -> str:
     """The runs' wall times as a markdown table."""
-    lines = ["| `agoq train` run | wall s | its opening lines |", "|---|---:|---|"]
+    lines = ["| `agoq train` run | wall s | what it chose (its opening lines) |", "|---|---:|---|"]
     for r in results["rows"]:
-        lines.append(f"| {r['run']} | {r['wall_s']:.0f} | {'; '.join(r['opening_lines']).replace('|', '/')} |")
+        # The lines that say what this machine got and why; the full opening lines are in the JSON.
+        chosen = [line.removeprefix("agoq train: ") for line in r["opening_lines"]]
+        chosen = [line for line in chosen if line.startswith(("compute dtype", "quantization", "activations"))]
+        lines.append(f"| {r['run']} | {r['wall_s']:.0f} | {'; '.join(chosen).replace('|', '/')} |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ Layout of a checkpoint root::
         .metadata            DCP index: every key, its shape and where its bytes lie
         __0_0.distcp ...     DCP data, one file per rank that wrote something
         manifest.json        step, world size, layout, model config, optimizer, each rank's
-                             model keys and every file's size; written last
+                             model keys, every file's size and SHA-256; written last
       step_000140.tmp/       a save in progress, or one that crashed: never loaded
 
 A save writes everything into ``step_N.tmp/``; after all ranks have finished, one rank writes the
@@ -19,6 +19,14 @@ State dict keys are the model's global names (``model.layers.5.attn.q.weight``,
 ``optim.state.layers.5.attn.q.weight.exp_avg``), so pipeline ranks write disjoint keys and
 data-parallel replicas write identical ones, which DCP's planner stores once. Each rank's ``extra``
 (RNG states, its data sampler position) is stored under its own key ``extra.rank_NNNNN``.
+
+Integrity and trust: every file's SHA-256 is computed right after the save (each rank hashes a
+share of the files) and recorded in the manifest; a load checks every file's size and digest
+(again shared among the ranks) before anything is unpickled or read into the model, and refuses a
+mismatch with one line naming the file. The extra state is read with ``torch.load(weights_only=True)``,
+which builds tensors and plain values only. DCP's ``.metadata`` index is itself a pickle, read only
+after its digest matched: a folder whose manifest was rewritten along with it is trusted, so a
+checkpoint folder must only be writable by whoever is trusted to run code as the training job.
 """
 
 from __future__ import annotations
@@ -91,7 +99,9 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, key, pos, has_gauss, gauss = np.random.get_state()
+        # As tensors and plain values, so that the checkpoint reads them back without unpickling numpy.
+        state["numpy"] = (str(kind), torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
     except ImportError:  # numpy is a dependency, but RNG capture must not need it
         pass
     return state
@@ -106,7 +116,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, key, pos, has_gauss, gauss = state["numpy"]
+        key = key.numpy().astype(np.uint32) if isinstance(key, torch.Tensor) else key
+        np.random.set_state((kind, key, pos, has_gauss, gauss))
 
 
 def save_checkpoint(
@@ -149,10 +161,12 @@ def save_checkpoint(
         buf = io.BytesIO()
         torch.save(extra, buf)
         blob = buf.getvalue()
+        torch.load(io.BytesIO(blob), weights_only=True)  # what load_checkpoint will do: refuse it now, not then
     except CheckpointError as e:
         error = str(e)
     except Exception as e:
-        error = f"extra state of rank {rank} cannot be pickled ({type(e).__name__}: {e}); keep only tensors and plain values in it"
+        error = (f"extra state of rank {rank} cannot be stored as tensors and plain values ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200]}); keep only tensors, numbers, strings, lists, tuples and dicts in it")
     if rank == 0 and error is None:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -182,7 +196,12 @@ def save_checkpoint(
             "fix the cause (disk space, permissions) and save again"
         ) from None
 
-    ranks = _gather({**_rank_summary(rank, msd), "optimizer_state": optimizer is not None and stepped}, process_group)
+    try:
+        digests, error = _digest_share(tmp, rank, world), None
+    except OSError as e:
+        digests, error = {}, f"hashing checkpoint {tmp} failed ({e}); the previous checkpoint is untouched"
+    _agree(error, process_group)
+    ranks = _gather({**_rank_summary(rank, msd), "optimizer_state": optimizer is not None and stepped, "sha256": digests}, process_group)
     error = None
     if rank == 0:
         try:
@@ -218,6 +237,12 @@ def load_checkpoint(
         step_dir = _resolve(Path(root_or_step_dir))
         manifest = _read_manifest(step_dir)
         _check_files(step_dir, manifest)
+        _check_digests(step_dir, manifest, rank, world)
+    except CheckpointError as e:
+        error = str(e)
+    # Every file is verified by some rank before any rank unpickles the index or reads a tensor.
+    _agree(error, process_group)
+    try:
         metadata = _read_metadata(step_dir)
     except CheckpointError as e:
         error = str(e)
@@ -256,7 +281,13 @@ def load_checkpoint(
             "delete that folder and load an earlier checkpoint"
         ) from None
     parts.load(msd, osd if stepped else None)
-    extra = torch.load(io.BytesIO(state["extra"][_extra_key(rank)]), weights_only=False)
+    try:
+        extra = torch.load(io.BytesIO(state["extra"][_extra_key(rank)]), weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"the trainer state of rank {rank} in {step_dir} holds more than tensors and plain values "
+            f"({type(e).__name__}); it was not written by agoq {FORMAT_VERSION}: delete {step_dir} and load an earlier checkpoint"
+        ) from None
     return int(manifest["step"]), extra
 
 
@@ -456,6 +487,9 @@ def _publish(
 ) -> None:
     """Manifest, rename, pointer, prune: run by one rank after every rank has written its files."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    digests = {name: d for r in ranks for name, d in r.pop("sha256").items()}
+    if sorted(digests) != sorted(files):
+        raise OSError(f"files changed while the checkpoint was published: hashed {sorted(digests)}, found {sorted(files)}")
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -466,6 +500,7 @@ def _publish(
         "torch_version": torch.__version__,
         "ranks": ranks,
         "files": files,
+        "sha256": digests,
         "total_bytes": sum(files.values()),
         "run_config": config,
     }
@@ -563,6 +598,45 @@ def _check_files(step_dir: Path, manifest: dict) -> None:
             raise CheckpointError(
                 f"checkpoint file {path} is truncated or altered ({actual} bytes, the save wrote {size}); "
                 "copy the whole folder again, or delete it and load an earlier checkpoint"
+            )
+
+
+_HASH_CHUNK = 8 * 2**20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _share(names: list[str], rank: int, world: int) -> list[str]:
+    """The files one rank hashes or verifies: every world-th of the sorted names, so the work is split evenly."""
+    return sorted(names)[rank::world]
+
+
+def _digest_share(folder: Path, rank: int, world: int) -> dict[str, str]:
+    """SHA-256 of this rank's share of a finished save's files (all ranks' writes are complete)."""
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    return {name: _sha256(folder / name) for name in _share(names, rank, world)}
+
+
+def _check_digests(step_dir: Path, manifest: dict, rank: int, world: int) -> None:
+    """Raise unless this rank's share of the files has the digests the save recorded."""
+    recorded = manifest.get("sha256")
+    if recorded is None:
+        if rank == 0:
+            warnings.warn(f"checkpoint {step_dir} records no checksums (written before they were added): its files are checked by size only", stacklevel=3)
+        return
+    if sorted(recorded) != sorted(manifest["files"]):
+        raise CheckpointError(f"{step_dir / MANIFEST} lists files without checksums or checksums without files; delete {step_dir} and load an earlier checkpoint")
+    for name in _share(list(recorded), rank, world):
+        if _sha256(step_dir / name) != recorded[name]:
+            raise CheckpointError(
+                f"checkpoint file {step_dir / name} of step {manifest['step']} is damaged (its SHA-256 differs from the one "
+                f"recorded when it was saved); copy the folder again from a good source, or delete {step_dir} to resume from an earlier checkpoint"
             )
 
 

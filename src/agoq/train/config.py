@@ -108,6 +108,7 @@ class TrainSection:
     eval_batches: int = 4  # validation batches per pass
     out_dir: str = "runs/default"  # metrics, summary, plot and checkpoints of the run
     baseline: bool = True  # also measure the bf16 configuration's memory and wire bytes for the summary
+    max_skipped_steps: int = 10  # stop the run after this many consecutive steps with a non-finite loss or gradient
 
 
 @dataclass
@@ -370,6 +371,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
     if t.eval_batches < 1:
         raise ConfigError(f"train.eval_batches={t.eval_batches} must be >= 1")
+    if t.max_skipped_steps < 1:
+        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
     if t.log_every < 1:
         raise ConfigError(f"train.log_every={t.log_every} must be >= 1")
     if not t.out_dir.strip():

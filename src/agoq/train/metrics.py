@@ -47,6 +47,22 @@ class JsonlWriter:
         self.path = path
         self._f = path.open("a")
 
+    def keep_until(self, step: int) -> None:
+        """Drop the rows of steps after ``step`` (a resumed run redoes them; its rows must not appear twice)."""
+        self._f.close()
+        kept = []
+        with self.path.open() as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except ValueError:  # a line cut short by a crash
+                    continue
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
+        self._f = self.path.open("a")
+
     def write(self, record: dict[str, Any]) -> None:
         """Write one record and flush (a crash loses nothing already logged)."""
         self._f.write(json.dumps(record) + "\n")

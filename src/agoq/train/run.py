@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -76,6 +77,10 @@ def run_figures(records: list[dict[str, Any]], timed: list[dict[str, Any]], toke
 ESTIMATE_AFTER = 3  # records before rank 0 estimates the time left
 
 
+class TrainingDiverged(RuntimeError):
+    """The run stopped because its loss or gradients stayed non-finite; the message says for how long and what to change."""
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
@@ -90,13 +95,28 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     state = trainer.checkpoint_state()
     if cfg.checkpoint.every or cfg.checkpoint.resume:
         from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    if cfg.checkpoint.resume and latest_checkpoint(ckpt_root) is not None:
+    latest = latest_checkpoint(ckpt_root) if cfg.checkpoint.resume else None
+    if latest is not None:
         step, extra = load_checkpoint(ckpt_root, state["model"], state["optimizer"], layout=trainer.layout())
         trainer.load_extra(step, extra)
+        if ctx.rank == 0:
+            print(f"agoq train: resuming from {latest} (step {step} of {cfg.train.steps}; every file's checksum verified)", flush=True)
+    # Rows of steps this run will (re)do come from it alone: after a resume, and when starting over.
+    trainer.metrics.keep_until(trainer.step)
     progress = Progress(cfg.train.steps, initial=trainer.step, enabled=ctx.rank == 0, every=cfg.train.log_every)
     records: list[dict[str, Any]] = []
+    bad_in_a_row = 0
     while trainer.step < cfg.train.steps:
         rec = trainer.train_step()
+        # Loss and gradient norm are all-reduced, so every rank counts alike and stops together.
+        bad_in_a_row = bad_in_a_row + 1 if rec["skipped"] or not math.isfinite(rec["loss"]) else 0
+        if bad_in_a_row >= cfg.train.max_skipped_steps:
+            trainer.metrics.write(rec)
+            raise TrainingDiverged(
+                f"the loss or gradients were non-finite for {bad_in_a_row} steps in a row (steps {trainer.step - bad_in_a_row + 1}-{trainer.step}, "
+                f"train.max_skipped_steps={cfg.train.max_skipped_steps}); no checkpoint was written since. Lower optim.lr "
+                f"(now {cfg.optim.lr}), keep optim.grad_clip on, or resume from the last checkpoint"
+            )
         last = trainer.step == cfg.train.steps
         if cfg.train.eval_every and (trainer.step % cfg.train.eval_every == 0 or last):
             rec["val_loss"] = trainer.evaluate()
@@ -109,6 +129,11 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             left = (cfg.train.steps - trainer.step) * rec["step_time_s"]
             progress.note(f"agoq train: {rec['step_time_s']:.2f} s per step here; about {_duration(left)} to go")
         if cfg.checkpoint.every and (trainer.step % cfg.checkpoint.every == 0 or last):
+            if bad_in_a_row or not trainer.weights_finite():
+                # Skipped steps leave the weights as they were, but a checkpoint is only ever written
+                # from a good step: the good ones it would prune stay.
+                progress.note(f"agoq train: step {trainer.step} not saved: its loss, gradients or weights are not finite")
+                continue
             save_checkpoint(
                 ckpt_root, trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
                 keep=cfg.checkpoint.keep, layout=trainer.layout(), config=cfg.to_dict(),
@@ -240,6 +265,48 @@ def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     return summary
 
 
+def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
+    """What the local launcher runs in each worker: train_worker, with any error logged instead of printed.
+
+    The full traceback goes to ``out_dir/logs/rank<R>.log`` and its last line to ``rank<R>.error``;
+    the worker then exits with status 1 (130 for Ctrl-C) without printing a traceback, and the
+    launcher prints one line from the first rank that failed (:func:`failure_line`).
+    """
+    try:
+        return train_worker(cfg)
+    except BaseException as e:
+        import traceback
+
+        rank = os.environ.get("RANK", "0")
+        logs = Path(cfg.train.out_dir) / "logs"
+        interrupted = isinstance(e, KeyboardInterrupt)
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"rank{rank}.log").write_text("".join(traceback.format_exception(e)))
+            line = "interrupted" if interrupted else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            (logs / f"rank{rank}.error").write_text(f"{time.time()} {line}\n")
+        except OSError:
+            pass
+        raise SystemExit(130 if interrupted else 1) from None
+
+
+def failure_line(out_dir: str | os.PathLike[str], ranks: list[int]) -> str:
+    """One line for a run whose workers failed: the first failure (by time) among ``ranks``' logs, and where its traceback is."""
+    logs = Path(out_dir) / "logs"
+    found = []
+    for rank in ranks:
+        try:
+            stamp, _, line = (logs / f"rank{rank}.error").read_text().strip().partition(" ")
+            found.append((float(stamp), rank, line))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return f"a worker process died without a Python error (killed, or out of memory); ranks {ranks} failed"
+    # Other ranks fail after the first one, on the collectives it no longer answers.
+    _, rank, line = min(found)
+    return f"rank {rank} failed: {line} (full traceback: {logs / f'rank{rank}.log'})"
+
+
 def resolve_auto_choices(cfg: TrainConfig) -> None:
     """Replace compute_dtype and quant_backend 'auto' by what suits this machine and run, and say which and why."""
     from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
@@ -306,5 +373,8 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         start_method="spawn",
         monitor_interval=0.5,
     )
-    results = elastic_launch(config, train_worker)(cfg)
+    # Earlier failures' logs would be mistaken for this run's.
+    for stale in (Path(cfg.train.out_dir) / "logs").glob("rank*.error"):
+        stale.unlink(missing_ok=True)
+    results = elastic_launch(config, worker_entry)(cfg)
     return results.get(0)

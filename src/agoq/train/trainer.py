@@ -340,6 +340,19 @@ class Trainer:
         }
 
     @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every rank's parameters are finite (a collective: every rank must call it).
+
+        The parameters are copies of the fp32 masters after each update, so a non-finite master
+        shows here; non-finite optimizer moments show in the next step's update, hence its loss.
+        """
+        bad = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for _, p in self.params:
+            bad += (~torch.isfinite(p)).sum()
+        dist.all_reduce(bad)
+        return bad.item() == 0
+
+    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches (every rank gets it)."""
         for m in self.modules:
