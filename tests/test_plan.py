@@ -224,6 +224,9 @@ def test_the_command_works_for_every_preset(name, capsys):
         (["--model", "tiny", "--gpu-memory", "lots"], "cannot read the size 'lots'"),
         (["--model", "tiny", "--configs", "A+Z"], "unknown configuration 'A+Z'"),
         (["--model", "tiny", "--model-field", "layers=3"], "--model-field 'layers=3' must be KEY=VALUE"),
+        (["--model", "llama2-13b", "--gpu-memory", "1e400"], "size '1e400' is beyond any machine"),
+        (["--model", "llama2-13b", "--memory-budget", "1e30"], "size '1e30' is beyond any machine"),
+        (["--model", "llama2-13b", "--model-field", "n_layers=1000000000"], "n_layers=1000000000 cannot be planned"),
     ],
 )
 def test_impossible_configurations_get_one_line(argv, message, capsys):
@@ -242,3 +245,12 @@ def test_sizes():
     assert parse_size("0", allow_zero=True) == 0
     with pytest.raises(PlanError, match="must be positive"):
         parse_size("0")
+
+
+def test_a_sequence_beyond_the_models_context_is_planned_with_a_warning(capsys):
+    from agoq.cli import main
+
+    assert main(["plan", "--model", "llama2-13b", "--seq-len", "8192", "--tp", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "--seq-len 8192 is beyond llama2-13b's max_seq_len 4096" in captured.err and captured.err.count("\n") == 1
+    assert "| baseline |" in captured.out

@@ -96,6 +96,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(to_toml(cfg), end="")
         return 0
     import logging
+    import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -103,14 +104,19 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from agoq.train.lock import FolderInUse
     from agoq.train.run import failure_line, launch
 
+    import torch.distributed.launcher.api  # noqa: F401  (its loggers must exist to be quieted)
+
     # torch's launcher logs each worker's exit at WARNING/ERROR; agoq prints one line instead.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch(cfg, max_restarts=args.max_restarts)
     except (FolderInUse, ConfigError) as e:  # found before any worker started
         print(f"agoq train: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, SignalException):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while shutting down prints no traceback
         print(f"agoq train: interrupted; checkpoints already written in {cfg.train.out_dir}/checkpoints are intact, "
               "and running the same command resumes from the newest", file=sys.stderr)
         return 130

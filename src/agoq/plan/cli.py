@@ -81,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
             memory_budget=None if args.memory_budget is None else parse_size(args.memory_budget),
             setups=setups,
         )
+        limit = cfg.model.max_seq_len if "max_seq_len" in _fields(args.model_field) else None
+        from agoq.models.config import PRESETS
+
+        limit = limit or PRESETS[args.model].max_seq_len
+        if args.seq_len > limit:
+            print(f"agoq plan: warning: --seq-len {args.seq_len} is beyond {args.model}'s max_seq_len {limit} "
+                  "(the longest context it was built for); planned anyway", file=sys.stderr)
         plan = plan_memory(cfg)
     except PlanError as e:
         print(f"agoq plan: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ docs/plan.md.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -73,6 +74,10 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", r
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
+MAX_SIZE = 2**60  # 1 EiB: any memory size above is a typo
+MAX_LAYERS = 4096  # the planner walks layers one by one; real models have at most a few hundred
+
+
 def parse_size(text: str | int | float, *, allow_zero: bool = False) -> int:
     """Bytes of a size such as '48GiB', '46.1GB', '512MiB' or a plain number of bytes."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
@@ -82,7 +87,12 @@ def parse_size(text: str | int | float, *, allow_zero: bool = False) -> int:
         if not m:
             raise PlanError(f"cannot read the size {text!r}; write e.g. 48GiB, 46.1GB, 512MiB or a number of bytes")
         unit = (m.group(2) or "").lower().rstrip("b")
-        value = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number > MAX_SIZE:
+            raise PlanError(f"size {text!r} is beyond any machine (the limit is 1 EiB); write e.g. 80GiB")
+        value = int(number)
+    if value > MAX_SIZE:
+        raise PlanError(f"size {text!r} is beyond any machine (the limit is 1 EiB); write e.g. 80GiB")
     if value < 0 or (value == 0 and not allow_zero):
         raise PlanError(f"size {text!r} must be positive")
     return value
@@ -250,6 +260,8 @@ def make_plan_config(model: str = "tiny", model_fields: dict[str, object] | None
         cfg = get_config(model, **fields)
     except (ValueError, TypeError) as e:
         raise PlanError(str(e)) from None
+    if cfg.n_layers > MAX_LAYERS:
+        raise PlanError(f"n_layers={cfg.n_layers} cannot be planned (the limit is {MAX_LAYERS} layers); check --model-field n_layers")
     name = model if not fields else model + "(" + ",".join(f"{k}={v}" for k, v in fields.items() if k != "max_seq_len") + ")"
     plan = PlanConfig(model=cfg, model_name=name.replace("()", ""), **kwargs)  # type: ignore[arg-type]
     plan.validate()

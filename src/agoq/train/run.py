@@ -275,8 +275,14 @@ def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
     try:
         return train_worker(cfg)
     except BaseException as e:
+        import signal
         import traceback
 
+        if isinstance(e, KeyboardInterrupt):
+            # The launcher signals its workers again while they exit; a second interrupt inside
+            # Python's exit handlers would print a traceback of its own.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rank = os.environ.get("RANK", "0")
         logs = Path(cfg.train.out_dir) / "logs"
         interrupted = isinstance(e, KeyboardInterrupt)
@@ -287,7 +293,10 @@ def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
             (logs / f"rank{rank}.error").write_text(f"{time.time()} {line}\n")
         except OSError:
             pass
-        raise SystemExit(130 if interrupted else 1) from None
+        if interrupted:
+            sys.stderr.flush()
+            os._exit(130)  # skip exit handlers: nothing of this run needs them, and they can be interrupted again
+        raise SystemExit(1) from None
 
 
 def failure_line(out_dir: str | os.PathLike[str], ranks: list[int]) -> str:
