@@ -290,3 +290,49 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "agoq train: interrupted" in err, err
+
+
+def _listening() -> set[tuple[str, str]]:
+    """(local address, port) of every TCP socket listening on this machine, hex as /proc/net/tcp* writes them."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                found.add(tuple(fields[1].split(":")))
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_a_local_run_listens_on_loopback_only(tmp_path, capsys):
+    import threading
+
+    from agoq.cli import main
+
+    before = _listening()
+    seen: set[tuple[str, str]] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(_listening() - before)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}", "--train.steps=3", "--checkpoint.every=0"]
+        assert main(["train", *args]) == 0
+    finally:
+        done.set()
+        watcher.join()
+    capsys.readouterr()
+    assert seen, "no listening socket was seen during the run"
+    assert all(addr in LOOPBACK for addr, _ in seen), sorted(seen)

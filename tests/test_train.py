@@ -101,11 +101,17 @@ def test_pipelined_loss_equals_the_unpipelined_model(runs):
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(runs):
+    import json
+
     straight = runs["results"][0]["1f1b_fp32"]["losses"]
     first = runs["results"][0]["resume_first_half"]["losses"]
     second = runs["results"][0]["resume_second_half"]["losses"]
     assert first == straight[:2]
     assert second == straight[2:]  # bit-identical on CPU
+    # Each rank's metrics hold every step once, first half and resumed half together.
+    for rank in range(4):
+        rows = (runs["tmp"] / "d" / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]
 
 
 def test_stage_aware_bits_raise_precision_without_raising_the_peak(runs):
@@ -253,3 +259,17 @@ def test_the_run_plot_shows_memory_per_rank_beside_the_bf16_baseline(tmp_path):
     assert bars[1]["baseline"] == {"parameters": 4000, "gradients": 4000, "optimizer": 8000, "saved activations": 1500}
     path = plot_run(summary, tmp_path / "loss.png", "t")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_opening_lines_say_what_will_run_and_where(capsys):
+    from agoq.train.run import announce
+
+    cfg = load_config(None, ["--precision.compute_dtype=fp32", "--precision.quant_backend=compiled", "--train.out_dir=runs/x"])
+    announce(cfg, "4 local processes")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "agoq train: model tiny (5.0 M parameters), 4 local processes: pp=2 x dp=2 (1f1b, 4 micro-batches per step)",
+        "agoq train: activations agoq (int4/128, stage bits dbca), gradients int8, optimizer adamw, compute fp32, quantization compiled",
+        "agoq train: 200 steps of 16 x 128 tokens, then one bf16-policy step to measure the baseline; "
+        "output in runs/x/ (summary.json, summary.md, loss.png, metrics/, checkpoints/)",
+    ]

@@ -371,13 +371,24 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted gloo
     # workers the dead round's addresses ("Connection refused"); a fresh store per round avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store
+    # is hosted here on 127.0.0.1, rank 0's store likewise, and gloo connects over loopback.
+    from agoq.train.loopback import LOOPBACK_ENV, loopback_interface, loopback_store
+
+    rdzv_store, rdzv_port = loopback_store()
+    os.environ[LOOPBACK_ENV] = "1"
+    iface = loopback_interface()
+    if iface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=cfg.world_size,
         run_id=f"agoq-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{rdzv_port}",
+        rdzv_configs={"is_host": False},  # connect to the store above instead of hosting one on every interface
+        local_addr="127.0.0.1",
         max_restarts=max_restarts,
         start_method="spawn",
         monitor_interval=0.5,
@@ -385,5 +396,8 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     # Earlier failures' logs would be mistaken for this run's.
     for stale in (Path(cfg.train.out_dir) / "logs").glob("rank*.error"):
         stale.unlink(missing_ok=True)
-    results = elastic_launch(config, worker_entry)(cfg)
+    try:
+        results = elastic_launch(config, worker_entry)(cfg)
+    finally:
+        del rdzv_store  # closes its socket
     return results.get(0)

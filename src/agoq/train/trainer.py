@@ -108,7 +108,13 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
         torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))))
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend)
+        from agoq.train.loopback import LOOPBACK_ENV, process_group_store
+
+        if os.environ.get(LOOPBACK_ENV) == "1":  # a local run: every endpoint on 127.0.0.1
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=process_group_store(), rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend)
     # Under torchrun nothing chose before launch (agoq.train.run.resolve_auto_choices): decide here.
     if cfg.precision.quant_backend == "auto":  # deterministic: the same on every rank
         cfg.precision.quant_backend = choose_quant_backend("auto", device.type, cfg.train.steps).name
