@@ -43,6 +43,14 @@ def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str) -
             assert torch.equal(C.dequantize(ref), _reference(dequantize, ref)), (spec, dtype, n)
 
 
+@pytest.mark.parametrize("spec", ["int4/128", "fp4/128"])
+def test_dequantize_of_packed_codes_slab_by_slab_equals_the_reference(spec: str) -> None:
+    fmt = parse_format(spec)
+    n = 2 * C.SLAB_VALUES + 3 * 128 + 77  # two whole slabs, a partial one, a partial block
+    ref = _reference(quantize, _data(n, torch.bfloat16), fmt)
+    assert torch.equal(C.dequantize(ref), _reference(dequantize, ref))
+
+
 def test_dequantize_rounds_once_into_another_dtype() -> None:
     fmt = parse_format("int4/128")
     ref = _reference(quantize, _data(4 * 128 + 77, torch.bfloat16), fmt)

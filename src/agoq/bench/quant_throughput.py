@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # barrier for a descheduled thread (measured here: medians 10x the minimum with 2 threads).
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's default)")
     parser.add_argument("--device", default="cpu", help="device of the tensor (cpu, cuda)")
+    parser.add_argument("--backends", default="torch,compiled",
+                        help="comma-separated quantization paths to time (agoq.quant.backend: torch, compiled, triton)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
 
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from agoq.bench._common import RESULTS_DIR, write_result
-    from agoq.quant import dequantize, parse_format, quantize
+    from agoq.quant import backend, dequantize, parse_format, quantize
 
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
@@ -74,43 +76,13 @@ def run(args: argparse.Namespace) -> int:
     n = args.numel
     timed = _timer(device)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
-    in_bytes = n * x.element_size()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
-    rows: list[dict[str, Any]] = []
-    for fmt in formats:
-        q = quantize(x, fmt)  # warm-up (tables, allocator)
-        dequantize(q)
-        clone_t, q_t, dq_t = [], [], []
-        # Interleaved, so that the copy and the format see the same machine load.
-        for _ in range(args.repeats):
-            clone_t.append(timed(lambda: x.clone()))
-            q_t.append(timed(lambda: quantize(x, fmt)))
-            dq_t.append(timed(lambda: dequantize(q)))
-        c, tq, tdq = (statistics.median(t) for t in (clone_t, q_t, dq_t))
-        y = dequantize(q, torch.float32)
-        xf = x.float()
-        rows.append(
-            {
-                "format": fmt.name,
-                "numel": n,
-                "input_bytes": in_bytes,
-                "stored_bytes": q.nbytes,
-                "bits_per_value": round(8 * q.nbytes / n, 4),
-                "rel_l2_error_gaussian": float((xf - y).norm() / xf.norm()),
-                "clone_s": c,
-                "quantize_s": tq,
-                "dequantize_s": tdq,
-                "clone_gbps": in_bytes / c / 1e9,
-                "quantize_gbps": in_bytes / tq / 1e9,
-                "dequantize_gbps": in_bytes / tdq / 1e9,
-                "quantize_vs_clone": c / tq,
-                "dequantize_vs_clone": c / tdq,
-                "quantize_s_all": q_t,
-                "dequantize_s_all": dq_t,
-                "clone_s_all": clone_t,
-            }
-        )
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in backend.BACKENDS or b == "auto":
+            raise SystemExit(f"--backends: {b!r} is not one of torch, compiled, triton")
+    rows = [_measure(x, fmt, which, timed, args.repeats) for fmt in formats for which in backends]
     results = {
         "numel": n,
         "dtype": "bfloat16",
@@ -122,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     }
     command = (
         f"agoq bench quant-throughput --numel {n} --formats {','.join(f.name for f in formats)} "
-        f"--repeats {args.repeats} --threads {args.threads} --device {args.device}"
+        f"--repeats {args.repeats} --threads {args.threads} --device {args.device} --backends {','.join(backends)}"
     )
     path = write_result("quant_throughput", results, command=command)
     _plot(rows, n, RESULTS_DIR / "quant_throughput.png")
@@ -131,16 +103,57 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure(x: Any, fmt: Any, which: str, timed: Any, repeats: int) -> dict[str, Any]:
+    """One format on one quantization path: median times of clone, quantize and dequantize, interleaved."""
+    import torch
+
+    from agoq.quant import backend, dequantize, quantize
+
+    n, in_bytes = x.numel(), x.numel() * x.element_size()
+    with backend.use_backend(which):
+        q = quantize(x, fmt)  # warm-up (tables, allocator, compilation)
+        dequantize(q)
+        clone_t, q_t, dq_t = [], [], []
+        # Interleaved, so that the copy and the format see the same machine load.
+        for _ in range(repeats):
+            clone_t.append(timed(lambda: x.clone()))
+            q_t.append(timed(lambda: quantize(x, fmt)))
+            dq_t.append(timed(lambda: dequantize(q)))
+        y = dequantize(q, torch.float32)
+    c, tq, tdq = (statistics.median(t) for t in (clone_t, q_t, dq_t))
+    xf = x.float()
+    return {
+        "format": fmt.name,
+        "backend": which,
+        "numel": n,
+        "input_bytes": in_bytes,
+        "stored_bytes": q.nbytes,
+        "bits_per_value": round(8 * q.nbytes / n, 4),
+        "rel_l2_error_gaussian": float((xf - y).norm() / xf.norm()),
+        "clone_s": c,
+        "quantize_s": tq,
+        "dequantize_s": tdq,
+        "clone_gbps": in_bytes / c / 1e9,
+        "quantize_gbps": in_bytes / tq / 1e9,
+        "dequantize_gbps": in_bytes / tdq / 1e9,
+        "quantize_vs_clone": c / tq,
+        "dequantize_vs_clone": c / tdq,
+        "quantize_s_all": q_t,
+        "dequantize_s_all": dq_t,
+        "clone_s_all": clone_t,
+    }
+
+
 def _markdown(rows: list[dict[str, Any]], n: int, device: Any, threads: int) -> str:
     lines = [
         f"{n / 2**20:g}M bf16 elements on {device} ({threads} threads); GB/s of bf16 input; median of repeats",
         "",
-        "| format | bits/value | quantize GB/s | x clone | dequantize GB/s | x clone | clone GB/s | rel. L2 error (N(0,1)) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| format | path | bits/value | quantize GB/s | x clone | dequantize GB/s | x clone | clone GB/s | rel. L2 error (N(0,1)) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['format']} | {r['bits_per_value']:.3f} | {r['quantize_gbps']:.2f} | {r['quantize_vs_clone']:.2f} "
+            f"| {r['format']} | {r.get('backend', 'torch')} | {r['bits_per_value']:.3f} | {r['quantize_gbps']:.2f} | {r['quantize_vs_clone']:.2f} "
             f"| {r['dequantize_gbps']:.2f} | {r['dequantize_vs_clone']:.2f} | {r['clone_gbps']:.2f} | {r['rel_l2_error_gaussian']:.4f} |"
         )
     return "\n".join(lines)
@@ -154,9 +167,9 @@ def _plot(rows: list[dict[str, Any]], n: int, path: Any) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    names = [r["format"] for r in rows]
+    names = [f"{r['format']} {r.get('backend', 'torch')}" for r in rows]
     pos = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(max(9, 0.6 * len(rows)), 4))
     ax.bar([p - 0.2 for p in pos], [r["quantize_gbps"] for r in rows], width=0.4, label="quantize")
     ax.bar([p + 0.2 for p in pos], [r["dequantize_gbps"] for r in rows], width=0.4, label="dequantize")
     ax.axhline(statistics.median(r["clone_gbps"] for r in rows), color="k", linestyle="--", label="tensor.clone()")

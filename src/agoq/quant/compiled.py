@@ -37,6 +37,8 @@ from agoq.quant.qtensor import QTensor
 # only shape families (size 1 vs larger, contiguous or not): the default limit of 8 would do; this
 # leaves headroom for input dtypes.
 _RECOMPILE_LIMIT = 64
+# Values per call where a formula first unpacks codes eagerly: keeps that slab's codes in cache.
+SLAB_VALUES = 1 << 20
 _KERNELS: list[Callable[..., Any]] = []
 
 
@@ -284,7 +286,19 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if payload.numel() != whole:
         payload = F.pad(payload, (0, whole - payload.numel()))
     kernel = compiled(_dequantize_blocks, dtype=dtype or q.dtype, **_constants(fmt))
-    out = kernel(_codes(payload, fmt.bits), q.scales)
+    if fmt.bits == 8 or q.scales.numel() * fmt.block_size <= SLAB_VALUES:
+        out = kernel(_codes(payload, fmt.bits), q.scales)
+    else:
+        # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
+        # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4
+        # at 64M values, slabs of 1M 2x faster).
+        blocks = q.scales.numel()
+        per_slab = max(1, SLAB_VALUES // fmt.block_size)
+        out = torch.empty(blocks * fmt.block_size, dtype=dtype or q.dtype, device=q.device)
+        for b0 in range(0, blocks, per_slab):
+            b1 = min(blocks, b0 + per_slab)
+            lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
+            out[b0 * fmt.block_size : b1 * fmt.block_size] = kernel(_codes(payload[lo:hi], fmt.bits), q.scales[b0:b1])
     if out.numel() != n:  # the last block's padding: less than one block of spare values
         out = out[:n]
     return out.view(q.shape)
