@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
     parser.add_argument("--out-dir", default="runs/bench_fixed_budget", help="folder for the runs' outputs")
+    parser.add_argument("--quant-backend", default="compiled", choices=("torch", "compiled"),
+                        help="quantization path of every run (default compiled: what a long CPU run gets; auto would pick eager for these short runs)")
 
 
 def _measure(label: str, policy: list[str], recompute: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -36,6 +38,7 @@ def _measure(label: str, policy: list[str], recompute: int, args: argparse.Names
         # The chunked loss for both, so the comparison is only about what the decoder layers keep.
         "--precision.fused_loss=true",
         f"--data.batch_size={args.batch_size}", f"--data.seq_len={args.seq_len}", f"--train.steps={args.steps}",
+        f"--precision.quant_backend={args.quant_backend}",
         "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
         f"--train.out_dir={Path(args.out_dir) / f'{label}_r{recompute}'}",
     ])
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     fits = [r for r in bf16 if r["peak_saved_bytes"] <= cap]
     chosen = fits[0] if fits else None
     results = {
-        "config": f"tiny LLaMA, pp=2 x dp=2, 1f1b, 4 micro-batches, {args.batch_size} x {args.seq_len} tokens per step, chunked loss for both",
+        "config": f"tiny LLaMA, pp=2 x dp=2, 1f1b, 4 micro-batches, {args.batch_size} x {args.seq_len} tokens per step, chunked loss for both, "
+                  f"{args.quant_backend} quantization",
         "steps": args.steps,
         "cap_bytes": cap,
         "rows": [agoq, *bf16],
@@ -75,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
         "step_time_ratio_bf16_fit_vs_agoq": None if chosen is None else chosen["step_time_s"] / agoq["step_time_s"],
         "step_time_ratio_bf16_plain_vs_agoq": bf16[0]["step_time_s"] / agoq["step_time_s"],
     }
-    write_result("fixed_budget", results, command=f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps}")
+    write_result("fixed_budget", results, command=(
+        f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} --quant-backend {args.quant_backend}"
+    ))
     print(readme_markdown(results))
     return 0
 
