@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -30,28 +32,42 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+# A whole distributed check; the slowest (tests/test_train.py's runs) take about a minute on 2 cores.
+TIMEOUT_S = 600
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = TIMEOUT_S) -> list[Any]:
     """Call fn(rank, world_size, *args) on each rank of a gloo group; return the results by rank.
 
     ``fn`` must be a module-level function (it is pickled into spawned processes). Any exception on
-    any rank fails the caller with that rank's traceback.
+    any rank fails the caller with that rank's traceback; ranks that have not answered within
+    ``timeout`` seconds (a hung collective) are killed and named in the failure.
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors = []
+    deadline = time.monotonic() + timeout
     for _ in range(world_size):
-        rank, status, value = queue.get()
+        try:
+            rank, status, value = queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue_module.Empty:
+            silent = sorted(set(range(world_size)) - set(results) - {int(e.split()[1].rstrip(":")) for e in errors})
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"distributed check timed out after {timeout:.0f} s; ranks {silent} never answered (a hung collective?)") from None
         if status == "ok":
             results[rank] = value
         else:
             errors.append(f"rank {rank}:\n{value}")
     for p in procs:
-        p.join()
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
     if errors:
         raise AssertionError("distributed check failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -184,3 +184,20 @@ def test_llama_stages_pipelined_equal_full_model(ranks, name):
     from agoq.models import Llama
 
     assert held == {n for n, _ in Llama(_llama_config()).named_parameters()}
+
+
+def _hang_on_rank_one(rank: int, world: int) -> int:
+    import time
+
+    if rank == 1:
+        time.sleep(120)  # stands for a collective that never completes
+    return rank
+
+
+def test_a_hung_rank_fails_the_check_in_bounded_time_naming_it():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 5 s; ranks \[1\] never answered"):
+        run_distributed(_hang_on_rank_one, 2, timeout=5)
+    assert time.monotonic() - t0 < 30

@@ -24,44 +24,67 @@ def _bench_modules() -> dict[str, object]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``agoq`` command."""
+TRAIN_HELP = "train a LLaMA model (default: tiny model on the KJV Bible, 4 local processes, pp=2 x dp=2)"
+PLAN_HELP = "memory per pipeline rank of a real configuration, bf16 baseline vs AGoQ"
+BENCH_HELP = "run a measurement that backs a claim in the README"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of the ``agoq`` command, with the options of ``command`` (None: every command).
+
+    Only the command being run gets its options, so that ``agoq --help`` and ``agoq plan --help``
+    import neither torch nor the benchmarks.
+    """
     parser = argparse.ArgumentParser(
         prog="agoq",
         description="Train LLaMA-style models with 4-bit saved activations and 8-bit gradients (AGoQ).",
     )
     parser.add_argument("--version", action="version", version=f"agoq {agoq.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from agoq.train.config import config_help
+    every = command is None
+    if every or command == "train":
+        from agoq.train.config import config_help
 
-    train = sub.add_parser(
-        "train",
-        help="train a LLaMA model (default: tiny model on the KJV Bible, 4 local processes, pp=2 x dp=2)",
-        description="Train a LLaMA model with AGoQ. With no arguments: the embedded default run. "
-        "Override any config value with --section.key=value, e.g. --train.steps=50 --parallel.pp=1.",
-        epilog=config_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
-    train.add_argument("--max-restarts", type=int, default=0, help="restart the local workers this many times after a failure")
-    train.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML (file and overrides applied) and exit")
-    from agoq.plan.cli import DESCRIPTION as PLAN_DESCRIPTION, add_arguments as plan_arguments
+        train = sub.add_parser(
+            "train",
+            help=TRAIN_HELP,
+            description="Train a LLaMA model with AGoQ. With no arguments: the embedded default run. "
+            "Override any config value with --section.key=value, e.g. --train.steps=50 --parallel.pp=1.",
+            epilog=config_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
+        train.add_argument("--max-restarts", type=int, default=0, help="restart the local workers this many times after a failure")
+        train.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML (file and overrides applied) and exit")
+    else:
+        sub.add_parser("train", help=TRAIN_HELP)
+    if every or command == "plan":
+        from agoq.plan.cli import DESCRIPTION as PLAN_DESCRIPTION, add_arguments as plan_arguments
 
-    plan = sub.add_parser("plan", help="memory per pipeline rank of a real configuration, bf16 baseline vs AGoQ", description=PLAN_DESCRIPTION)
-    plan_arguments(plan)
-    bench = sub.add_parser("bench", help="run a measurement that backs a claim in the README")
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
-    for name, module in sorted(_bench_modules().items()):
-        p = bench_sub.add_parser(name, help=getattr(module, "DESCRIPTION", None), description=getattr(module, "DESCRIPTION", None))
-        module.add_arguments(p)  # type: ignore[attr-defined]
-        p.set_defaults(_bench_run=module.run)  # type: ignore[attr-defined]
+        plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_DESCRIPTION)
+        plan_arguments(plan)
+    else:
+        sub.add_parser("plan", help=PLAN_HELP)
+    bench = sub.add_parser("bench", help=BENCH_HELP)
+    if every or command == "bench":
+        bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
+        for name, module in sorted(_bench_modules().items()):
+            p = bench_sub.add_parser(name, help=getattr(module, "DESCRIPTION", None), description=getattr(module, "DESCRIPTION", None))
+            module.add_arguments(p)  # type: ignore[attr-defined]
+            p.set_defaults(_bench_run=module.run)  # type: ignore[attr-defined]
     return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv (the first argument that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agoq`` console script."""
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command(argv)
+    parser = build_parser(command if command in ("train", "plan", "bench") else "")
     # Config overrides (--section.key=value) go straight to the config loader: argparse would take
     # one whose value holds a space ("--model.overrides={n_layers = 4}") for the config file.
     overrides = [a for a in argv if a.startswith("--") and "." in a.split("=", 1)[0]] if argv[:1] == ["train"] else []
