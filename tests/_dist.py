@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -13,11 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from agoq.train.loopback import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
@@ -45,7 +40,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -164,19 +163,15 @@ def _local_worker(rank: int, world: int, port: int, sizes: list[int], reps: int,
         dist.destroy_process_group()
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def run_local(world: int, sizes: list[int], reps: int, fmt: str) -> list[dict[str, Any]]:
     """Rows of :func:`measure` from ``world`` spawned local gloo ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    from agoq.train.loopback import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_local_worker, args=(r, world, port, sizes, reps, fmt, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -285,7 +284,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
     if "agoq_val_loss_rel_diff" in t:
         spread = t["seed_std_val_loss"]
         lines.append(f"| full AGoQ val loss within 1% of bf16 | {t['agoq_val_loss_rel_diff']:+.2%}: {'yes' if t['agoq_within_1pct'] else 'no'} |")
-        lines.append(f"| ... inside the seed spread (difference of means <= the larger seed std) | "
+        lines.append("| ... inside the seed spread (difference of means <= the larger seed std) | "
                      + ("one seed only |" if spread is None else f"{abs(_diff(results, 'agoq')):.4f} vs std {spread:.4f}: {'yes' if t['agoq_inside_seed_spread'] else 'no'} |"))
     for n, label in (("uniform4", "uniform 4-bit (attention quantized too) measurably worse"), ("ring8", "8-bit ring sum (FP8-LM style) measurably worse")):
         if f"{n}_val_loss_diff" in t:

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step over all dp ranks")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
-    parser.add_argument("--out-dir", default="runs/bench_fixed_budget", help="folder for the runs' outputs")
+    parser.add_argument("--out-dir", default=None,
+                        help="folder for the runs and the result JSON (default: runs under runs/bench_fixed_budget, the result in benchmarks/results)")
     parser.add_argument("--quant-backend", default="compiled", choices=("torch", "compiled"),
                         help="quantization path of every run (default compiled: what a long CPU run gets; auto would pick eager for these short runs)")
 
@@ -40,7 +41,7 @@ def _measure(label: str, policy: list[str], recompute: int, args: argparse.Names
         f"--data.batch_size={args.batch_size}", f"--data.seq_len={args.seq_len}", f"--train.steps={args.steps}",
         f"--precision.quant_backend={args.quant_backend}",
         "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
-        f"--train.out_dir={Path(args.out_dir) / f'{label}_r{recompute}'}",
+        f"--train.out_dir={Path(args.out_dir or 'runs/bench_fixed_budget') / f'{label}_r{recompute}'}",
     ])
     s = launch(cfg)
     return {
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "step_time_ratio_bf16_fit_vs_agoq": None if chosen is None else chosen["step_time_s"] / agoq["step_time_s"],
         "step_time_ratio_bf16_plain_vs_agoq": bf16[0]["step_time_s"] / agoq["step_time_s"],
     }
-    write_result("fixed_budget", results, command=(
+    write_result("fixed_budget", results, out_dir=args.out_dir, command=(
         f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} --quant-backend {args.quant_backend}"
     ))
     print(readme_markdown(results))

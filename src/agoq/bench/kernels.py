@@ -193,7 +193,6 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """Time every kernel and a same-bytes copy, print a table, write kernels.json (and a PNG)."""
-    import json
     from pathlib import Path
 
     import torch

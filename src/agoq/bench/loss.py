@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any, Callable, Iterable
 

@@ -181,11 +181,11 @@ def _spawn(peer: str, steps: int, count_tensors: bool) -> dict[int, dict[str, An
     """Run DP ranks of one run in fresh processes; rank -> result."""
     import torch.multiprocessing as mp
 
-    from agoq.train.run import _free_port
+    from agoq.train.loopback import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_peer_worker, args=(r, peer, steps, port, queue, count_tensors)) for r in range(DP)]
     for p in procs:
         p.start()

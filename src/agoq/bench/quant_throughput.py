@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from agoq.bench._common import RESULTS_DIR, write_result
-    from agoq.quant import backend, dequantize, parse_format, quantize
+    from agoq.quant import backend, parse_format
 
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")

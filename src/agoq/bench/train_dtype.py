@@ -11,7 +11,8 @@ DESCRIPTION = "step time of the default training run with bf16 vs fp32 compute, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length and where runs go."""
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (the first is not timed)")
-    parser.add_argument("--out-dir", default="runs/bench_train_dtype", help="folder for the runs' outputs")
+    parser.add_argument("--out-dir", default=None,
+                        help="folder for the runs and the result JSON (default: runs under runs/bench_train_dtype, the result in benchmarks/results)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(None, [
             f"--precision.compute_dtype={dtype}", f"--train.steps={args.steps}", "--train.eval_every=0",
             "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
-            f"--train.out_dir={args.out_dir}/{dtype}",
+            f"--train.out_dir={args.out_dir or 'runs/bench_train_dtype'}/{dtype}",
         ])
         summary = launch(cfg)
         run = summary["run"]
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         "config": "embedded default (tiny, pp=2 x dp=2, 1f1b, agoq, int8 gradients)", "steps": args.steps, "rows": rows,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16_flags": list(cpu_bf16_flags()),
     }
-    write_result("train_dtype", results, command=f"agoq bench train-dtype --steps {args.steps}")
+    write_result("train_dtype", results, out_dir=args.out_dir, command=f"agoq bench train-dtype --steps {args.steps}")
     print(readme_markdown(results))
     return 0
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.quant import SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, quantize
+from agoq.quant.formats import round_up
 
 from agoq.gradient.collectives import (
     ChunkLayout,
@@ -136,7 +137,7 @@ class QuantGradBuffer:
             bucket_numel = (DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // 4
         if bucket_numel < 1:
             raise ValueError(f"bucket size must be at least one element, got {bucket_numel}")
-        self.bucket_numel = _round_up(bucket_numel, self.fmt.block_size)
+        self.bucket_numel = round_up(bucket_numel, self.fmt.block_size)
         self.buckets, self.segments = self._build_layout()
         self._region_cache: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
@@ -297,7 +298,7 @@ class QuantGradBuffer:
                 values = self.buckets[seg.bucket].values
                 for start in range(0, seg.numel, piece):
                     k = min(piece, seg.numel - start)
-                    region = values.blocks(seg.offset + start, _round_up(k, block))
+                    region = values.blocks(seg.offset + start, round_up(k, block))
                     cached.append((seg.param_offset + start, seg.param_offset + start + k, region.payload, region.scales))
             self._region_cache[pi] = cached
         return cached
@@ -305,7 +306,7 @@ class QuantGradBuffer:
     def _fold_piece(self, pi: int, bucket: _Bucket, offset: int, g: torch.Tensor, first: bool) -> None:
         """Fold k gradient values into the bucket region that starts at ``offset`` (a block boundary)."""
         block, k = self.fmt.block_size, g.numel()
-        n = _round_up(k, block)
+        n = round_up(k, block)
         region = bucket.values.blocks(offset, n)
         pay, sc = region.payload, region.scales
         kernels = backend.kernels(self.device, self.fmt)
@@ -553,7 +554,7 @@ def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -
     boundary; a parameter larger than what is left of a bucket continues in the next; a bucket is
     padded to world x whole blocks (the layout of the 8-bit collectives).
     """
-    cap = _round_up(bucket_numel, block)
+    cap = round_up(bucket_numel, block)
     per_bucket: list[list[Segment]] = [[]]
     fill = 0
     for pi in reversed(range(len(numels))):
@@ -564,13 +565,13 @@ def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -
                 fill = 0
             take = min(remaining, cap - fill)
             per_bucket[-1].append(Segment(pi, len(per_bucket) - 1, fill, poff, take))
-            fill += _round_up(take, block)
+            fill += round_up(take, block)
             remaining -= take
             poff += take
     out = []
     for segs in per_bucket:
-        used = max((s.offset + _round_up(s.numel, block) for s in segs), default=block)
-        out.append((_round_up(used, world * block), segs))
+        used = max((s.offset + round_up(s.numel, block) for s in segs), default=block)
+        out.append((round_up(used, world * block), segs))
     return out
 
 
@@ -590,6 +591,3 @@ def _named(
         out.append(p)
     return names, out
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

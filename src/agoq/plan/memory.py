@@ -758,9 +758,6 @@ def plan_memory(cfg: PlanConfig) -> Plan:
     return Plan(cfg, results, tuple(planner.inflight), planner.layer_units)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
 
 def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory: object) -> PlanConfig:
     """The PlanConfig of an ``agoq train`` configuration (tp = 1), to predict what its ranks hold.

@@ -259,3 +259,8 @@ def _tables_on(kind: str, device: str) -> CodebookTables:
 def codebook_tables(kind: str, device: torch.device | str = "cpu") -> CodebookTables:
     """The lookup tables of a codebook format (fp4, nf4 or fp8) on ``device``."""
     return _tables_on(kind, str(torch.device(device)))
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a whole number of ``multiple`` (blocks, packing groups, rank shares)."""
+    return -(-n // multiple) * multiple

@@ -20,6 +20,13 @@ LOOPBACK_ENV = "AGOQ_LOOPBACK"
 HOST = "127.0.0.1"
 
 
+def free_port(host: str = HOST) -> int:
+    """A TCP port free on ``host`` right now (for a server started just after; another process may take it first)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def listening_socket(port: int = 0) -> socket.socket:
     """A TCP socket listening on 127.0.0.1 (``port`` 0: any free one)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

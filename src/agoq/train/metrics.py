@@ -7,7 +7,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int:

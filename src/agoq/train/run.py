@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 import time
 import uuid
@@ -330,12 +329,6 @@ def resolve_auto_choices(cfg: TrainConfig) -> None:
         quant = choose_quant_backend("auto", device, cfg.train.steps)
         pr.quant_backend = quant.name
         print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:

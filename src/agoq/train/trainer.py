@@ -24,8 +24,8 @@ from agoq.models import Llama, LlamaConfig
 from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.train.gradsync import GradientSync, make_gradient_sync
-from agoq.train.metrics import JsonlWriter, Progress, peak_rss_bytes
-from agoq.train.optim import STEP_GROUP_BYTES, MasterWeightOptimizer, count_bytes, lr_at
+from agoq.train.metrics import JsonlWriter, peak_rss_bytes
+from agoq.train.optim import STEP_GROUP_BYTES, MasterWeightOptimizer, lr_at
 from agoq.train.saved import SavedActivationTracker, StepAllocations
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -263,7 +263,6 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over one global batch."""
-        cfg = self.cfg
         # The second step this process runs also counts its temporaries (the first one includes
         # torch's one-off shape inference and lazily created state); the count costs a Python call
         # per operator, so that step's time is not representative. A dispatch mode cannot watch

@@ -59,9 +59,6 @@ class ShardedBucket:
         return self.segments[0].param
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
 
 def _shard_buckets(plan: Iterable[tuple[int, list[Segment]]], world: int, rank: int) -> list[ShardedBucket]:
     """The buckets with this rank's pieces: each segment intersected with [rank * chunk, (rank + 1) * chunk)."""
