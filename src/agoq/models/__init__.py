@@ -4,8 +4,7 @@ Names are imported on first use (PEP 562), so reading a preset's numbers (agoq.m
 not import torch: ``agoq --help`` and ``agoq plan --help`` stay fast.
 """
 
-from importlib import import_module
-from typing import Any
+from agoq import _lazy_exports
 
 _HOMES = {
     "PRESETS": "agoq.models.config",
@@ -19,11 +18,4 @@ _HOMES = {
 }
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'agoq.models' has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_exports(__name__, _HOMES)

@@ -3,8 +3,7 @@
 Names are imported on first use (PEP 562), so ``agoq plan --help`` does not import torch.
 """
 
-from importlib import import_module
-from typing import Any
+from agoq import _lazy_exports
 
 _HOMES = {
     **{name: "agoq.plan.memory" for name in (
@@ -16,11 +15,4 @@ _HOMES = {
 }
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'agoq.plan' has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_exports(__name__, _HOMES)

@@ -267,6 +267,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+# (key, smallest allowed value, what the limit means) of the plain numeric lower bounds.
+MINIMUMS = (
+    ("optim.weight_decay", 0, ""),
+    ("optim.grad_clip", 0, " (0 disables clipping)"),
+    ("optim.warmup_steps", 0, ""),
+    ("train.steps", 1, ""),
+    ("train.eval_every", 0, " (0 disables evaluation)"),
+    ("train.eval_batches", 1, ""),
+    ("train.max_skipped_steps", 1, ""),
+    ("train.log_every", 1, ""),
+)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError for the first value that cannot work."""
     p, pr, o, d, t = cfg.parallel, cfg.precision, cfg.optim, cfg.data, cfg.train
@@ -357,24 +370,13 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1) (AdamW's moment decay; 0.9 and 0.95 are usual)")
     if o.eps <= 0:
         raise ConfigError(f"optim.eps={o.eps} must be > 0 (it keeps AdamW's division finite; 1e-8 is usual)")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
-    if o.grad_clip < 0:
-        raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    for key, least, why in MINIMUMS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value < least:
+            raise ConfigError(f"{key}={value} must be >= {least}{why}")
     if d.vocab_size < MIN_VOCAB_SIZE and d.tokenizer is None:
         raise ConfigError(f"data.vocab_size={d.vocab_size} must be at least {MIN_VOCAB_SIZE}: the trained byte-level BPE holds 256 bytes and its end-of-document token")
-    if t.steps < 1:
-        raise ConfigError(f"train.steps={t.steps} must be >= 1")
-    if t.eval_every < 0:
-        raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
-    if t.eval_batches < 1:
-        raise ConfigError(f"train.eval_batches={t.eval_batches} must be >= 1")
-    if t.max_skipped_steps < 1:
-        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
-    if t.log_every < 1:
-        raise ConfigError(f"train.log_every={t.log_every} must be >= 1")
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty; name a folder, e.g. --train.out_dir=runs/NAME")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
