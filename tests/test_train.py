@@ -273,3 +273,14 @@ def test_the_opening_lines_say_what_will_run_and_where(capsys):
         "agoq train: 200 steps of 16 x 128 tokens, then one bf16-policy step to measure the baseline; "
         "output in runs/x/ (summary.json, summary.md, loss.png, metrics/, checkpoints/)",
     ]
+
+
+def test_without_matplotlib_the_plot_is_skipped_not_the_run(tmp_path, monkeypatch):
+    import sys
+
+    from agoq.train.metrics import plot_run
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
+    summary = {"ranks": [], "baseline": None, "records": [{"step": 1, "loss": 5.0}]}
+    assert plot_run(summary, tmp_path / "loss.png", "t") is None
+    assert not (tmp_path / "loss.png").exists()

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                     "fused_step_cpu_s": swept[c][1], "plain_step_cpu_s": swept["plain"][1],
                     "cpu_ratio": swept[c][1] / swept["plain"][1],
                 })
-        del hidden, weight, targets
+        hidden = weight = targets = None  # free this vocabulary's tensors before the next one's
 
     results = {"rows": rows, "chunk_sweep": sweep}
     write_result("loss", results)

@@ -183,10 +183,13 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         out = Path(cfg.train.out_dir)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         (out / "summary.md").write_text(summary_markdown(summary) + "\n")
-        plot_run(summary, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
+        drawn = plot_run(summary, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
         print("\n" + summary_text(summary), flush=True)
+        plot = f"{drawn} (loss and memory), " if drawn else ""
         print(f"\nwritten: {out / 'summary.json'} (everything), {out / 'summary.md'} (the table as markdown), "
-              f"{out / 'loss.png'} (loss and memory), {out / 'metrics'}/rank*.jsonl (every step)", flush=True)
+              f"{plot}{out / 'metrics'}/rank*.jsonl (every step)", flush=True)
+        if drawn is None:
+            print("agoq train: no loss.png: matplotlib is not installed (pip install 'agoq[plot]')", flush=True)
     trainer.metrics.close()
     dist.barrier()
     if ctx.owns_group:
