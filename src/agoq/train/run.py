@@ -90,19 +90,43 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
 
     trainer = Trainer(cfg)
     ctx = trainer.ctx
-    ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
-    state = trainer.checkpoint_state()
-    if cfg.checkpoint.every or cfg.checkpoint.resume:
-        from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    latest = latest_checkpoint(ckpt_root) if cfg.checkpoint.resume else None
-    if latest is not None:
-        step, extra = load_checkpoint(ckpt_root, state["model"], state["optimizer"], layout=trainer.layout())
-        trainer.load_extra(step, extra)
-        if ctx.rank == 0:
-            print(f"agoq train: resuming from {latest} (step {step} of {cfg.train.steps}; every file's checksum verified)", flush=True)
-    # Rows of steps this run will (re)do come from it alone: after a resume, and when starting over.
+    _resume(trainer, cfg)
+    records = _train_loop(trainer, cfg)
+    # After training, so torch's one-off first-step shape inference is behind both measurements.
+    baseline = _measure_baseline(trainer) if cfg.train.baseline and cfg.precision.activations != "bf16" else None
+    mine = _rank_stats(trainer, records, baseline)
+    gathered: list[Any] = [None] * ctx.world
+    dist.all_gather_object(gathered, mine)
+    summary = None
+    if ctx.rank == 0 and records:
+        summary = summarize(cfg, records, gathered, baseline is not None)
+        _write_summary(cfg, summary)
+    trainer.metrics.close()
+    dist.barrier()
+    if ctx.owns_group:
+        dist.destroy_process_group()
+    return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
+
+
+def _resume(trainer: Any, cfg: TrainConfig) -> None:
+    """Continue from the newest checkpoint when resuming, and drop metrics rows of the steps this run will (re)do."""
+    if cfg.checkpoint.resume:
+        from agoq.train.checkpoint import latest_checkpoint, load_checkpoint
+
+        root = Path(cfg.train.out_dir) / "checkpoints"
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            state = trainer.checkpoint_state()
+            step, extra = load_checkpoint(root, state["model"], state["optimizer"], layout=trainer.layout())
+            trainer.load_extra(step, extra)
+            if trainer.ctx.rank == 0:
+                print(f"agoq train: resuming from {latest} (step {step} of {cfg.train.steps}; every file's checksum verified)", flush=True)
     trainer.metrics.keep_until(trainer.step)
-    progress = Progress(cfg.train.steps, initial=trainer.step, enabled=ctx.rank == 0, every=cfg.train.log_every)
+
+
+def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Train to train.steps: evaluate, log, checkpoint good steps, stop a run that stays non-finite."""
+    progress = Progress(cfg.train.steps, initial=trainer.step, enabled=trainer.ctx.rank == 0, every=cfg.train.log_every)
     records: list[dict[str, Any]] = []
     bad_in_a_row = 0
     while trainer.step < cfg.train.steps:
@@ -122,7 +146,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         trainer.metrics.write(rec)
         records.append(rec)
         progress.update(trainer.step, rec["loss"], rec["tokens_per_s"])
-        if len(records) == ESTIMATE_AFTER and trainer.step < cfg.train.steps:
+        if len(records) == ESTIMATE_AFTER and not last:
             # The first step holds one-time setup and the second counts every allocation: the third
             # is the first ordinary one.
             left = (cfg.train.steps - trainer.step) * rec["step_time_s"]
@@ -133,16 +157,22 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 # from a good step: the good ones it would prune stay.
                 progress.note(f"agoq train: step {trainer.step} not saved: its loss, gradients or weights are not finite")
                 continue
+            from agoq.train.checkpoint import save_checkpoint
+
+            state = trainer.checkpoint_state()
             save_checkpoint(
-                ckpt_root, trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
+                Path(cfg.train.out_dir) / "checkpoints", trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
                 keep=cfg.checkpoint.keep, layout=trainer.layout(), config=cfg.to_dict(),
             )
     progress.close()
-    # After training, so torch's one-off first-step shape inference is behind both measurements.
-    baseline = _measure_baseline(trainer) if cfg.train.baseline and cfg.precision.activations != "bf16" else None
+    return records
+
+
+def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's memory and communication figures for the summary."""
+    ctx = trainer.ctx
     # The first step also holds the graph of torch's shape inference; later steps do not.
     measured = records[1:] or records
-    peak_saved = max((r["peak_saved_bytes"] for r in measured), default=0)
     probe = next((r for r in records if r.get("memory_probe")), {})
     mine = {
         "rank": ctx.rank,
@@ -150,7 +180,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "dp_rank": ctx.dp_rank,
         "stages": ctx.stages,
         "layer_bits": trainer.stage_layer_bits(),
-        "peak_saved_bytes": peak_saved,
+        "peak_saved_bytes": max((r["peak_saved_bytes"] for r in measured), default=0),
         "peak_temporary_bytes": probe.get("peak_temporary_bytes"),
         "peak_temporary_bytes_by_phase": probe.get("peak_temporary_bytes_by_phase"),
         "peak_step_bytes": probe.get("peak_step_bytes"),
@@ -169,32 +199,33 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         # state plus the step's joint peak of saved activations and temporaries (small persistent
         # buffers, such as the pipeline's receive buffers, are not included).
         mine["peak_tensor_bytes"] = mine["param_bytes"] + mine["grad_buffer_bytes"] + mine["optimizer_bytes"] + mine["peak_step_bytes"]
-    gathered: list[Any] = [None] * ctx.world
-    dist.all_gather_object(gathered, mine)
-    summary = None
-    if ctx.rank == 0 and records:
-        # The first step includes one-time setup; the memory probe step counts every allocation.
-        timed = [r for r in records[1:] if not r.get("memory_probe")] or records
-        run = run_figures(records, timed, cfg.data.batch_size * cfg.data.seq_len)
-        base = None
-        if baseline is not None:
-            base = {"ranks": {str(g["rank"]): {"peak_saved_bytes": g["baseline_peak_saved_bytes"]} for g in gathered}}
-        summary = {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": gathered, "baseline": base, "records": records}
-        out = Path(cfg.train.out_dir)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (out / "summary.md").write_text(summary_markdown(summary) + "\n")
-        drawn = plot_run(summary, out / "loss.png", f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients")
-        print("\n" + summary_text(summary), flush=True)
-        plot = f"{drawn} (loss and memory), " if drawn else ""
-        print(f"\nwritten: {out / 'summary.json'} (everything), {out / 'summary.md'} (the table as markdown), "
-              f"{plot}{out / 'metrics'}/rank*.jsonl (every step)", flush=True)
-        if drawn is None:
-            print("agoq train: no loss.png: matplotlib is not installed (pip install 'agoq[plot]')", flush=True)
-    trainer.metrics.close()
-    dist.barrier()
-    if ctx.owns_group:
-        dist.destroy_process_group()
-    return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
+    return mine
+
+
+def summarize(cfg: TrainConfig, records: list[dict[str, Any]], ranks: list[dict[str, Any]], with_baseline: bool) -> dict[str, Any]:
+    """The run summary (summary.json): what ran, its figures, every rank's stats, the bf16 baseline, every step."""
+    # The first step includes one-time setup; the memory probe step counts every allocation.
+    timed = [r for r in records[1:] if not r.get("memory_probe")] or records
+    base = None
+    if with_baseline:
+        base = {"ranks": {str(g["rank"]): {"peak_saved_bytes": g["baseline_peak_saved_bytes"]} for g in ranks}}
+    run = run_figures(records, timed, cfg.data.batch_size * cfg.data.seq_len)
+    return {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": ranks, "baseline": base, "records": records}
+
+
+def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
+    """summary.json, summary.md and loss.png in out_dir, and the summary on the terminal."""
+    out = Path(cfg.train.out_dir)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(summary_markdown(summary) + "\n")
+    title = f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients"
+    drawn = plot_run(summary, out / "loss.png", title)
+    print("\n" + summary_text(summary), flush=True)
+    plot = f"{drawn} (loss and memory), " if drawn else ""
+    print(f"\nwritten: {out / 'summary.json'} (everything), {out / 'summary.md'} (the table as markdown), "
+          f"{plot}{out / 'metrics'}/rank*.jsonl (every step)", flush=True)
+    if drawn is None:
+        print("agoq train: no loss.png: matplotlib is not installed (pip install 'agoq[plot]')", flush=True)
 
 
 def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int) -> None:
