@@ -28,24 +28,6 @@ def _describe(cfg: TrainConfig) -> str:
     )
 
 
-def _measure_baseline(trainer: Any) -> dict[str, Any]:
-    """Saved-activation peak of one step under the bf16 policy, on a held-out batch, no update."""
-    from agoq.activation import make_policy
-
-    policy = trainer.policy
-    for m in trainer.modules:
-        m.set_policy(make_policy("bf16"))
-    x, y = trainer.val[0]
-    trainer.sync.start_step()
-    with trainer.tracker:
-        trainer.forward_backward(x, y)
-    peak = trainer.tracker.step_peak_bytes
-    trainer.sync.finish_step()
-    for m in trainer.modules:
-        m.set_policy(policy)
-    return {"peak_saved_bytes": peak}
-
-
 # The train loss a summary quotes is the mean over this many last steps: one step's loss is noisy
 # (on the default run it swings by +-0.2 nats from step to step).
 LOSS_WINDOW = 10
@@ -93,7 +75,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     _resume(trainer, cfg)
     records = _train_loop(trainer, cfg)
     # After training, so torch's one-off first-step shape inference is behind both measurements.
-    baseline = _measure_baseline(trainer) if cfg.train.baseline and cfg.precision.activations != "bf16" else None
+    baseline = trainer.measure_baseline() if cfg.train.baseline and cfg.precision.activations != "bf16" else None
     mine = _rank_stats(trainer, records, baseline)
     gathered: list[Any] = [None] * ctx.world
     dist.all_gather_object(gathered, mine)

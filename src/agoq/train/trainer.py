@@ -344,6 +344,23 @@ class Trainer:
             "dp_rank": self.ctx.dp_rank,
         }
 
+    def measure_baseline(self) -> dict[str, Any]:
+        """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
+        bf16 = make_policy("bf16")
+        for m in self.modules:
+            m.set_policy(bf16)
+        try:
+            x, y = self.val[0]
+            self.sync.start_step()
+            with self.tracker:
+                self.forward_backward(x, y)
+            peak = self.tracker.step_peak_bytes
+            self.sync.finish_step()
+        finally:
+            for m in self.modules:
+                m.set_policy(self.policy)
+        return {"peak_saved_bytes": peak}
+
     @torch.no_grad()
     def weights_finite(self) -> bool:
         """Whether every rank's parameters are finite (a collective: every rank must call it).
