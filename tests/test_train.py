@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
         "ring8_recompute": _cfg(tmp, "g", "--train.steps=3", "--precision.activations=bf16", "--precision.gradients=ring8", "--precision.recompute_layers=1"),
         "resume_first_half": _cfg(tmp, "d", "--train.steps=2", "--checkpoint.every=2", *fp32_plain),
         "resume_second_half": _cfg(tmp, "d", "--train.steps=4", "--checkpoint.resume=true", *fp32_plain),
-        "uniform4": _cfg(tmp, "e", "--train.steps=1", "--precision.stage_bits=uniform", "--precision.compute_dtype=fp32"),
+        "uniform4": _cfg(tmp, "e", "--train.steps=1", "--precision.stage_bits=uniform", "--precision.compute_dtype=fp32", "--train.baseline=true"),
         "dbca": _cfg(tmp, "f", "--train.steps=1", "--precision.stage_bits=dbca", "--precision.compute_dtype=fp32"),
         # torchao's step is torch.compile'd: the step that counts temporaries runs it eagerly.
         "adamw8bit": _cfg(tmp, "h", "--train.steps=2", "--optim.name=adamw8bit"),
@@ -284,3 +284,9 @@ def test_without_matplotlib_the_plot_is_skipped_not_the_run(tmp_path, monkeypatc
     summary = {"ranks": [], "baseline": None, "records": [{"step": 1, "loss": 5.0}]}
     assert plot_run(summary, tmp_path / "loss.png", "t") is None
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_the_bf16_baseline_is_measured_in_the_same_run_and_keeps_more(runs):
+    # uniform4 ran with train.baseline=true: one more forward/backward under the bf16 policy.
+    for stats in runs["results"][0]["uniform4"]["all_stats"]:
+        assert stats["baseline_peak_saved_bytes"] > 2 * stats["peak_saved_bytes"] > 0, stats
