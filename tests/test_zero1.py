@@ -75,7 +75,7 @@ def test_rank_shards_cover_every_parameter_element_exactly_once(world):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_rank_zero1_steps_exactly_like_the_master_weight_optimizer(dtype):
-    from agoq.train.gradsync import PlainGradientSync
+    from agoq.gradient.sync import PlainGradientSync
     from agoq.train.optim import MasterWeightOptimizer
 
     cfg = OptimSection(lr=1e-2, weight_decay=0.5)
@@ -196,7 +196,7 @@ def _direct_checks(rank: int, world: int) -> dict:
     """dp = 4 over the whole group, the toy model, a different batch per rank, several buckets."""
     import torch.distributed as dist
 
-    from agoq.train.gradsync import PlainGradientSync
+    from agoq.gradient.sync import PlainGradientSync
     from agoq.train.optim import MasterWeightOptimizer
 
     torch.set_num_threads(1)

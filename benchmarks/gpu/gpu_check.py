@@ -151,7 +151,7 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     from agoq.models.config import get_config
     from agoq.models.llama import Llama
     from agoq.train.config import OptimSection
-    from agoq.train.gradsync import PlainGradientSync, QuantizedGradientSync
+    from agoq.gradient.sync import PlainGradientSync, QuantizedGradientSync
     from agoq.train.optim import MasterWeightOptimizer
     from agoq.train.saved import SavedActivationTracker
 

@@ -23,7 +23,7 @@ from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
 from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
 from agoq.train.config import TrainConfig
-from agoq.train.gradsync import GradientSync, make_gradient_sync
+from agoq.gradient.sync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, peak_rss_bytes
 from agoq.train.optim import STEP_GROUP_BYTES, MasterWeightOptimizer, lr_at
 from agoq.train.saved import SavedActivationTracker, StepAllocations
@@ -214,7 +214,8 @@ class Trainer:
             self.sync: GradientSync = make_sharded_sync(cfg, self.params, ctx.dp_group, ctx.device)
             self.optimizer = Zero1Optimizer(self.params, cfg.optim, self.sync)
         else:
-            self.sync = make_gradient_sync(cfg, self.params, ctx.dp_group, ctx.device)
+            pr = cfg.precision
+            self.sync = make_gradient_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, cfg.parallel.microbatches, pr.gradient_block)
             self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)

@@ -29,7 +29,7 @@ import torch.nn as nn
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, all_finite, plan_buckets, sum_of_squares
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.train.config import OptimSection, TrainConfig
-from agoq.train.gradsync import GradientSync
+from agoq.gradient.sync import GradientSync
 from agoq.train.optim import fused_adamw, no_weight_decay, tensor_bytes
 
 

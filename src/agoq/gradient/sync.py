@@ -1,4 +1,4 @@
-"""Data-parallel gradient reduction for the trainer: QuanGrad's 8-bit path or a plain all-reduce.
+"""Data-parallel gradient reduction: QuanGrad's 8-bit path or a plain all-reduce, behind one interface.
 
 Both fold each parameter's gradient into a buffer the moment autograd finishes it (so the model's
 own .grad never accumulates across micro-batches in bf16), reduce the buffer over the dp group
@@ -16,7 +16,6 @@ import torch.nn as nn
 
 from agoq.gradient.buffer import all_finite, sum_of_squares
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
-from agoq.train.config import TrainConfig
 
 
 class GradientSync:
@@ -170,11 +169,12 @@ class QuantizedGradientSync(GradientSync):
         return self.buffer.storage_bytes
 
 
-def make_gradient_sync(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device) -> GradientSync:
-    """The gradient path the config asks for."""
-    mode = cfg.precision.gradients
+def make_gradient_sync(
+    mode: str, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, microbatches: int, block: int,
+) -> GradientSync:
+    """The gradient path for ``precision.gradients`` = ``mode`` (int8, ring8, fp32 or bf16)."""
     if mode == "int8":
-        return QuantizedGradientSync(params, group, cfg.parallel.microbatches, cfg.precision.gradient_block)
+        return QuantizedGradientSync(params, group, microbatches, block)
     if mode == "ring8":
         return PlainGradientSync(params, group, device, torch.float32, ring=True)
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)
