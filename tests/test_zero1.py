@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from agoq.train.config import OptimSection, load_config
-from agoq.train.zero1 import Fp32ShardedGradientSync, Zero1Optimizer, _shard_buckets, plan_buckets
+from agoq.gradient.sharded import Fp32ShardedGradientSync, _shard_buckets, plan_buckets
+from agoq.train.zero1 import Zero1Optimizer
 from tests._dist import run_distributed
 
 BASE = [

@@ -208,14 +208,15 @@ class Trainer:
             # torch's post-step division by the micro-batch count would find nothing: the loss is
             # divided instead, and the recorded losses are summed back.
             self.schedule = build_schedule(p.schedule, self.stages, p.microbatches, self._stage_loss, scale_grads=False)
+        pr = cfg.precision
         if p.zero1:
-            from agoq.train.zero1 import Zero1Optimizer, make_sharded_sync
+            from agoq.gradient.sharded import make_sharded_sync
+            from agoq.train.zero1 import Zero1Optimizer
 
-            self.sync: GradientSync = make_sharded_sync(cfg, self.params, ctx.dp_group, ctx.device)
+            self.sync: GradientSync = make_sharded_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
             self.optimizer = Zero1Optimizer(self.params, cfg.optim, self.sync)
         else:
-            pr = cfg.precision
-            self.sync = make_gradient_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, cfg.parallel.microbatches, pr.gradient_block)
+            self.sync = make_gradient_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
             self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)

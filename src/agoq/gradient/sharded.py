@@ -1,0 +1,204 @@
+"""Sharded gradient reduction for ZeRO-1: every dp rank ends a step with the fp32 sum of its shard only.
+
+Layout. Gradients live in the buckets of :class:`agoq.gradient.QuantGradBuffer` (parameters in
+backward order, each starting on a quantization-block boundary, each bucket padded to W x whole
+blocks); every bucket is cut into W equal chunks and dp rank r owns chunk r. The fp32 path lays
+its flat buffer out the same way (:func:`plan_buckets`), so a checkpoint does not depend on the
+gradient precision. Gradients are reduce-scattered over dp: QuanGrad's 8-bit reduce-scatter
+(all-to-all of 8-bit chunks, fp32 sum, no re-quantization: METHOD.md part 3, steps 1-3) or
+torch's fp32 reduce-scatter. The optimizer that steps the shards is agoq.train.zero1.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, all_finite, plan_buckets, sum_of_squares
+from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
+from agoq.gradient.sync import GradientSync
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that falls into this rank's shard of one bucket."""
+
+    param: int
+    param_offset: int  # first element in the flattened parameter
+    shard_offset: int  # first element in this rank's shard
+    numel: int
+
+
+@dataclass
+class ShardedBucket:
+    """One gradient bucket: its flat size, its parameter segments and this rank's share of it."""
+
+    index: int
+    numel: int  # world x chunk, padding included
+    chunk: int  # elements per rank
+    segments: list[Segment]
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def first_param(self) -> int:
+        """Index of the parameter the bucket starts with."""
+        return self.segments[0].param
+
+
+
+def _shard_buckets(plan: Iterable[tuple[int, list[Segment]]], world: int, rank: int) -> list[ShardedBucket]:
+    """The buckets with this rank's pieces: each segment intersected with [rank * chunk, (rank + 1) * chunk)."""
+    buckets = []
+    for b, (numel, segs) in enumerate(plan):
+        if numel % world:
+            raise ValueError(f"bucket {b} has {numel} elements, not a multiple of the dp size {world}")
+        chunk = numel // world
+        lo, hi = rank * chunk, (rank + 1) * chunk
+        pieces = []
+        for s in segs:
+            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if start < end:
+                pieces.append(Piece(s.param, s.param_offset + start - s.offset, start - lo, end - start))
+        buckets.append(ShardedBucket(b, numel, chunk, list(segs), pieces))
+    return buckets
+
+
+class ShardedGradientSync(GradientSync):
+    """Gradients reduce-scattered over dp: after :meth:`reduce`, this rank holds one fp32 shard per bucket.
+
+    :meth:`gradients` yields (bucket index, shard), which :class:`Zero1Optimizer` takes.
+    """
+
+    sharded = True
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, buckets: list[ShardedBucket], counter: CommCounter) -> None:
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.group = group
+        self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+        self.buckets = buckets
+        self.counter = counter
+        self._shards: list[torch.Tensor] = []
+
+    @property
+    def wire_bytes_last_step(self) -> int:  # type: ignore[override]
+        """Bytes this rank sent since start_step: the reduce-scatter and the optimizer's all-gather."""
+        return self.counter.bytes()
+
+    def start_step(self) -> None:
+        self.counter.reset()
+        self._shards = []
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's reduced fp32 shard of every bucket (``chunk`` values each), after reduce()."""
+        return self._shards
+
+    def local_grad_sq_norm(self) -> float:
+        return float(sum(sum_of_squares(s) for s in self._shards)) if self._shards else 0.0
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        yield from enumerate(self._shards)
+
+    def fp32_wire_bytes(self) -> int:
+        return ring_all_reduce_bytes(sum(p.numel() for p in self.params) * 4, self.world)
+
+
+class Fp32ShardedGradientSync(ShardedGradientSync):
+    """An fp32 flat buffer per bucket, reduce-scattered in fp32 (torch's reduce_scatter_single)."""
+
+    def __init__(
+        self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, block: int,
+        bucket_numel: int = DEFAULT_BUCKET_BYTES // 4,
+    ) -> None:
+        world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+        plan = plan_buckets([p.numel() for _, p in params], block, bucket_numel, world)
+        super().__init__(params, group, _shard_buckets(plan, world, rank), CommCounter())
+        self.flat = [torch.zeros(b.numel, dtype=torch.float32, device=device) for b in self.buckets]
+        self._where: list[list[Segment]] = [[] for _ in self.params]
+        for b in self.buckets:
+            for s in b.segments:
+                self._where[s.param].append(s)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._fold(i)) for i, p in enumerate(self.params)]
+
+    def _fold(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad.detach().reshape(-1)
+            for s in self._where[i]:
+                self.flat[s.bucket][s.offset : s.offset + s.numel].add_(g[s.param_offset : s.param_offset + s.numel])
+            p.grad = None
+
+        return hook
+
+    def reduce(self) -> bool:
+        ok = all(all_finite(f) for f in self.flat)
+        if not ok:
+            bad = [self.names[i] for i, ss in enumerate(self._where)
+                   if not all(bool(torch.isfinite(self.flat[s.bucket][s.offset : s.offset + s.numel]).all()) for s in ss)]
+            warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
+        self._shards = []
+        # Issued whatever this rank saw: every dp rank must call the same collectives.
+        for b, flat in zip(self.buckets, self.flat):
+            if self.world > 1:
+                shard = torch.empty(b.chunk, dtype=torch.float32, device=flat.device)
+                dist.reduce_scatter_single(shard, flat, group=self.group)  # SUM: gloo has no AVG
+                shard.div_(self.world)
+            else:
+                shard = flat
+            self.counter.record("grad_reduce_scatter_fp32", (self.world - 1) * b.chunk * 4)
+            self._shards.append(shard)
+        return ok and all(all_finite(s) for s in self._shards)
+
+    def finish_step(self) -> None:
+        for f in self.flat:
+            f.zero_()
+        self._shards = []
+
+    def buffer_bytes(self) -> int:
+        return sum(f.numel() * 4 for f in self.flat)
+
+
+class QuantizedShardedGradientSync(ShardedGradientSync):
+    """QuanGrad's 8-bit buffer with the 8-bit reduce-scatter: shards are fp32 sums, never re-quantized."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, microbatches: int, block: int) -> None:
+        from agoq.gradient.buffer import QuantGradBuffer
+
+        counter = CommCounter()
+        self.buffer = QuantGradBuffer(
+            params, fmt=f"int8/{block}", group=group, op="avg", microbatches=microbatches,
+            collective="reduce_scatter", counter=counter,
+        )
+        plan = [(b.layout.world_size * b.layout.padded_chunk, b.segments) for b in self.buffer.buckets]
+        super().__init__(params, group, _shard_buckets(plan, self.buffer.world_size, self.buffer.rank), counter)
+
+    def start_step(self) -> None:
+        super().start_step()
+        self.buffer.zero_grad()
+
+    def reduce(self) -> bool:
+        ok = self.buffer.finish()
+        self._shards = [shard[: b.chunk] for b, (_, _, _, shard) in zip(self.buckets, self.buffer.local_shards())] if ok else []
+        return ok
+
+    def finish_step(self) -> None:
+        self.buffer.zero_grad()
+        self._shards = []
+
+    def buffer_bytes(self) -> int:
+        return self.buffer.storage_bytes
+
+
+def make_sharded_sync(
+    mode: str, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, microbatches: int, block: int,
+) -> ShardedGradientSync:
+    """The ZeRO-1 gradient path for ``precision.gradients`` = ``mode`` (int8 or fp32)."""
+    if mode == "int8":
+        return QuantizedShardedGradientSync(params, group, microbatches, block)
+    if mode == "fp32":
+        return Fp32ShardedGradientSync(params, group, device, block)
+    raise ValueError(f"parallel.zero1=true needs precision.gradients = int8 or fp32, got {mode!r}")
