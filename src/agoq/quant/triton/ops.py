@@ -44,18 +44,18 @@ NORM_BACKWARD_PROGRAMS = 264
 class _Spec:
     """A format as kernel constants, with its lookup tables on one device."""
 
-    kind: int
-    bits: int
-    nbnd: int
-    maxv: float
-    block: int
-    bp: int
-    g: int
-    gb: int
-    gbp: int
-    boundaries: torch.Tensor
-    codes: torch.Tensor
-    values: torch.Tensor
+    kind: int  # K.KIND_INT, K.KIND_TABLE (fp4/nf4 codebook) or K.KIND_FP8: the kernels branch on it at compile time
+    bits: int  # bits per code
+    nbnd: int  # codebook decision boundaries (15 for a 16-value codebook, 0 otherwise)
+    maxv: float  # largest magnitude a code represents: a block's scale is absmax / maxv
+    block: int  # values per scale
+    bp: int  # block rounded up to a power of two: a tile row (Triton ranges must be powers of two)
+    g: int  # codes per packing group (packing.packing_group)
+    gb: int  # bytes per packing group
+    gbp: int  # gb rounded up to a power of two: the group's byte lanes in a tile
+    boundaries: torch.Tensor  # the codebook's decision boundaries, ascending
+    codes: torch.Tensor  # the code of each codebook value in ascending value order
+    values: torch.Tensor  # each code's value
 
     def constants(self) -> dict:
         """The constexpr arguments every quantizing kernel takes."""
