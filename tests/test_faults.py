@@ -336,3 +336,14 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, capsys):
     capsys.readouterr()
     assert seen, "no listening socket was seen during the run"
     assert all(addr in LOOPBACK for addr, _ in seen), sorted(seen)
+
+
+def test_a_resumed_run_says_which_checkpoint_it_continues_from(tmp_path, capfd):
+    from agoq.cli import main
+
+    args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}", "--checkpoint.every=2"]
+    assert main(["train", *args, "--train.steps=2"]) == 0
+    capfd.readouterr()
+    assert main(["train", *args, "--train.steps=3"]) == 0
+    out = capfd.readouterr().out  # printed by rank 0, a worker process
+    assert f"agoq train: resuming from {tmp_path / 'run' / 'checkpoints' / 'step_000002'} (step 2 of 3;" in out, out[-3000:]
