@@ -377,18 +377,19 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     check_data(cfg, len(data.train), len(data.val))
     resolve_auto_choices(cfg)
     announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}")
-    # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted gloo
-    # workers the dead round's addresses ("Connection refused"); a fresh store per round avoids it.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store
     # is hosted here on 127.0.0.1, rank 0's store likewise, and gloo connects over loopback.
     from agoq.train.loopback import LOOPBACK_ENV, loopback_interface, loopback_store
 
     rdzv_store, rdzv_port = loopback_store()
-    os.environ[LOOPBACK_ENV] = "1"
     iface = loopback_interface()
-    if iface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+    worker_env = {
+        # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted
+        # gloo workers the dead round's addresses ("Connection refused"); a fresh one per round avoids it.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+        LOOPBACK_ENV: "1",
+        **({"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface)} if iface else {}),
+    }
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -405,8 +406,15 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     # Earlier failures' logs would be mistaken for this run's.
     for stale in (Path(cfg.train.out_dir) / "logs").glob("rank*.error"):
         stale.unlink(missing_ok=True)
+    saved = {k: os.environ.get(k) for k in worker_env}
+    os.environ.update(worker_env)  # the spawned workers inherit it; this process gets its own back after
     try:
         results = elastic_launch(config, worker_entry)(cfg)
     finally:
         del rdzv_store  # closes its socket
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return results.get(0)
