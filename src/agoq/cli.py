@@ -125,7 +125,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from agoq.train.lock import FolderInUse
-    from agoq.train.run import failure_line, launch
+    from agoq.train.run import checkpoint_root, failure_line, launch
 
     import torch.distributed.launcher.api  # noqa: F401  (its loggers must exist to be quieted)
 
@@ -140,7 +140,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     except (KeyboardInterrupt, SignalException):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while shutting down prints no traceback
-        print(f"agoq train: interrupted; checkpoints already written in {cfg.train.out_dir}/checkpoints are intact, "
+        print(f"agoq train: interrupted; checkpoints already written in {checkpoint_root(cfg)} are intact, "
               "and running the same command resumes from the newest", file=sys.stderr)
         return 130
     except ChildFailedError as e:

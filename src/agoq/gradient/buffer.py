@@ -165,15 +165,18 @@ class QuantGradBuffer:
             segs.sort(key=lambda seg: seg.param_offset)
         return buckets, segments
 
+    def _whole_blocks(self, values: int) -> int:
+        """``values`` rounded down to whole blocks (at least one block): the size of a fold or read-back piece."""
+        return max(1, values // self.fmt.block_size) * self.fmt.block_size
+
     @property
     def _piece(self) -> int:
         """Values dequantized at once when folding or reading back: FOLD_PIECE in whole blocks."""
-        return max(1, FOLD_PIECE // self.fmt.block_size) * self.fmt.block_size
+        return self._whole_blocks(FOLD_PIECE)
 
     def _compiled_fold_bytes(self, n: int) -> int:
         """Temporaries of one compiled fold of ``n`` values: the new payload, then per block its scale, max and min (fp32)."""
-        blocks = -(-n // self.fmt.block_size)
-        return self.fmt.payload_bytes(blocks * self.fmt.block_size) + 3 * 4 * blocks
+        return self.fmt.payload_bytes(round_up(n, self.fmt.block_size)) + 3 * 4 * self.fmt.num_blocks(n)
 
     @property
     def storage_bytes(self) -> int:
@@ -292,8 +295,7 @@ class QuantGradBuffer:
         cached = self._region_cache.get(pi)
         if cached is None:
             cached = []
-            block = self.fmt.block_size
-            piece = max(1, COMPILED_FOLD_PIECE // block) * block
+            block, piece = self.fmt.block_size, self._whole_blocks(COMPILED_FOLD_PIECE)
             for seg in self.segments[pi]:
                 values = self.buckets[seg.bucket].values
                 for start in range(0, seg.numel, piece):

@@ -75,6 +75,14 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def checkpoint_step(step_dir: str | os.PathLike) -> int:
+    """The step a ``step_NNNNNN`` folder holds (the inverse of :func:`step_dir_name`)."""
+    m = _STEP_RE.match(Path(step_dir).name)
+    if m is None:
+        raise CheckpointError(f"{step_dir} is not a step_NNNNNN checkpoint folder")
+    return int(m.group(1))
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest finished checkpoint folder under root (``latest`` first, else a scan), or None."""
     root = Path(root)

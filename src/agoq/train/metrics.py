@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 
-def peak_rss_bytes(pid: int | str = "self") -> int:
-    """Peak resident memory of a process (this one by default): VmHWM of /proc/<pid>/status.
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process: VmHWM of /proc/self/status.
 
     Not getrusage's ru_maxrss: Linux keeps that across execve, so a worker the launcher spawned
     would report the launcher's own peak until it outgrew it. VmHWM belongs to the process's own
     address space. Where /proc is missing (macOS), ru_maxrss is the best there is (bytes there).
     """
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024  # kB

@@ -62,6 +62,11 @@ class TrainingDiverged(RuntimeError):
     """The run stopped because its loss or gradients stayed non-finite; the message says for how long and what to change."""
 
 
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    """Where a run's checkpoints live: out_dir/checkpoints."""
+    return Path(cfg.train.out_dir) / "checkpoints"
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
@@ -95,7 +100,7 @@ def _resume(trainer: Any, cfg: TrainConfig) -> None:
     if cfg.checkpoint.resume:
         from agoq.train.checkpoint import latest_checkpoint, load_checkpoint
 
-        root = Path(cfg.train.out_dir) / "checkpoints"
+        root = checkpoint_root(cfg)
         latest = latest_checkpoint(root)
         if latest is not None:
             state = trainer.checkpoint_state()
@@ -143,7 +148,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
 
             state = trainer.checkpoint_state()
             save_checkpoint(
-                Path(cfg.train.out_dir) / "checkpoints", trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
+                checkpoint_root(cfg), trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
                 keep=cfg.checkpoint.keep, layout=trainer.layout(), config=cfg.to_dict(),
             )
     progress.close()
@@ -252,12 +257,12 @@ def finished_run(cfg: TrainConfig) -> int | None:
     """The step of the newest checkpoint when it already reaches train.steps (so resuming would train nothing), else None."""
     if not cfg.checkpoint.resume:
         return None
-    from agoq.train.checkpoint import latest_checkpoint
+    from agoq.train.checkpoint import checkpoint_step, latest_checkpoint
 
-    latest = latest_checkpoint(Path(cfg.train.out_dir) / "checkpoints")
+    latest = latest_checkpoint(checkpoint_root(cfg))
     if latest is None:
         return None
-    step = int(latest.name.rsplit("_", 1)[-1])
+    step = checkpoint_step(latest)
     return step if step >= cfg.train.steps else None
 
 
@@ -293,14 +298,14 @@ def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
         import signal
         import traceback
 
-        if isinstance(e, KeyboardInterrupt):
+        interrupted = isinstance(e, KeyboardInterrupt)
+        if interrupted:
             # The launcher signals its workers again while they exit; a second interrupt inside
             # Python's exit handlers would print a traceback of its own.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rank = os.environ.get("RANK", "0")
         logs = Path(cfg.train.out_dir) / "logs"
-        interrupted = isinstance(e, KeyboardInterrupt)
         try:
             logs.mkdir(parents=True, exist_ok=True)
             (logs / f"rank{rank}.log").write_text("".join(traceback.format_exception(e)))
