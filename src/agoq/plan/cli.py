@@ -70,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         setups = tuple(s.strip() for s in args.configs.split(",") if s.strip()) if args.configs else DEFAULT_SETUPS
         global_batch = args.global_batch if args.global_batch is not None else args.micro_batch * args.dp * args.pp
+        fields = _fields(args.model_field)
         cfg = make_plan_config(
-            args.model, _fields(args.model_field),
+            args.model, fields,
             seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
             global_batch=global_batch, schedule=args.schedule, virtual_stages=args.virtual_stages,
             dtype=args.dtype, activation_format=args.activation_format, stage_bits=args.stage_bits,
@@ -81,10 +82,11 @@ def run(args: argparse.Namespace) -> int:
             memory_budget=None if args.memory_budget is None else parse_size(args.memory_budget),
             setups=setups,
         )
-        limit = cfg.model.max_seq_len if "max_seq_len" in _fields(args.model_field) else None
         from agoq.models.config import PRESETS
 
-        limit = limit or PRESETS[args.model].max_seq_len
+        # The model's own context: a --model-field max_seq_len, else the preset's (make_plan_config
+        # raises the config's to fit the sequence, so cfg.model cannot tell).
+        limit = cfg.model.max_seq_len if "max_seq_len" in fields else PRESETS[args.model].max_seq_len
         if args.seq_len > limit:
             print(f"agoq plan: warning: --seq-len {args.seq_len} is beyond {args.model}'s max_seq_len {limit} "
                   "(the longest context it was built for); planned anyway", file=sys.stderr)
