@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
-from agoq.quant.packing import packing_group, unpack_into
+from agoq.quant.packing import pack_into, packed_nbytes, packing_group, unpack_into
 from agoq.quant.qtensor import QTensor
 
 # Each (formula, constants) pair has a code object of its own (see _compiled), so recompiles are
@@ -88,10 +88,9 @@ def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
 
 # ---- the formulas (traced by torch.compile; each also runs eagerly) ------------------------------------
 #
-# Codes are carried as exact small integers in floating point (fp32 where a packing group fills
-# one byte, fp64 where it spans up to 5 bytes, below 2**53): inductor vectorizes float arithmetic
-# over a small inner dimension well, and integer shifts hardly at all (measured: packing int4 with
-# int16 shifts cost 1.3 ms per 352K values, with float weights 0.4 ms including the quantization).
+# Codes are computed as exact small integers in fp32 (inductor vectorizes float arithmetic well and
+# integer shifts hardly at all) and leave the graph as one byte each; packing them is the SWAR
+# path's work (agoq.quant.packing), outside the graph, on contiguous words.
 
 
 def _encode(y: torch.Tensor, kind: str, bits: int, book: tuple) -> torch.Tensor:
@@ -100,44 +99,48 @@ def _encode(y: torch.Tensor, kind: str, bits: int, book: tuple) -> torch.Tensor:
         return torch.round(y) + (1 << (bits - 1))
     if kind == "fp8":
         return y.to(torch.float8_e4m3fn).view(torch.uint8).float()
-    # Value i wins iff exactly i boundaries lie below y, so its code is codes[0] plus the steps
-    # codes[i+1] - codes[i] of every boundary below y: 15 comparisons against literal constants,
-    # one vectorized loop (a table lookup or a comparison against a tensor measured 40x slower).
+    # Value i wins iff exactly i boundaries lie below y: a binary search finds i's bits (4
+    # comparisons), and they select its code (see _search; a table lookup or a comparison against a
+    # tensor measured 40x slower, counting all 15 boundaries 2x slower).
     boundaries, codes, _ = book
-    code = torch.full_like(y, float(codes[0]))
-    for b, lo, hi in zip(boundaries, codes[:-1], codes[1:]):
-        code = code + (y > b).float() * float(hi - lo)
-    return code
+    return _select(_search(y, boundaries), codes)
 
 
-def _code_dtype(bits: int) -> torch.dtype:
-    return torch.float32 if packing_group(bits)[1] == 1 else torch.float64
+def _search(y: torch.Tensor, boundaries: tuple) -> list[torch.Tensor]:
+    """The bits, highest first, of i = the number of ``boundaries`` (ascending) below each y.
 
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Little-endian packing of [blocks, block] codes given as exact floats: uint8 [blocks, block * bits / 8].
-
-    The block dimension stays outermost, so each block's loop is a short contiguous one that
-    vectorizes (flattening it costs an integer division per element: 3x slower).
+    A binary search in log2 steps, each one comparison against a threshold that the bits found so
+    far select among literal constants: 4 comparisons and 11 selects for 15 boundaries, a third of
+    the work of counting them one by one, with few live registers. Padded with +inf, which no
+    finite y exceeds, to 2**k - 1 boundaries.
     """
-    if bits == 8:
-        return codes.to(torch.uint8)
-    g, gbytes = packing_group(bits)
-    dt = _code_dtype(bits)
-    blocks, block = codes.shape
-    weights = torch.tensor([2.0 ** (bits * k) for k in range(g)], dtype=dt, device=codes.device)
-    word = (codes.to(dt).view(blocks, block // g, g) * weights).sum(-1)  # exact: below 2**40
-    if gbytes == 1:
-        return word.to(torch.uint8)
-    word = word.unsqueeze(-1)
-    cut = torch.tensor([256.0**j for j in range(gbytes + 1)], dtype=dt, device=codes.device)
-    # byte j = floor(word / 256**j) - 256 * floor(word / 256**(j+1)): exact for integers below 2**53.
-    above = torch.floor(word / cut)
-    return (above[..., :-1] - 256.0 * above[..., 1:]).to(torch.uint8).view(blocks, -1)
+    depth = max(1, math.ceil(math.log2(len(boundaries) + 1)))
+    padded = tuple(boundaries) + (math.inf,) * ((1 << depth) - 1 - len(boundaries))
+    bits: list[torch.Tensor] = []
+    for level in range(depth):
+        # With the higher bits h fixed, the next bit is 1 iff y lies above boundary h * 2**(depth-level) + 2**(depth-level-1) - 1.
+        span = 1 << (depth - level)
+        thresholds = tuple(padded[h * span + span // 2 - 1] for h in range(1 << level))
+        bits.append(y > _select(bits, thresholds) if level else y > thresholds[0])
+    return bits
+
+
+def _select(bits: list[torch.Tensor], table: tuple) -> torch.Tensor | float:
+    """table[i] for the index i whose bits (highest first) are ``bits``, as a tree of selects of literals (missing entries repeat the last)."""
+    if not bits:
+        return float(table[0])
+    half = 1 << (len(bits) - 1)
+    high, low = table[half:] or table[-1:], table[:half]
+    return torch.where(bits[0], _select(bits[1:], high), _select(bits[1:], low))
 
 
 def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, bits: int, max_value: float, book: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed payload, fp32 scales) of flat ``x`` of whole blocks, assuming finite input.
+    """(one uint8 code per value, fp32 scales) of flat ``x`` of whole blocks, assuming finite input.
+
+    Packing is left to the caller (_pack_codes): packing inside the graph reads the codes with a
+    stride of g, which inductor does not vectorize, and it split the encoding into two loops with a
+    4-byte-per-value buffer between them (measured fp4: 0.25x of a copy; codes out, then packed
+    by the SWAR path a slab at a time while they are in cache: see quantize).
 
     A block holding NaN/Inf comes out with a non-finite scale; the caller redoes such a tensor on
     the reference path, which handles it (rare, and it keeps the per-element loop free of masks).
@@ -148,7 +151,7 @@ def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, bits: int, max_v
     low = s.double() * max_value < absmax.double()
     s = torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
     y = y / torch.where(s > 0, s, 1.0).unsqueeze(1)
-    return _pack(_encode(y, kind, bits, book), bits).view(-1), s
+    return _encode(y, kind, bits, book).to(torch.uint8).view(-1), s
 
 
 def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, bits: int, book: tuple) -> torch.Tensor:
@@ -159,17 +162,20 @@ def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, bi
         c = codes.float().view(-1, block)
         if kind == "int":
             v = c - (1 << (bits - 1))
-        else:  # 16 codes: select against literal values (vectorizes; a gather does not)
-            v = torch.zeros_like(c, dtype=torch.float32)
-            for code, value in enumerate(book[2]):
-                if value != 0.0 or math.copysign(1.0, value) < 0:  # v starts at +0; fp4's code 8 is -0
-                    v = torch.where(c == code, value, v)
+        else:  # 16 codes: their bits select among literal values (vectorizes; a gather does not)
+            by_code = book[2]
+            v = _select(_search(c, tuple(k + 0.5 for k in range(len(by_code) - 1))), by_code)
     return v * scales.unsqueeze(1)
 
 
-def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """The values of whole blocks, multiplied in fp32 and rounded once into ``dtype``."""
-    return _values(codes, scales, block, kind, bits, book).view(-1).to(dtype)
+def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> None:
+    """Writes into ``out`` ([blocks, block]) the values of whole blocks, multiplied in fp32 and rounded once.
+
+    Written in place and in the blocks' shape: a 1-D result split the graph's loop in two, with an
+    fp32 buffer of every value between them, and returning a slab's values cost a copy into the
+    whole (measured fp4 at 16M values: 0.36x -> 0.5x of a copy).
+    """
+    out.copy_(_values(codes, scales, block, kind, bits, book))
 
 
 def _accumulate(
@@ -185,30 +191,30 @@ def _accumulate(
     x = grad.float()
     if not first:
         x = _values(codes, scales, block, kind, bits, book).view(-1) + x
-    new_payload, new_scales = _quantize_blocks(x, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
-    return new_payload, torch.where(torch.isfinite(new_scales), new_scales, math.nan)
+    new_codes, new_scales = _quantize_blocks(x, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+    return new_codes, torch.where(torch.isfinite(new_scales), new_scales, math.nan)
 
 
 def _fold(
     codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, *, first: bool, block: int, kind: str, bits: int, max_value: float, book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_accumulate for the gradient buffer: (payload, scales with 0 for non-finite blocks, whether there was one)."""
-    payload, new_scales = _accumulate(codes, scales, grad, first=first, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+    """_accumulate for the gradient buffer: (codes, scales with 0 for non-finite blocks, whether there was one)."""
+    new_codes, new_scales = _accumulate(codes, scales, grad, first=first, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
     bad = torch.isnan(new_scales)
-    return payload, torch.where(bad, 0.0, new_scales), bad.any()
+    return new_codes, torch.where(bad, 0.0, new_scales), bad.any()
 
 
 def _reduce_rows(
     code_rows: torch.Tensor, scale_rows: torch.Tensor, *, average: bool, rows: int, block: int, kind: str, bits: int, max_value: float, book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 sum of W rows in row order (/ W if ``average``), its requantized payload and scales)."""
+    """(fp32 sum of W rows in row order (/ W if ``average``), its requantized codes and scales)."""
     acc = _values(code_rows[0], scale_rows[0], block, kind, bits, book).view(-1)
     for i in range(1, rows):
         acc = acc + _values(code_rows[i], scale_rows[i], block, kind, bits, book).view(-1)
     if average:
         acc = acc / rows
-    payload, scales = _quantize_blocks(acc, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
-    return acc, payload, scales
+    codes, scales = _quantize_blocks(acc, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+    return acc, codes, scales
 
 
 # ---- the API of a kernel module -------------------------------------------------------------------------
@@ -255,14 +261,35 @@ def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(flat, (0, pad)) if pad else flat
 
 
+def _pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The payload of one-byte codes of whole packing groups (written into ``out`` when given)."""
+    if out is None:
+        if bits == 8:
+            return codes
+        out = torch.empty(packed_nbytes(codes.numel(), bits), dtype=torch.uint8, device=codes.device)
+    pack_into(codes, bits, out)
+    return out
+
+
 def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
     from agoq.quant.qtensor import quantize as reference_quantize
 
-    flat = x.detach().reshape(-1)
-    n = flat.numel()
+    flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
+    n, whole = x.numel(), flat.numel()
     kernel = compiled(_quantize_blocks, max_value=fmt.max_value, **_constants(fmt))
-    payload, scales = kernel(_whole_blocks(flat, fmt.block_size)) if n else (flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=SCALE_DTYPE))
+    if fmt.bits == 8 or whole <= SLAB_VALUES:
+        codes, scales = kernel(flat) if n else (flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=SCALE_DTYPE))
+        payload = _pack_codes(codes, fmt.bits)
+    else:
+        # A slab at a time, so a slab's one-byte codes are still in cache when they are packed.
+        payload = torch.empty(fmt.payload_bytes(whole), dtype=torch.uint8, device=x.device)
+        scales = torch.empty(whole // fmt.block_size, dtype=SCALE_DTYPE, device=x.device)
+        step = max(1, SLAB_VALUES // fmt.block_size) * fmt.block_size
+        for v0 in range(0, whole, step):
+            v1 = min(whole, v0 + step)
+            codes, scales[v0 // fmt.block_size : v1 // fmt.block_size] = kernel(flat[v0:v1])
+            _pack_codes(codes, fmt.bits, payload[fmt.payload_bytes(v0) : fmt.payload_bytes(v1)])
     if not bool(torch.isfinite(scales).all()):
         with _reference():
             return reference_quantize(x, fmt, nonfinite="propagate")
@@ -285,20 +312,20 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     whole = fmt.payload_bytes(q.scales.numel() * fmt.block_size)
     if payload.numel() != whole:
         payload = F.pad(payload, (0, whole - payload.numel()))
-    kernel = compiled(_dequantize_blocks, dtype=dtype or q.dtype, **_constants(fmt))
-    if fmt.bits == 8 or q.scales.numel() * fmt.block_size <= SLAB_VALUES:
-        out = kernel(_codes(payload, fmt.bits), q.scales)
-    else:
-        # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
-        # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4
-        # at 64M values, slabs of 1M 2x faster).
-        blocks = q.scales.numel()
-        per_slab = max(1, SLAB_VALUES // fmt.block_size)
-        out = torch.empty(blocks * fmt.block_size, dtype=dtype or q.dtype, device=q.device)
-        for b0 in range(0, blocks, per_slab):
-            b1 = min(blocks, b0 + per_slab)
-            lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
-            out[b0 * fmt.block_size : b1 * fmt.block_size] = kernel(_codes(payload[lo:hi], fmt.bits), q.scales[b0:b1])
+    kernel = compiled(_dequantize_blocks, **_constants(fmt))
+    blocks = q.scales.numel()
+    out = torch.empty(blocks, fmt.block_size, dtype=dtype or q.dtype, device=q.device)
+    # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
+    # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4 at
+    # 64M values, slabs of 1M 2x faster).
+    per_slab = blocks if fmt.bits == 8 else max(1, SLAB_VALUES // fmt.block_size)
+    for b0 in range(0, blocks, per_slab):
+        b1 = min(blocks, b0 + per_slab)
+        lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
+        # Codes, scales and out all carry the block count as their first size, so the compiled
+        # graph sees one size (duck-shaped) and fuses everything into one loop over out.
+        kernel(_codes(payload[lo:hi], fmt.bits).view(-1, fmt.block_size), q.scales[b0:b1], out[b0:b1])
+    out = out.view(-1)
     if out.numel() != n:  # the last block's padding: less than one block of spare values
         out = out[:n]
     return out.view(q.shape)
@@ -315,8 +342,8 @@ def _fold_region(formula: Callable[..., Any], payload: torch.Tensor, scales: tor
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
     kernel = compiled(formula, first=first, max_value=fmt.max_value, **_constants(fmt))
-    new_payload, new_scales, *rest = kernel(_codes(payload, fmt.bits), scales, g)
-    payload.copy_(new_payload)
+    new_codes, new_scales, *rest = kernel(_codes(payload, fmt.bits), scales, g)
+    _pack_codes(new_codes, fmt.bits, payload)
     scales.copy_(new_scales)
     return tuple(rest)
 
@@ -350,8 +377,8 @@ def reduce_rows(
     if payload_rows.shape != (w, fmt.payload_bytes(n)):
         raise ValueError(f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}")
     kernel = compiled(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
-    acc, payload, scales = kernel(_codes(payload_rows.contiguous(), fmt.bits).view(w, -1), scale_rows)
-    q = QTensor(payload, scales, torch.Size([n]), torch.float32, fmt) if requantize else None
+    acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt.bits).view(w, -1), scale_rows)
+    q = QTensor(_pack_codes(codes, fmt.bits), scales, torch.Size([n]), torch.float32, fmt) if requantize else None
     if q is not None and not bool(torch.isfinite(scales).all()):
         with _reference():
             q = reference_quantize(acc, fmt, nonfinite="propagate")
