@@ -101,7 +101,7 @@ def _encode(y: torch.Tensor, kind: str, bits: int, book: tuple) -> torch.Tensor:
         return y.to(torch.float8_e4m3fn).view(torch.uint8).float()
     # Value i wins iff exactly i boundaries lie below y: a binary search finds i's bits (4
     # comparisons), and they select its code (see _search; a table lookup or a comparison against a
-    # tensor measured 40x slower, counting all 15 boundaries 2x slower).
+    # tensor measured 40x slower, counting all 15 boundaries 2.3x slower).
     boundaries, codes, _ = book
     return _select(_search(y, boundaries), codes)
 
@@ -162,9 +162,13 @@ def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, bi
         c = codes.float().view(-1, block)
         if kind == "int":
             v = c - (1 << (bits - 1))
-        else:  # 16 codes: their bits select among literal values (vectorizes; a gather does not)
-            by_code = book[2]
-            v = _select(_search(c, tuple(k + 0.5 for k in range(len(by_code) - 1))), by_code)
+        else:  # 16 codes: select against literal values (vectorizes; a gather does not)
+            # One equality per code: 1.6x faster here than the binary search _encode uses (measured
+            # nf4, 1M values), which needs a select of the threshold at each step.
+            v = torch.zeros_like(c, dtype=torch.float32)
+            for code, value in enumerate(book[2]):
+                if value != 0.0 or math.copysign(1.0, value) < 0:  # v starts at +0; fp4's code 8 is -0
+                    v = torch.where(c == code, value, v)
     return v * scales.unsqueeze(1)
 
 
