@@ -32,10 +32,20 @@ def test_cpu_without_bf16_instructions_gets_fp32_without_probing(monkeypatch):
 @pytest.mark.parametrize("t32,t16,expected", [(1.0, 0.5, "bf16"), (1.0, 0.95, "fp32"), (1.0, 1.8, "fp32")])
 def test_cpu_with_bf16_instructions_follows_the_probe(monkeypatch, t32, t16, expected):
     monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cd, "probe_seconds", lambda dtype, *a, **k: t32 if dtype == torch.float32 else t16)
     choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
     assert choice.name == expected
     assert f"{t32 / t16:.2f}x" in choice.reason and "AMX-BF16" in choice.reason
+
+
+def test_torch_held_below_avx512_gets_fp32_without_probing(monkeypatch):
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX512-BF16 CPU: torch's kernels then emulate bf16.
+    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("no probe when torch runs at AVX2"))
+    choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
+    assert choice.name == "fp32" and "at AVX2 (ATEN_CPU_CAPABILITY)" in choice.reason
 
 
 def test_an_explicit_dtype_is_kept(monkeypatch):

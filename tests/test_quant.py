@@ -382,3 +382,30 @@ def test_blocks_is_a_zero_copy_slice_that_dequantizes_to_the_same_values(fmt):
         assert torch.equal(got[: min(n, 1000 - start)], full[start : start + n])
     with pytest.raises(ValueError, match="multiple of the block size"):
         q.blocks(block // 2, 10)
+
+
+@pytest.mark.parametrize("which", ["torch", "compiled"])
+@pytest.mark.parametrize("spec", ["int8/256", "int4/128", "nf4/128"])
+def test_dequantize_into_out_writes_the_same_values_in_place(which: str, spec: str) -> None:
+    from agoq.quant import backend
+
+    if which == "compiled" and not backend.compiler_available():
+        pytest.skip("no C++ compiler for torch.compile")
+    fmt = parse_format(spec)
+    for n in (2 * fmt.block_size, 3 * fmt.block_size * 8 + 5):  # whole blocks; a partial last block
+        _check_dequantize_into(which, fmt, torch.randn(n, generator=torch.Generator().manual_seed(n)))
+
+
+def _check_dequantize_into(which: str, fmt, x: torch.Tensor) -> None:
+    from agoq.quant import backend
+
+    with backend.use_backend(which):
+        q = quantize(x, fmt)
+        for dtype in (torch.float32, torch.bfloat16):
+            want = dequantize(q, dtype)
+            out = torch.full((x.numel(),), float("nan"), dtype=dtype)
+            assert dequantize(q, out=out) is out and torch.equal(out, want)
+            strided = torch.full((x.numel(), 2), float("nan"), dtype=dtype)[:, 0]  # not contiguous
+            assert torch.equal(dequantize(q, out=strided), want)
+        with pytest.raises(ValueError, match=f"holds {x.numel()}"):
+            dequantize(q, out=torch.empty(x.numel() - 1))

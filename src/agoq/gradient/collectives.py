@@ -242,7 +242,7 @@ class EightBitReduction:
             piece = max(1, REDUCE_PIECE // block) * block
             for start in range(0, acc.numel(), piece):
                 part = acc[start : start + piece]
-                part.copy_(dequantize(rows[0].blocks(start, piece)))
+                dequantize(rows[0].blocks(start, piece), out=part)
                 for row in rows[1:]:
                     part += dequantize(row.blocks(start, piece))
             if self.op == "avg":
@@ -301,9 +301,20 @@ class PendingAllReduce:
             wire = r.gathered()
             layout = r.layout
             with _timed(r.timings, "dequantize"):
-                out = dequantize(from_wire(wire, layout), torch.float32).view(layout.world_size, layout.padded_chunk)
-                out = out[:, : layout.chunk].reshape(-1)[: layout.numel]
-                self._tensor.copy_(out.view(self._tensor.shape))
+                # Row by row, straight into the tensor where it is contiguous: one pass over the
+                # result (dequantize, un-pad and copy made three).
+                flat = self._tensor.view(-1) if self._tensor.is_contiguous() else torch.empty(layout.numel, dtype=self._tensor.dtype, device=self._tensor.device)
+                for i in range(layout.world_size):
+                    lo, hi = i * layout.chunk, min(layout.numel, (i + 1) * layout.chunk)
+                    if hi <= lo:
+                        break
+                    row = from_wire(wire[i : i + 1], layout)
+                    if hi - lo == layout.padded_chunk:
+                        dequantize(row, out=flat[lo:hi])
+                    else:
+                        flat[lo:hi].copy_(dequantize(row, flat.dtype)[: hi - lo])
+                if flat.data_ptr() != self._tensor.data_ptr():
+                    self._tensor.copy_(flat.view(self._tensor.shape))
             self._done = True
         return self._tensor
 

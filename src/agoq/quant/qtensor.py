@@ -271,14 +271,25 @@ def _slab_values(q: QTensor, start: int, m: int) -> torch.Tensor:
     return v
 
 
-def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensor ``q`` represents, in its original shape and dtype (or ``dtype``)."""
+def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor ``q`` represents, in its original shape and dtype (or ``dtype``).
+
+    With ``out`` (q.numel values, its dtype is the output dtype) the values are written there and
+    ``out`` is returned: one pass, where dequantizing and then copying would make two.
+    """
     _check(q)
-    kernels = backend.kernels(q.device, q.fmt)  # Triton backend (agoq.quant.backend)
+    if out is not None:
+        if out.numel() != q.numel:
+            raise ValueError(f"dequantize into a tensor of {out.numel()} values, but the quantized tensor holds {q.numel}")
+        dtype = out.dtype
+    kernels = backend.kernels(q.device, q.fmt)  # compiled or Triton backend (agoq.quant.backend)
     if kernels is not None:
-        return kernels.dequantize(q, dtype)
+        return kernels.dequantize(q, dtype) if out is None else kernels.dequantize(q, dtype, out=out)
+    if out is not None and not out.is_contiguous():
+        return out.copy_(dequantize(q, dtype).view(out.shape))
+    result = out
     fmt, n, block = q.fmt, q.numel, q.fmt.block_size
-    out = torch.empty(n, dtype=dtype or q.dtype, device=q.device)
+    out = torch.empty(n, dtype=dtype or q.dtype, device=q.device) if result is None else result.view(-1)
     step = _slab(fmt, q.device)
     for start in range(0, n, step):
         m = min(step, n - start)
@@ -292,7 +303,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         else:
             vb.mul_(s)
             out[start : start + m].copy_(v[:m])
-    return out.view(q.shape)
+    return out.view(q.shape) if result is None else result
 
 
 def quantization_error_bound(q: QTensor) -> torch.Tensor:

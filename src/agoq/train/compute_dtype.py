@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 BF16_MIN_SPEEDUP = 1.1
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 PROBE_TOKENS = 512
+# torch.backends.cpu.get_cpu_capability() values whose kernels have no native bf16 arithmetic.
+TORCH_CAPABILITIES_WITHOUT_BF16 = ("DEFAULT", "NO AVX", "AVX2", "ZVECTOR", "VSX")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ def choose_compute_dtype(requested: str, device_type: str, hidden: int, intermed
     flags = cpu_bf16_flags()
     if not flags:
         return DtypeChoice("fp32", "this CPU has no AVX512-BF16 or AMX-BF16 instructions, so bf16 would be emulated (about 10x slower)")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in TORCH_CAPABILITIES_WITHOUT_BF16:
+        # ATEN_CPU_CAPABILITY (or the build) holds torch's kernels below AVX512: they would emulate bf16.
+        return DtypeChoice("fp32", f"torch runs this CPU's kernels at {capability} (ATEN_CPU_CAPABILITY), so bf16 would be emulated (about 10x slower)")
     t32 = probe_seconds(torch.float32, hidden, intermediate, threads)
     t16 = probe_seconds(torch.bfloat16, hidden, intermediate, threads)
     ratio = t32 / t16

@@ -151,8 +151,10 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     return QTensor(payload, scales, x.shape, x.dtype, fmt)
 
 
-def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensor ``q`` represents, in its shape and dtype (or ``dtype``)."""
+def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); written into ``out`` when given."""
+    if out is not None:
+        return out.copy_(dequantize(q, out.dtype).view(out.shape))
     _check_device(q.payload)
     spec = _spec(q.fmt, str(q.device))
     n = q.numel
