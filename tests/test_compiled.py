@@ -146,3 +146,18 @@ def test_a_fold_that_overflows_marks_its_block_with_a_nan_scale() -> None:
     C.accumulate_(pay, sc, g, fmt, first=True)
     assert sc[0].item() == pytest.approx(1 / 127, rel=1e-6)  # the finite block keeps its scale
     assert torch.isnan(sc[1])
+
+
+def test_a_torch_held_to_avx2_compiles_into_a_cache_folder_of_its_own() -> None:
+    # Inductor's cache does not key on ATEN_CPU_CAPABILITY: AVX512 kernels handed to such a
+    # process crashed it. agoq.quant points the cache at a subfolder before inductor fixes it.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    code = "import os, agoq.quant, torch.distributed.pipelining; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    held = subprocess.run([sys.executable, "-c", code], env={**env, "ATEN_CPU_CAPABILITY": "avx2"}, capture_output=True, text=True, check=True)
+    assert held.stdout.strip().endswith(os.sep + "aten-cpu-capability-avx2")
+    chosen = subprocess.run([sys.executable, "-c", code], env={**env, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}, capture_output=True, text=True, check=True)
+    assert chosen.stdout.strip() == "/tmp/x"  # the user's choice stands
