@@ -40,7 +40,6 @@ from agoq.gradient.collectives import (
     Group,
     agree_nonfinite,
     chunk_layout,
-    from_wire,
     gradient_format,
     parse_op,
     to_wire,
@@ -389,18 +388,19 @@ class QuantGradBuffer:
         bucket.state = "reducing"
         if bucket.reduction is None:
             return
-        reduced = bucket.reduction.reduce()
-        self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, 2 * reduced.numel() * 4)
         if self.collective == "reduce_scatter":
-            bucket.shard = reduced
+            bucket.shard = bucket.reduction.reduce()
+            self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, 2 * bucket.shard.numel() * 4)
         else:
-            bucket.reduction.start_gather(reduced)
+            bucket.reduction.reduce_and_gather()  # a piece of the chunk in fp32 at a time
 
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.reduction is not None and self.collective == "all_reduce":
-            q = from_wire(bucket.reduction.gathered(), bucket.layout)
-            bucket.payload.copy_(q.payload)
-            bucket.scales.copy_(q.scales)
+            # Row by row from the gathered bytes into the bucket (no flat copy of them first).
+            gathered, layout = bucket.reduction.gathered(), bucket.layout
+            pb = layout.row_payload_bytes
+            bucket.payload.view(layout.world_size, pb).copy_(gathered[:, :pb])
+            bucket.scales.view(layout.world_size, -1).copy_(gathered[:, pb:].view(torch.float32))
         bucket.reduction = None
         bucket.state = "done"
 

@@ -213,41 +213,85 @@ class EightBitReduction:
             if timings is not None:
                 self._a2a.wait()
 
-    def reduce(self) -> torch.Tensor:
-        """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
+    def _take_received(self) -> torch.Tensor:
+        """The W received rows, once the all-to-all is done; released from this object (one use)."""
         if self._recv is None:
-            raise RuntimeError("reduce() was already called on this reduction")
+            raise RuntimeError("this reduction was already reduced")
         if self._a2a is not None:
             with _timed(self.timings, "all_to_all"):
                 self._a2a.wait()
             self._a2a = None
-        # The received rows are not needed once summed: release them with this call, so a bucket
-        # waiting for its all-gather holds only its gathered bytes.
+        # The received rows are not needed once summed: the caller's reference is the last, so a
+        # bucket waiting for its all-gather holds only its gathered bytes.
         recv, self._recv = self._recv, None
+        return recv
+
+    def _pieces(self) -> Iterator[tuple[int, int]]:
+        """(start, end) values of this rank's chunk, whole blocks of about REDUCE_PIECE values each."""
+        block = self.layout.fmt.block_size
+        piece = max(1, REDUCE_PIECE // block) * block
+        for start in range(0, self.layout.padded_chunk, piece):
+            yield start, min(self.layout.padded_chunk, start + piece)
+
+    def _sum(self, recv: torch.Tensor, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values start..end of the W received rows, summed in fp32 in rank order (then / W for avg).
+
+        Rows are summed in rank order, so the sum is the same on every rank and for every path.
+        """
+        rows = [from_wire(recv[i : i + 1], self.layout).blocks(start, end - start) for i in range(self.world_size)]
+        acc = dequantize(rows[0], torch.float32, out=out) if out is not None else dequantize(rows[0], torch.float32)
+        for row in rows[1:]:
+            acc += dequantize(row)
+        if self.op == "avg":
+            acc /= self.world_size
+        return acc
+
+    def reduce(self) -> torch.Tensor:
+        """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
+        recv = self._take_received()
         with _timed(self.timings, "reduce"):
             kernels = backend.kernels(recv.device, self.layout.fmt)
             if kernels is not None:
-                # Triton: dequantize the W rows, sum in fp32 in rank order and requantize in one
-                # pass; start_gather sends the requantized chunk if it gets this very sum back.
+                # Compiled or Triton: dequantize the W rows, sum in fp32 in rank order and
+                # requantize in one pass; start_gather sends the requantized chunk if it gets
+                # this very sum back.
                 pb = self.layout.row_payload_bytes
                 scales = recv[:, pb:].contiguous().view(torch.float32)
                 acc, q = kernels.reduce_rows(recv[:, :pb], scales, self.layout.fmt, average=self.op == "avg", requantize=True)
                 self._requantized = (acc, acc._version, q)
                 return acc
-            # Rows summed in rank order, so the sum is the same on every rank and for every path; a
-            # piece at a time, so besides the fp32 result only one piece is ever in fp32.
-            rows = [from_wire(recv[i : i + 1], self.layout) for i in range(self.world_size)]
+            # A piece at a time, so besides the fp32 result only one piece is ever in fp32.
             acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=recv.device)
-            block = self.layout.fmt.block_size
-            piece = max(1, REDUCE_PIECE // block) * block
-            for start in range(0, acc.numel(), piece):
-                part = acc[start : start + piece]
-                dequantize(rows[0].blocks(start, piece), out=part)
-                for row in rows[1:]:
-                    part += dequantize(row.blocks(start, piece))
-            if self.op == "avg":
-                acc /= self.world_size
+            for start, end in self._pieces():
+                self._sum(recv, start, end, out=acc[start:end])
         return acc
+
+    def reduce_and_gather(self) -> None:
+        """reduce() and start_gather() for an all-reduce, without this rank's whole chunk in fp32.
+
+        Each piece of the chunk is summed and requantized straight into the bytes to send; blocks
+        are quantized independently, so the bytes equal those of requantizing the whole sum. The
+        sync phase's temporaries shrink by the fp32 chunk (4 bytes per value of the chunk).
+        """
+        recv = self._take_received()
+        layout = self.layout
+        fmt, pb = layout.fmt, layout.row_payload_bytes
+        send = torch.empty(layout.row_bytes, dtype=torch.uint8, device=recv.device)
+        payload, scales = send[:pb], send[pb:].view(torch.float32)
+        with _timed(self.timings, "reduce"):
+            kernels = backend.kernels(recv.device, fmt)
+            recv_scales = recv[:, pb:].view(torch.float32) if kernels is not None else None
+            for start, end in self._pieces():
+                b0, b1 = start // fmt.block_size, end // fmt.block_size
+                p0, p1 = fmt.payload_bytes(start), fmt.payload_bytes(end)
+                if kernels is not None:
+                    _, q = kernels.reduce_rows(recv[:, p0:p1], recv_scales[:, b0:b1], fmt, average=self.op == "avg", keep_sum=False, requantize=True)
+                else:
+                    q = quantize(self._sum(recv, start, end), fmt, nonfinite="propagate")
+                payload[p0:p1].copy_(q.payload)
+                scales[b0:b1].copy_(q.scales)
+        del recv
+        self._all_gather(send)
 
     def start_gather(self, reduced: torch.Tensor) -> None:
         """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
@@ -257,15 +301,20 @@ class EightBitReduction:
             fresh = done is not None and done[0] is reduced and reduced._version == done[1]  # not modified since
             q = done[2] if fresh else quantize(reduced, layout.fmt, nonfinite="propagate")
             send = to_wire(q, 1)
+        self._all_gather(send.reshape(-1))
+
+    def _all_gather(self, send: torch.Tensor) -> None:
+        """Start the all-gather of every rank's requantized chunk (``send``: this rank's row_bytes)."""
+        layout = self.layout
         w = self.world_size
         self.counter.record(self.name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes, calls=0)
         if w == 1:
-            self._gathered = send
+            self._gathered = send.view(1, layout.row_bytes)
             return
         flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
         self._gathered = flat.view(w, layout.row_bytes)
         with _timed(self.timings, "all_gather"):
-            self._gather_work = dist.all_gather_single(flat, send.reshape(-1), group=self.group, async_op=True)
+            self._gather_work = dist.all_gather_single(flat, send, group=self.group, async_op=True)
             if self.timings is not None:
                 self._gather_work.wait()
 
@@ -297,7 +346,7 @@ class PendingAllReduce:
         """Reduce, re-quantize, all-gather and write the result into the tensor; return it."""
         if not self._done:
             r = self._reduction
-            r.start_gather(r.reduce())
+            r.reduce_and_gather()
             wire = r.gathered()
             layout = r.layout
             with _timed(r.timings, "dequantize"):
