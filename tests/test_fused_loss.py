@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from agoq.activation.loss import (
     CHUNK_LOGITS_BYTES,
+    CHUNK_MAX_ROWS,
     chunked_lm_head_cross_entropy,
     default_chunk_size,
     loss_saved_bytes,
@@ -226,8 +227,11 @@ def test_default_chunk_keeps_fp32_logits_within_the_budget():
     for vocab in (4096, 32000, 128256, 256000):
         chunk = default_chunk_size(vocab)
         assert chunk % 8 == 0
-        assert chunk * vocab * 4 <= CHUNK_LOGITS_BYTES
-        assert (chunk + 8) * vocab * 4 > CHUNK_LOGITS_BYTES  # the largest such multiple of 8
+        assert chunk * vocab * 4 <= CHUNK_LOGITS_BYTES and chunk <= CHUNK_MAX_ROWS
+        # the largest such multiple of 8
+        assert chunk == CHUNK_MAX_ROWS or (chunk + 8) * vocab * 4 > CHUNK_LOGITS_BYTES
+    assert default_chunk_size(4096) == CHUNK_MAX_ROWS  # a small vocabulary: the row bound decides
+    assert default_chunk_size(128256) == 520  # a large one: the byte budget decides
 
 
 @pytest.mark.parametrize(

@@ -146,5 +146,7 @@ def test_the_8bit_gradient_path_holds_a_few_buckets_of_temporaries_whatever_the_
         # Twice the buckets: the same peak but for a few KiB of small per-layer tensors.
         assert large["peak"] <= 1.1 * small["peak"], (small, large)
         assert large["peak"] < large["stored"] / 2, large
-        # One layer's fp32 gradient, its fold scratch, and two buckets in flight: under 4 fp32 buckets.
-        assert large["peak"] <= 4 * (4 * 256 * 256), large
+        # One layer's fp32 gradient, its fold scratch, and two buckets in flight: under 4 fp32
+        # buckets, plus the received 8-bit rows of the bucket whose chunk is being summed and
+        # requantized piece by piece (they stay until its last piece is done).
+        assert large["peak"] <= 4 * (4 * 256 * 256) + (256 * 256 + 4 * 256), large

@@ -194,12 +194,14 @@ class _SwiGLULinear(torch.autograd.Function):
             act, grad_gate, grad_up = kernels.swiglu_backward(grad_act, qg, qu, gdtype, grad_out.dtype if ctx.needs_input_grad[2] else None)
             grad_down = _tokens(grad_out).t().mm(_tokens(act)) if act is not None else None
             return grad_gate, grad_up, grad_down, None
-        gate = dequantize(QTensor(gp, gs, gshape, gdtype, fmt), torch.float32)
-        up = dequantize(QTensor(up_p, up_s, ushape, udtype, fmt), torch.float32)
-        grad_act = F.linear(grad_out, down_weight.t())
         need_act = ctx.needs_input_grad[2]
-        grads = backend.formula(_swiglu_backward, gate.device, act_dtype=grad_out.dtype if need_act else None, gate_dtype=gdtype, up_dtype=udtype)
-        act, grad_gate, grad_up = grads(grad_act, gate, up)
+        grads = backend.formula(_swiglu_backward, gp.device, act_dtype=grad_out.dtype if need_act else None, gate_dtype=gdtype, up_dtype=udtype)
+        # Arguments passed without names here, so the formula can drop each after its last use.
+        act, grad_gate, grad_up = grads(
+            F.linear(grad_out, down_weight.t()),
+            dequantize(QTensor(gp, gs, gshape, gdtype, fmt), torch.float32),
+            dequantize(QTensor(up_p, up_s, ushape, udtype, fmt), torch.float32),
+        )
         grad_down = _tokens(grad_out).t().mm(_tokens(act)) if need_act else None
         return grad_gate, grad_up, grad_down, None
 
@@ -207,13 +209,28 @@ class _SwiGLULinear(torch.autograd.Function):
 def _swiglu_backward(
     grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, act_dtype: torch.dtype | None, gate_dtype: torch.dtype, up_dtype: torch.dtype
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up), in fp32 from fp32 gate and up."""
+    """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up), in fp32 from fp32 gate and up.
+
+    grad of gate = g * up * sig * (1 + gate * (1 - sig)), evaluated in that order, in place where
+    a temporary is done with (products and sums commute exactly), and every tensor dropped after
+    its last read, the arguments too (callers pass them without keeping them). Eagerly (the torch
+    backend, and any step whose temporaries are counted) at most seven [tokens, intermediate] fp32
+    tensors are alive at once, the three arguments included; the one-expression form held up to
+    eleven.
+    """
     sig = torch.sigmoid(gate)
     silu = gate * sig
-    act = (silu * up).to(act_dtype) if act_dtype is not None else None
     g = grad_act.float()
-    grad_gate = (g * up * sig * (1 + gate * (1 - sig))).to(gate_dtype)
+    del grad_act
     grad_up = (g * silu).to(up_dtype)
+    grad_gate = g * up
+    del g
+    act = silu.mul_(up).to(act_dtype) if act_dtype is not None else None  # silu * up
+    del silu, up
+    grad_gate.mul_(sig)
+    slope = sig.neg_().add_(1).mul_(gate).add_(1)  # 1 + gate * (1 - sig), in sig's storage
+    del gate
+    grad_gate = grad_gate.mul_(slope).to(gate_dtype)
     return act, grad_gate, grad_up
 
 

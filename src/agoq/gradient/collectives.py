@@ -280,12 +280,13 @@ class EightBitReduction:
         payload, scales = send[:pb], send[pb:].view(torch.float32)
         with _timed(self.timings, "reduce"):
             kernels = backend.kernels(recv.device, fmt)
-            recv_scales = recv[:, pb:].view(torch.float32) if kernels is not None else None
+            recv_scales = recv[:, pb:].contiguous().view(torch.float32) if kernels is not None else None
             for start, end in self._pieces():
                 b0, b1 = start // fmt.block_size, end // fmt.block_size
                 p0, p1 = fmt.payload_bytes(start), fmt.payload_bytes(end)
                 if kernels is not None:
-                    _, q = kernels.reduce_rows(recv[:, p0:p1], recv_scales[:, b0:b1], fmt, average=self.op == "avg", keep_sum=False, requantize=True)
+                    scale_rows = recv_scales[:, b0:b1].contiguous()  # the kernels take whole rows of scales
+                    _, q = kernels.reduce_rows(recv[:, p0:p1], scale_rows, fmt, average=self.op == "avg", keep_sum=False, requantize=True)
                 else:
                     q = quantize(self._sum(recv, start, end), fmt, nonfinite="propagate")
                 payload[p0:p1].copy_(q.payload)

@@ -55,10 +55,11 @@ OPTIM8_QMAP_BYTES = 256 * 4  # the fp32 code book each 8-bit state tensor carrie
 STEP_BYTES = 4  # AdamW's per-parameter step counter (a 0-dim fp32 tensor)
 # Per element of the [tokens, intermediate] tensors, what a SwiGLU backward materialises at once,
 # counted from agoq.activation.ops: the baseline (autograd through silu and mul) makes the gradients
-# of the product, gate and up and SiLU's derivative in the compute dtype; the fused op dequantizes
-# gate and up to fp32 and keeps sigmoid, SiLU, the product's gradient and one expression temporary
-# in fp32 beside the product and the two gradients in the compute dtype.
-SWIGLU_BACKWARD_VALUES = {"baseline": (0, 4), "quantized": (6, 3)}  # (fp32 values, compute-dtype values)
+# of the product, gate and up and SiLU's derivative in the compute dtype; the fused op's backward
+# (_swiglu_backward) at its peak holds gate and up dequantized to fp32, the output gradient in fp32,
+# sigmoid, SiLU and the gate gradient's first product in fp32, and the up gradient and the output
+# gradient as computed in the compute dtype.
+SWIGLU_BACKWARD_VALUES = {"baseline": (0, 4), "quantized": (6, 2)}  # (fp32 values, compute-dtype values)
 # The paper's measured cost of its quantization kernels per layer: +2% forward, +3% backward.
 QUANT_OVERHEAD = (0.02, 0.03)
 BACKWARD_OVER_FORWARD = 2.0  # backward does two GEMMs per forward GEMM
