@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from agoq.activation.loss import (
     CHUNK_LOGITS_BYTES,
-    CHUNK_MAX_ROWS,
+    CHUNK_ROWS_PER_HIDDEN,
     chunked_lm_head_cross_entropy,
     default_chunk_size,
     loss_saved_bytes,
@@ -224,14 +224,15 @@ def test_training_with_the_fused_loss_follows_the_plain_loss_step_for_step(tied)
 
 
 def test_default_chunk_keeps_fp32_logits_within_the_budget():
-    for vocab in (4096, 32000, 128256, 256000):
-        chunk = default_chunk_size(vocab)
+    for vocab, hidden in ((4096, 256), (32000, 4096), (128256, 4096), (256000, 8192)):
+        chunk = default_chunk_size(vocab, hidden)
         assert chunk % 8 == 0
-        assert chunk * vocab * 4 <= CHUNK_LOGITS_BYTES and chunk <= CHUNK_MAX_ROWS
+        assert chunk * vocab * 4 <= CHUNK_LOGITS_BYTES and chunk <= CHUNK_ROWS_PER_HIDDEN * hidden
         # the largest such multiple of 8
-        assert chunk == CHUNK_MAX_ROWS or (chunk + 8) * vocab * 4 > CHUNK_LOGITS_BYTES
-    assert default_chunk_size(4096) == CHUNK_MAX_ROWS  # a small vocabulary: the row bound decides
-    assert default_chunk_size(128256) == 520  # a large one: the byte budget decides
+        assert chunk == CHUNK_ROWS_PER_HIDDEN * hidden or (chunk + 8) * vocab * 4 > CHUNK_LOGITS_BYTES
+    assert default_chunk_size(4096, 256) == 512  # a small model: the row bound decides
+    assert default_chunk_size(128256, 4096) == 520  # a large vocabulary: the byte budget decides
+    assert default_chunk_size(4096, 256, rows_per_hidden=None) == CHUNK_LOGITS_BYTES // (4 * 4096)
 
 
 @pytest.mark.parametrize(

@@ -34,12 +34,14 @@ import torch.nn.functional as F
 # 256 MiB keeps the working set under 1 GiB, less than the plain path keeps at that vocab for
 # 2048 tokens.
 CHUNK_LOGITS_BYTES = 256 * 2**20
-# ... and at most this many tokens. Past about a thousand rows a chunk's fixed cost is paid off
-# (vocab 32000 on this CPU: 1.16x the plain path's CPU time at 520 rows, 1.03x at 1048, 0.98x at
-# 2048), while its working set keeps growing with its rows. Without this bound a small vocabulary
-# made a whole micro-batch one chunk, whose logits were then most of a small model's temporaries
-# (41 MiB of them at 2048 tokens and vocab 4096, bf16 and AGoQ alike: `agoq bench fixed-budget`).
-CHUNK_MAX_ROWS = 1024
+# ... and at most this many tokens per hidden unit. What a chunk costs beyond its GEMMs is fixed per
+# chunk: a pass over the fp32 [vocab, hidden] weight-gradient sum it accumulates into. Two rows per
+# hidden unit make that pass at most half the traffic of the chunk's fp32 logits, so the bound
+# costs little speed (vocab 32000, hidden 512 on this CPU: 1.16x the plain path's CPU time at 520
+# rows, 1.03x at 1048, 0.98x at 2048), while the working set stops growing with the micro-batch:
+# without it a small vocabulary made a whole micro-batch one chunk, whose logits were then most
+# of a small model's temporaries (32 MiB of them at 1024 tokens and vocab 4096, hidden 256).
+CHUNK_ROWS_PER_HIDDEN = 2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -47,11 +49,14 @@ REDUCTIONS = ("mean", "sum", "none")
 _BLOCK_ELEMENTS = 2**21
 
 
-def default_chunk_size(vocab: int, *, logits_bytes: int = CHUNK_LOGITS_BYTES, max_rows: int = CHUNK_MAX_ROWS) -> int:
-    """Tokens per chunk: at most ``max_rows``, and few enough that a chunk's fp32 logits fit in ``logits_bytes``."""
-    if vocab < 1:
-        raise ValueError(f"vocab must be a positive number of classes, got {vocab}")
-    rows = min(max_rows, logits_bytes // (4 * vocab))
+def default_chunk_size(vocab: int, hidden: int, *, logits_bytes: int = CHUNK_LOGITS_BYTES, rows_per_hidden: int | None = CHUNK_ROWS_PER_HIDDEN) -> int:
+    """Tokens per chunk: at most ``rows_per_hidden`` x ``hidden`` (None: no such bound), and few
+    enough that a chunk's fp32 logits fit in ``logits_bytes``."""
+    if vocab < 1 or hidden < 1:
+        raise ValueError(f"vocab and hidden must be positive, got {vocab} and {hidden}")
+    rows = logits_bytes // (4 * vocab)
+    if rows_per_hidden is not None:
+        rows = min(rows, rows_per_hidden * hidden)
     # Multiples of 8 rows keep GEMM tiles whole; below 8 the budget is simply exceeded.
     return max(8, rows - rows % 8)
 
@@ -94,7 +99,7 @@ def chunked_lm_head_cross_entropy(
     _check_args(hidden, weight, targets, reduction, label_smoothing, chunk_size)
     vocab = weight.shape[0]
     _check_targets(targets, vocab, ignore_index)
-    chunk = chunk_size if chunk_size is not None else default_chunk_size(vocab)
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(vocab, weight.shape[1])
     grad_on = torch.is_grad_enabled()
     need_hidden = grad_on and hidden.requires_grad
     need_weight = grad_on and weight.requires_grad

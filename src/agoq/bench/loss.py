@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         hidden = torch.randn(n, hdim, generator=gen).to(dtype).requires_grad_()
         weight = (torch.randn(vocab, hdim, generator=gen) * hdim**-0.5).to(dtype).requires_grad_()
         targets = torch.randint(0, vocab, (n,), generator=gen)
-        chunk = default_chunk_size(vocab)
+        chunk = default_chunk_size(vocab, hdim)
         row: dict[str, Any] = {"vocab": vocab, "tokens": n, "hidden": hdim, "dtype": args.dtype, "chunk_size": min(chunk, n)}
         for name, fn in paths.items():
             measured, loss = saved_bytes(lambda: fn(hidden, weight, targets, chunk), exclude=[weight])
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if args.chunk_sweep:
             chunks: dict[int, int] = {}  # effective chunk -> the smallest budget (MiB) giving it
             for mib in (64, 128, 256, 512, 1024):
-                chunks.setdefault(min(n, default_chunk_size(vocab, logits_bytes=mib * 2**20)), mib)
+                chunks.setdefault(min(n, default_chunk_size(vocab, hdim, logits_bytes=mib * 2**20, rows_per_hidden=None)), mib)
             sweep_steps: dict[Any, Callable[[], Any]] = {
                 c: (lambda c=c: paths["fused"](hidden, weight, targets, c)) for c in chunks
             }

@@ -574,7 +574,7 @@ class _Planner:
             worst = max(worst, layer)
             if s == self.num_stages - 1:
                 if policy.fused_loss:
-                    rows = min(self.tokens, default_chunk_size(self.vocab_tp))
+                    rows = min(self.tokens, default_chunk_size(self.vocab_tp, m.hidden))
                     loss = rows * self.vocab_tp * (4 + 2 * es)  # a chunk's logits, fp32 log-probs and gradient
                 else:
                     loss = self.tokens * self.vocab_tp * (4 + es)  # fp32 gradient of the log-softmax and its cast
