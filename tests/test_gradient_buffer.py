@@ -406,3 +406,26 @@ def test_all_finite_and_sum_of_squares_need_no_tensor_sized_temporaries(dtype):
         t = big.clone()
         t[1234] = bad
         assert not all_finite(t)
+
+
+def test_step_groups_bound_their_bytes_and_read_a_group_only_when_asked() -> None:
+    from agoq.gradient.sync import GradientSync
+
+    class Units(GradientSync):
+        sizes = {0: 300, 1: 500, 2: 2000, 3: 100, 4: 100}  # values per unit
+        reads: list[int] = []
+
+        def units(self):
+            return list(self.sizes.items())
+
+        def read(self, unit):
+            self.reads.append(unit)
+            return torch.zeros(self.sizes[unit])
+
+    sync = Units()
+    groups = sync.step_groups(4 * 1000)  # 1000 fp32 values per group
+    first = next(groups)
+    assert [u for u, _ in first] == [0, 1] and sync.reads == [0, 1]  # nothing else read yet
+    rest = [[u for u, _ in g] for g in groups]
+    assert rest == [[2], [3, 4]]  # the 2000-value unit alone, the rest together
+    assert [u for u, _ in sync.gradients()] == [0, 1, 2, 3, 4]

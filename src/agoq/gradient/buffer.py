@@ -468,10 +468,10 @@ class QuantGradBuffer:
 
     def grads(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """(name, parameter, fp32 gradient) one parameter at a time, in bucket order."""
-        for pi in self._bucket_order():
+        for pi in self.bucket_order():
             yield self.names[pi], self.params[pi], self.grad(pi)
 
-    def _bucket_order(self) -> list[int]:
+    def bucket_order(self) -> list[int]:
         """Parameter indices grouped by the bucket that holds their last segment."""
         return [pi for b in self.buckets for pi in self._params_ending_in(b.index)]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ def _shard_buckets(plan: Iterable[tuple[int, list[Segment]]], world: int, rank: 
 class ShardedGradientSync(GradientSync):
     """Gradients reduce-scattered over dp: after :meth:`reduce`, this rank holds one fp32 shard per bucket.
 
-    :meth:`gradients` yields (bucket index, shard), which :class:`Zero1Optimizer` takes.
+    Its units are buckets: :meth:`read` gives a bucket's shard, which :class:`Zero1Optimizer` takes.
     """
 
     sharded = True
@@ -101,8 +101,11 @@ class ShardedGradientSync(GradientSync):
     def local_grad_sq_norm(self) -> float:
         return float(sum(sum_of_squares(s) for s in self._shards)) if self._shards else 0.0
 
-    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
-        yield from enumerate(self._shards)
+    def units(self) -> list[tuple[int, int]]:
+        return [(b, shard.numel()) for b, shard in enumerate(self._shards)]
+
+    def read(self, unit: int) -> torch.Tensor:
+        return self._shards[unit]
 
     def fp32_wire_bytes(self) -> int:
         return ring_all_reduce_bytes(sum(p.numel() for p in self.params) * 4, self.world)

@@ -22,8 +22,8 @@ class GradientSync:
     """Interface the trainer uses; see :class:`PlainGradientSync` and :class:`QuantizedGradientSync`."""
 
     wire_bytes_last_step: int = 0
-    # True when each dp rank holds only its shard of the reduced gradients (ZeRO-1): gradients()
-    # then yields (bucket index, shard) for agoq.train.zero1.Zero1Optimizer.
+    # True when each dp rank holds only its shard of the reduced gradients (ZeRO-1): the units
+    # are then buckets (see units()), as agoq.train.zero1.Zero1Optimizer takes them.
     sharded: bool = False
 
     def start_step(self) -> None:
@@ -37,9 +37,37 @@ class GradientSync:
         """Sum of squares of this rank's reduced gradients."""
         raise NotImplementedError
 
-    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(parameter index, reduced fp32 gradient), one parameter at a time; the caller may scale it in place."""
+    def units(self) -> list[tuple[int, int]]:
+        """(unit, values) in reading order. A unit is what the paired optimizer's set_grad takes: a
+        parameter index (agoq.train.optim.MasterWeightOptimizer), or a bucket index when
+        :attr:`sharded` (agoq.train.zero1.Zero1Optimizer)."""
         raise NotImplementedError
+
+    def read(self, unit: int) -> torch.Tensor:
+        """The reduced fp32 gradient of one unit; the caller may scale it in place."""
+        raise NotImplementedError
+
+    def step_groups(self, group_bytes: int) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Lists of (unit, gradient) to hand to the optimizer and step, each at most ``group_bytes``
+        of fp32 gradients (a larger unit alone). A group is read only when it is asked for, so
+        where gradients are read back from 8 bits only one group of them exists at a time, provided
+        the caller lets go of the previous list (e.g. clears it) before asking for the next.
+        """
+        units: list[int] = []
+        size = 0
+        for unit, values in self.units():
+            if units and size + 4 * values > group_bytes:
+                yield [(u, self.read(u)) for u in units]
+                units, size = [], 0
+            units.append(unit)
+            size += 4 * values
+        if units:
+            yield [(u, self.read(u)) for u in units]
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(unit, reduced fp32 gradient), one unit at a time (see :meth:`units`)."""
+        for group in self.step_groups(0):
+            yield from group
 
     def finish_step(self) -> None:
         """Drop this step's gradients."""
@@ -119,8 +147,11 @@ class PlainGradientSync(GradientSync):
     def local_grad_sq_norm(self) -> float:
         return float(self._sq_norm)
 
-    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
-        yield from enumerate(self.views)
+    def units(self) -> list[tuple[int, int]]:
+        return [(i, v.numel()) for i, v in enumerate(self.views)]
+
+    def read(self, unit: int) -> torch.Tensor:
+        return self.views[unit]
 
     def finish_step(self) -> None:
         self.buffer.zero_()
@@ -141,6 +172,7 @@ class QuantizedGradientSync(GradientSync):
         self.counter = CommCounter()
         self.index = {name: i for i, (name, _) in enumerate(params)}
         self.buffer = QuantGradBuffer(params, fmt=f"int8/{block}", group=group, op="avg", microbatches=microbatches, counter=self.counter)
+        self._buffer_index = {self.index[name]: pi for pi, name in enumerate(self.buffer.names)}
         self.world = self.buffer.world_size
 
     def start_step(self) -> None:
@@ -155,9 +187,12 @@ class QuantizedGradientSync(GradientSync):
     def local_grad_sq_norm(self) -> float:
         return self.buffer.grad_norm() ** 2
 
-    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
-        for name, _, grad in self.buffer.grads():
-            yield self.index[name], grad
+    def units(self) -> list[tuple[int, int]]:
+        # Bucket order: a bucket's parameters are read while its storage is warm.
+        return [(self.index[self.buffer.names[pi]], self.buffer.params[pi].numel()) for pi in self.buffer.bucket_order()]
+
+    def read(self, unit: int) -> torch.Tensor:
+        return self.buffer.grad(self.buffer.names[self._buffer_index[unit]])
 
     def finish_step(self) -> None:
         self.buffer.zero_grad()

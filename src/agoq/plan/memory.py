@@ -606,9 +606,9 @@ class _Planner:
             reduction = max(reduction, shards)
             optimizer = shards + es * (bucket + chunk)
         elif setup.gradients:
-            # Gradients read back from 8 bits in fp32 for a group of parameters, the group's last
-            # parameter, and the dequantization of that one.
-            optimizer = STEP_GROUP_BYTES + 4 * largest + 4 * largest
+            # Gradients read back from 8 bits in fp32 for one group of parameters (at most
+            # STEP_GROUP_BYTES, or the largest tensor alone), and the dequantization of one of them.
+            optimizer = max(STEP_GROUP_BYTES, 4 * largest) + 4 * largest
         if setup.optimizer:
             optimizer += ADAM_MOMENTS * 4 * largest  # one tensor's moments dequantized for its update
         return max(backward, reduction, optimizer)

@@ -316,16 +316,14 @@ class Trainer:
             clip = cfg.optim.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             self.optimizer.set_lr(lr)
-            # Step in groups of about one bucket, so fp32 gradients never all exist at once.
-            pending = 0
-            for i, grad in self.sync.gradients():
-                self.optimizer.set_grad(i, grad.mul_(coef) if coef != 1.0 else grad)
-                pending += grad.numel() * 4
-                if pending >= STEP_GROUP_BYTES:
-                    self.optimizer.step()
-                    pending = 0
-            if pending:
-                self.optimizer.step()
+            # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor alone), so
+            # fp32 gradients read back from 8 bits never all exist at once.
+            for group in self.sync.step_groups(STEP_GROUP_BYTES):
+                for i, grad in group:
+                    self.optimizer.set_grad(i, grad.mul_(coef) if coef != 1.0 else grad)
+                group.clear()
+                del grad
+                self.optimizer.step()  # drops the gradients it was handed
         self.sync.finish_step()
         dt = time.perf_counter() - t0
         self.step += 1
