@@ -395,7 +395,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- state
 
-    def stage_layer_bits(self) -> list[int] | str:
+    def my_layer_bits(self) -> list[int] | str:
         """Bit width of each of this rank's layers (16 = kept bf16), or the policy name if uniform."""
         if self.policy.name == "bf16":
             return "bf16"
