@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, all_finite, plan_buckets, sum_of_squares
+from agoq.gradient.collectives import Group
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.sync import GradientSync
 
@@ -76,7 +77,7 @@ class ShardedGradientSync(GradientSync):
 
     sharded = True
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, buckets: list[ShardedBucket], counter: CommCounter) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, buckets: list[ShardedBucket], counter: CommCounter) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -115,7 +116,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
     """An fp32 flat buffer per bucket, reduce-scattered in fp32 (torch's reduce_scatter_single)."""
 
     def __init__(
-        self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, block: int,
+        self, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, block: int,
         bucket_numel: int = DEFAULT_BUCKET_BYTES // 4,
     ) -> None:
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
@@ -168,7 +169,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
 class QuantizedShardedGradientSync(ShardedGradientSync):
     """QuanGrad's 8-bit buffer with the 8-bit reduce-scatter: shards are fp32 sums, never re-quantized."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, microbatches: int, block: int) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int) -> None:
         from agoq.gradient.buffer import QuantGradBuffer
 
         counter = CommCounter()
@@ -197,7 +198,7 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
 
 
 def make_sharded_sync(
-    mode: str, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, microbatches: int, block: int,
+    mode: str, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, microbatches: int, block: int,
 ) -> ShardedGradientSync:
     """The ZeRO-1 gradient path for ``precision.gradients`` = ``mode`` (int8 or fp32)."""
     if mode == "int8":

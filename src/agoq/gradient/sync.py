@@ -8,13 +8,14 @@ after the last micro-batch, and agree across every rank whether any gradient was
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from agoq.gradient.buffer import all_finite, sum_of_squares
+from agoq.gradient.collectives import Group
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 
 
@@ -89,7 +90,7 @@ class PlainGradientSync(GradientSync):
     """
 
     def __init__(
-        self, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, wire_dtype: torch.dtype, ring: bool = False
+        self, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, wire_dtype: torch.dtype, ring: bool = False
     ) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -166,7 +167,7 @@ class PlainGradientSync(GradientSync):
 class QuantizedGradientSync(GradientSync):
     """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Any, microbatches: int, block: int) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int) -> None:
         from agoq.gradient.buffer import QuantGradBuffer
 
         self.counter = CommCounter()
@@ -205,7 +206,7 @@ class QuantizedGradientSync(GradientSync):
 
 
 def make_gradient_sync(
-    mode: str, params: list[tuple[str, nn.Parameter]], group: Any, device: torch.device, microbatches: int, block: int,
+    mode: str, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, microbatches: int, block: int,
 ) -> GradientSync:
     """The gradient path for ``precision.gradients`` = ``mode`` (int8, ring8, fp32 or bf16)."""
     if mode == "int8":

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
@@ -133,7 +134,7 @@ def build_stages(
     modules: Sequence[nn.Module],
     stage_indices: Sequence[int],
     num_stages: int,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
 ) -> list[PipelineStage]:
     """PipelineStage objects wrapping this rank's stage modules (shapes are inferred on the first step)."""

@@ -50,8 +50,8 @@ class RankContext:
     world: int
     pp_rank: int
     dp_rank: int
-    pp_group: Any
-    dp_group: Any
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
     device: torch.device
     stages: list[int] = field(default_factory=list)
     owns_group: bool = False  # this run created the process group (and destroys it at the end)
