@@ -13,14 +13,9 @@ from agoq.quant.formats import (
     QuantFormat,
     parse_format,
 )
+from agoq.quant.dispatch import dequantize, quantize
 from agoq.quant.packing import pack, packed_nbytes, unpack
-from agoq.quant.qtensor import (
-    NonFiniteError,
-    QTensor,
-    dequantize,
-    quantization_error_bound,
-    quantize,
-)
+from agoq.quant.qtensor import NonFiniteError, QTensor, quantization_error_bound
 
 __all__ = [
     "DEFAULT_ACTIVATION_BLOCK",

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
 from agoq.quant.packing import pack_into, packed_nbytes, packing_group, unpack_into
 from agoq.quant.qtensor import QTensor
+from agoq.quant.qtensor import quantize as reference_quantize
 
 # Each (formula, constants) pair has a code object of its own (see _compiled), so recompiles are
 # only shape families (size 1 vs larger, contiguous or not): the default limit of 8 would do; this
@@ -237,13 +238,6 @@ def _constants(fmt: QuantFormat) -> dict[str, Any]:
     return {"block": fmt.block_size, "kind": fmt.kind, "bits": fmt.bits, "book": _book(fmt.kind)}
 
 
-def _reference() -> Any:
-    """The torch reference path (agoq.quant.qtensor), for what the compiled kernels leave to it."""
-    from agoq.quant import backend
-
-    return backend.use_backend("torch")
-
-
 def _codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
     """One uint8 code per value of a payload of whole packing groups (8-bit payloads are their codes).
 
@@ -277,8 +271,6 @@ def _pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None)
 
 def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
-    from agoq.quant.qtensor import quantize as reference_quantize
-
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
     n, whole = x.numel(), flat.numel()
     kernel = compiled(_quantize_blocks, max_value=fmt.max_value, **_constants(fmt))
@@ -295,8 +287,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
             codes, scales[v0 // fmt.block_size : v1 // fmt.block_size] = kernel(flat[v0:v1])
             _pack_codes(codes, fmt.bits, payload[fmt.payload_bytes(v0) : fmt.payload_bytes(v1)])
     if not bool(torch.isfinite(scales).all()):
-        with _reference():
-            return reference_quantize(x, fmt, nonfinite="propagate")
+        return reference_quantize(x, fmt, nonfinite="propagate")
     nbytes = fmt.payload_bytes(n)
     if payload.numel() != nbytes:
         # The reference stores code 0 for the padding of the last block: clear its bits in the last byte.
@@ -379,8 +370,6 @@ def reduce_rows(
     payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, *, average: bool, keep_sum: bool = True, requantize: bool = False
 ) -> tuple[torch.Tensor | None, QTensor | None]:
     """Sum W quantized rows in fp32, in row order (then / W if ``average``); optionally requantize the sum."""
-    from agoq.quant.qtensor import quantize as reference_quantize
-
     w, nblocks = scale_rows.shape
     n = nblocks * fmt.block_size
     if payload_rows.shape != (w, fmt.payload_bytes(n)):
@@ -389,8 +378,7 @@ def reduce_rows(
     acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt.bits).view(w, -1), scale_rows)
     q = QTensor(_pack_codes(codes, fmt.bits), scales, torch.Size([n]), torch.float32, fmt) if requantize else None
     if q is not None and not bool(torch.isfinite(scales).all()):
-        with _reference():
-            q = reference_quantize(acc, fmt, nonfinite="propagate")
+        q = reference_quantize(acc, fmt, nonfinite="propagate")
     return (acc if keep_sum else None), q
 
 

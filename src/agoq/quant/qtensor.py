@@ -1,4 +1,6 @@
-"""Block-wise quantization: the one quantize/dequantize pair every feature of agoq calls.
+"""Block-wise quantization: the torch reference of the quantize/dequantize pair every feature of
+agoq calls (through :mod:`agoq.quant.dispatch`, which uses a backend's kernels where they apply;
+this module imports no backend, so the kernels can fall back to it without an import cycle).
 
 The input is flattened in memory order and cut into blocks of ``block_size`` consecutive values
 (the last block is zero-padded for the arithmetic only; padding is never stored). Each block keeps
@@ -32,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from agoq.quant import backend
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables, count_below, parse_format
 from agoq.quant.packing import group_shape, pack_into, unpack_into
 
@@ -75,7 +76,8 @@ class QTensor:
         return self.payload.device
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Same as :func:`dequantize` (self)."""
+        """The values, on the torch reference path (every backend gives the same values; for their
+        speed call :func:`agoq.quant.dequantize`)."""
         return dequantize(self, dtype)
 
     def to(self, device: torch.device | str) -> "QTensor":
@@ -130,6 +132,26 @@ def _nonfinite_message(x: torch.Tensor, flat: torch.Tensor, index: int) -> str:
     )
 
 
+def check_quantize_args(x: torch.Tensor, fmt: QuantFormat | str, rounding: str, nonfinite: str) -> QuantFormat:
+    """The parsed format, after refusing a bad rounding, nonfinite mode or input type (one message each)."""
+    fmt = parse_format(fmt)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"quantize expects a floating-point torch.Tensor (fp32/bf16/fp16), got {got}")
+    return fmt
+
+
+def check_dequantize_out(q: "QTensor", out: torch.Tensor | None) -> None:
+    """Refuse an ``out`` of the wrong size for ``q``."""
+    _check(q)
+    if out is not None and out.numel() != q.numel:
+        raise ValueError(f"dequantize into a tensor of {out.numel()} values, but the quantized tensor holds {q.numel}")
+
+
 def quantize(
     x: torch.Tensor,
     fmt: QuantFormat | str = "int4",
@@ -139,22 +161,7 @@ def quantize(
     nonfinite: str = "raise",
 ) -> QTensor:
     """Quantize ``x`` (any shape; fp32/bf16/fp16) block-wise into a packed :class:`QTensor`."""
-    fmt = parse_format(fmt)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"quantize expects a floating-point torch.Tensor (fp32/bf16/fp16), got {got}")
-    # -- Triton backend (agoq.quant.backend): same codes and scales; the torch path below raises
-    # NonFiniteError for non-finite input, so a kernel result holding NaN scales falls through to it.
-    kernels = backend.kernels(x.device, fmt) if rounding == "nearest" else None
-    if kernels is not None:
-        q = kernels.quantize(x, fmt)
-        if nonfinite == "propagate" or not bool(torch.isnan(q.scales).any()):
-            return q
-    # --
+    fmt = check_quantize_args(x, fmt, rounding, nonfinite)
     flat = x.detach().reshape(-1)
     n = flat.numel()
     block, bits = fmt.block_size, fmt.bits
@@ -277,14 +284,9 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     With ``out`` (q.numel values, its dtype is the output dtype) the values are written there and
     ``out`` is returned: one pass, where dequantizing and then copying would make two.
     """
-    _check(q)
+    check_dequantize_out(q, out)
     if out is not None:
-        if out.numel() != q.numel:
-            raise ValueError(f"dequantize into a tensor of {out.numel()} values, but the quantized tensor holds {q.numel}")
         dtype = out.dtype
-    kernels = backend.kernels(q.device, q.fmt)  # compiled or Triton backend (agoq.quant.backend)
-    if kernels is not None:
-        return kernels.dequantize(q, dtype) if out is None else kernels.dequantize(q, dtype, out=out)
     if out is not None and not out.is_contiguous():
         return out.copy_(dequantize(q, dtype).view(out.shape))
     result = out
