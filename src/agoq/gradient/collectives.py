@@ -239,7 +239,7 @@ class EightBitReduction:
         Rows are summed in rank order, so the sum is the same on every rank and for every path.
         """
         rows = [from_wire(recv[i : i + 1], self.layout).blocks(start, end - start) for i in range(self.world_size)]
-        acc = dequantize(rows[0], torch.float32, out=out) if out is not None else dequantize(rows[0], torch.float32)
+        acc = dequantize(rows[0], torch.float32, out=out)
         for row in rows[1:]:
             acc += dequantize(row)
         if self.op == "avg":

@@ -193,7 +193,7 @@ class QuantizedGradientSync(GradientSync):
         return [(self.index[self.buffer.names[pi]], self.buffer.params[pi].numel()) for pi in self.buffer.bucket_order()]
 
     def read(self, unit: int) -> torch.Tensor:
-        return self.buffer.grad(self.buffer.names[self._buffer_index[unit]])
+        return self.buffer.grad(self._buffer_index[unit])
 
     def finish_step(self) -> None:
         self.buffer.zero_grad()

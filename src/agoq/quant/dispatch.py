@@ -40,7 +40,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     check_dequantize_out(q, out)
     kernels = backend.kernels(q.device, q.fmt)
     if kernels is not None:
-        return kernels.dequantize(q, dtype) if out is None else kernels.dequantize(q, out.dtype, out=out)
+        return kernels.dequantize(q, dtype if out is None else out.dtype, out=out)
     return qtensor.dequantize(q, dtype, out=out)
 
 
