@@ -146,6 +146,22 @@ def test_invalid_config_values_stop_with_one_line_naming_them(override, message)
     assert "\n" not in str(e.value)
 
 
+def test_validation_is_checked_for_a_whole_batch_and_only_when_the_run_reads_it():
+    """A long sequence leaves too little held-out text for one validation batch: the run stops before
+    launch naming the fix, unless it neither evaluates nor measures the baseline."""
+    from agoq.train.run import check_data
+
+    long = ["--data.seq_len=4096", "--data.batch_size=8"]
+    with pytest.raises(ConfigError, match=r"10000 validation tokens .* fewer than one batch of .* = 32769; raise data.val_fraction") as e:
+        check_data(load_config(None, long), 10**6, 10_000)
+    assert "\n" not in str(e.value)
+    check_data(load_config(None, [*long, "--train.eval_every=0", "--train.baseline=false"]), 10**6, 10_000)
+    # The bf16 policy has no baseline to measure.
+    check_data(load_config(None, [*long, "--train.eval_every=0", "--precision.activations=bf16"]), 10**6, 10_000)
+    with pytest.raises(ConfigError, match="fewer than one batch"):
+        check_data(load_config(None, [*long, "--train.eval_every=0"]), 10**6, 10_000)
+
+
 def test_cli_reports_config_errors_before_starting_processes(capsys):
     from agoq.cli import main
 

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step over all dp ranks")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step on each dp rank")
     parser.add_argument("--out-dir", default=None,
                         help="folder for the runs and the result JSON (default: runs under runs/bench_fixed_budget, the result in benchmarks/results)")
     parser.add_argument("--quant-backend", default="compiled", choices=("torch", "compiled"),
@@ -39,6 +42,7 @@ def _measure(label: str, policy: list[str], recompute: int, args: argparse.Names
         # The chunked loss for both, so the comparison is only about what the decoder layers keep.
         "--precision.fused_loss=true",
         f"--data.batch_size={args.batch_size}", f"--data.seq_len={args.seq_len}", f"--train.steps={args.steps}",
+        f"--parallel.pp={args.pp}", f"--parallel.dp={args.dp}", f"--parallel.microbatches={args.microbatches}",
         f"--precision.quant_backend={args.quant_backend}",
         "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
         f"--train.out_dir={Path(args.out_dir or 'runs/bench_fixed_budget') / f'{label}_r{recompute}'}",
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from agoq.bench._common import write_result
     from agoq.train.config import load_config
 
-    layers = load_config(None, []).model_config().n_layers // 2  # pp=2
+    layers = load_config(None, []).model_config().n_layers // args.pp
     agoq = _measure("agoq", AGOQ, 0, args)
     # All of AGoQ (8-bit AdamW too): the memory comparison the paper's -52% is about.
     agoq_all = _measure("agoq+adamw8bit", AGOQ + ["--optim.name=adamw8bit"], 0, args)
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     fits = [r for r in bf16 if r["peak_saved_bytes"] <= cap]
     chosen = fits[0] if fits else None
     results = {
-        "config": f"tiny LLaMA, pp=2 x dp=2, 1f1b, 4 micro-batches, {args.batch_size} x {args.seq_len} tokens per step, chunked loss for both, "
+        "config": f"tiny LLaMA, pp={args.pp} x dp={args.dp}, {args.microbatches} micro-batches, {args.batch_size} x {args.seq_len} tokens per step, chunked loss for both, "
                   f"{args.quant_backend} quantization",
         "steps": args.steps,
         "cap_bytes": cap,
@@ -85,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         "step_time_ratio_bf16_plain_vs_agoq": bf16[0]["step_time_s"] / agoq["step_time_s"],
     }
     write_result("fixed_budget", results, out_dir=args.out_dir, command=(
-        f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} --quant-backend {args.quant_backend}"
+        f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} "
+        f"--pp {args.pp} --dp {args.dp} --microbatches {args.microbatches} --quant-backend {args.quant_backend}"
     ))
     print(readme_markdown(results))
     return 0

@@ -147,6 +147,10 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def uses_validation(self) -> bool:
+        """Whether the run reads the validation split: for evaluation, or for the bf16 baseline's batch."""
+        return bool(self.train.eval_every) or (self.train.baseline and self.precision.activations != "bf16")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (TOML/JSON-able)."""
         return dataclasses.asdict(self)

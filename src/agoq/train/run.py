@@ -226,10 +226,13 @@ def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int) -> None:
             f"data.corpus={d.corpus!r} gives {train_tokens} training tokens, fewer than one batch of "
             f"data.batch_size={d.batch_size} x (data.seq_len={d.seq_len} + 1) = {batch}; use a larger corpus or smaller batches"
         )
-    if cfg.train.eval_every and val_tokens < d.seq_len + 1:
+    # Validation batches are global batches of windows that share their boundary token.
+    val_batch = d.batch_size * d.seq_len + 1
+    if cfg.uses_validation() and val_tokens < val_batch:
         raise ConfigError(
             f"data.corpus={d.corpus!r} leaves {val_tokens} validation tokens at data.val_fraction={d.val_fraction}, "
-            f"fewer than one sequence of {d.seq_len + 1}; raise data.val_fraction or set train.eval_every=0"
+            f"fewer than one batch of data.batch_size={d.batch_size} x data.seq_len={d.seq_len} + 1 = {val_batch}; "
+            "raise data.val_fraction, or set train.eval_every=0 and train.baseline=false"
         )
 
 

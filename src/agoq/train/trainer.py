@@ -219,7 +219,10 @@ class Trainer:
             self.sync = make_gradient_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
             self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
-        self.val = validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
+        self.val = (
+            validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
+            if cfg.uses_validation() else []
+        )
         self.tracker = SavedActivationTracker([prm for _, prm in self.params])
         self.out_dir = Path(cfg.train.out_dir)
         self.metrics = JsonlWriter(self.out_dir / "metrics" / f"rank{ctx.rank}.jsonl")
