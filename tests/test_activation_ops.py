@@ -220,6 +220,33 @@ def test_swiglu_linear_gradients_within_quantization_bound(fmt: str, dtype: torc
     _assert_not_vacuous(got[1], want[1], bound_up, fmt)
 
 
+@pytest.mark.parametrize("quant_backend", ["torch", "compiled"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monkeypatch, quant_backend: str, dtype: torch.dtype) -> None:
+    """Chunking the backward over tokens only regroups the work: gate and up gradients are per-row
+    (equal up to the GEMM's rounding), the down-projection gradient is a sum over chunks."""
+    from agoq.activation import ops
+    from agoq.quant import backend
+
+    if quant_backend == "compiled" and not backend.compiler_available():
+        pytest.skip("no C++ compiler for torch.compile")
+    fmt = parse_format("int4/128")
+    inter, hidden = 200, 48  # a chunk must start on a block boundary: multiples of 16 rows of 200
+    gate, up = _rand(3, 37, inter, dtype=dtype, seed=1, scale=2.0), _rand(3, 37, inter, dtype=dtype, seed=2)
+    wd = _rand(hidden, inter, dtype=dtype, seed=3, scale=0.1)
+    g = _rand(3, 37, hidden, dtype=dtype, seed=4).detach()
+    assert ops.swiglu_chunk_rows(111, inter, 128, torch.device("cpu")) == 111  # one chunk by default
+    with backend.use_backend(quant_backend):
+        whole = _grads(swiglu_linear(gate, up, wd, fmt), [gate, up, wd], g)
+        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "device": 1})
+        monkeypatch.setattr(ops, "MIN_SWIGLU_CHUNK_ROWS", 1)
+        assert ops._row_chunks(111, inter, 128, torch.device("cpu"))[-2:] == [(80, 96), (96, 111)]
+        chunked = _grads(swiglu_linear(gate, up, wd, fmt), [gate, up, wd], g)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7}[dtype]
+    for what, a, b in zip(("gate", "up", "down weight"), chunked, whole):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item(), msg=what)
+
+
 def test_swiglu_and_linear_backward_are_exact_gradients_at_the_dequantized_inputs() -> None:
     """In fp32, each fused backward equals autograd of the unfused op on the dequantized saved tensors."""
     fmt = "int4/128"

@@ -240,20 +240,28 @@ class _WeightGradSum:
     """The fp32 sum over chunks of g.T @ h, the LM-head weight gradient."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # Allocated at the first add, not before: the first chunk's logits and log-probs then never
+        # coexist with it (with one chunk, as for a short micro-batch, the peak drops by a third).
+        self.weight = weight
+        self.total: torch.Tensor | None = None
         vocab, hidden = weight.shape
         # Low-precision products go through small reused blocks of vocab rows: one [vocab, hidden]
         # temporary per chunk, plus its mixed-dtype add, cost as much as the GEMM itself on CPU.
         self.rows = min(vocab, max(1, _BLOCK_ELEMENTS // hidden))
-        if weight.dtype != torch.float32:
-            self.block = torch.empty(self.rows, hidden, dtype=weight.dtype, device=weight.device)
-            self.block32 = torch.empty(self.rows, hidden, dtype=torch.float32, device=weight.device)
 
     def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
         """Add one chunk's g.T @ h ([chunk, vocab] and [chunk, hidden])."""
+        w = self.weight
         if g.dtype == torch.float32:
-            self.total.addmm_(g.t(), h)
+            if self.total is None:
+                self.total = g.t().mm(h)
+            else:
+                self.total.addmm_(g.t(), h)
             return
+        if self.total is None:
+            self.total = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            self.block = torch.empty(self.rows, w.shape[1], dtype=w.dtype, device=w.device)
+            self.block32 = torch.empty(self.rows, w.shape[1], dtype=torch.float32, device=w.device)
         # Each block's product is rounded to g's dtype once, as the plain path's single GEMM is,
         # and summed over chunks in fp32, so the error stays within one rounding per chunk.
         gt = g.t()
@@ -264,7 +272,9 @@ class _WeightGradSum:
             self.total[v : v + n].add_(self.block32[:n])
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
-        """The summed gradient in ``dtype``."""
+        """The summed gradient in ``dtype`` (zeros if no chunk was added)."""
+        if self.total is None:
+            return torch.zeros(self.weight.shape, dtype=dtype, device=self.weight.device)
         return self.total if dtype == torch.float32 else self.total.to(dtype)
 
 

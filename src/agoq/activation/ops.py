@@ -21,6 +21,7 @@ codes stay bit-identical.) Every op sets the kind of what it saves for :mod:`ago
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -187,23 +188,70 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
         gshape, gdtype, ushape, udtype, fmt = ctx.meta
-        kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
-        if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
-            grad_act = F.linear(grad_out, down_weight.t())
-            qg, qu = QTensor(gp, gs, gshape, gdtype, fmt), QTensor(up_p, up_s, ushape, udtype, fmt)
-            act, grad_gate, grad_up = kernels.swiglu_backward(grad_act, qg, qu, gdtype, grad_out.dtype if ctx.needs_input_grad[2] else None)
-            grad_down = _tokens(grad_out).t().mm(_tokens(act)) if act is not None else None
-            return grad_gate, grad_up, grad_down, None
+        qg, qu = QTensor(gp, gs, gshape, gdtype, fmt), QTensor(up_p, up_s, ushape, udtype, fmt)
         need_act = ctx.needs_input_grad[2]
-        grads = backend.formula(_swiglu_backward, gp.device, act_dtype=grad_out.dtype if need_act else None, gate_dtype=gdtype, up_dtype=udtype)
-        # Arguments passed without names here, so the formula can drop each after its last use.
-        act, grad_gate, grad_up = grads(
-            F.linear(grad_out, down_weight.t()),
-            dequantize(QTensor(gp, gs, gshape, gdtype, fmt), torch.float32),
-            dequantize(QTensor(up_p, up_s, ushape, udtype, fmt), torch.float32),
+        act_dtype = grad_out.dtype if need_act else None
+        kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
+        formula = None if kernels is not None else backend.formula(
+            _swiglu_backward, gp.device, act_dtype=act_dtype, gate_dtype=gdtype, up_dtype=udtype
         )
-        grad_down = _tokens(grad_out).t().mm(_tokens(act)) if need_act else None
-        return grad_gate, grad_up, grad_down, None
+        go = _tokens(grad_out)
+        width = gshape[-1]
+        grad_gate = torch.empty(gshape, dtype=gdtype, device=gp.device)
+        grad_up = torch.empty(ushape, dtype=udtype, device=gp.device)
+        gate_rows, up_rows = _tokens(grad_gate), _tokens(grad_up)
+        grad_down: torch.Tensor | None = None
+        for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device):
+            grad_act = F.linear(go[r0:r1], down_weight.t())
+            g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
+            if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
+                act, gg, gu = kernels.swiglu_backward(grad_act, g_chunk, u_chunk, gdtype, act_dtype)
+            else:
+                # Arguments passed without names, so the formula can drop each after its last use.
+                act, gg, gu = formula(grad_act, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32))
+            del grad_act
+            gate_rows[r0:r1].copy_(gg)
+            up_rows[r0:r1].copy_(gu)
+            del gg, gu
+            if act is not None:
+                grad_down = _accumulate_product(grad_down, go[r0:r1], act)
+        return grad_gate, grad_up, None if grad_down is None else grad_down.to(down_weight.dtype), None
+
+
+# Rows of the SwiGLU backward computed at once: its fp32 temporaries (the output gradient, gate
+# and up dequantized, sigmoid and SiLU) are a chunk's rows, not every token's. On a CPU a chunk of
+# about 64K values (256 KiB of fp32 each) stays in cache between the formula's passes; a GPU takes
+# far larger chunks, so that the chunk's GEMMs stay large. At least MIN_SWIGLU_CHUNK_ROWS rows.
+SWIGLU_CHUNK_VALUES = {"cpu": 1 << 16, "device": 1 << 24}
+MIN_SWIGLU_CHUNK_ROWS = 64
+
+
+def swiglu_chunk_rows(rows: int, width: int, block: int, device: torch.device) -> int:
+    """Rows per chunk of the SwiGLU backward: whole quantization blocks, about the device's budget."""
+    budget = SWIGLU_CHUNK_VALUES["cpu" if device.type == "cpu" else "device"]
+    align = block // math.gcd(width, block)  # a chunk must start on a block boundary of the flat codes
+    chunk = max(MIN_SWIGLU_CHUNK_ROWS, budget // width) // align * align
+    return min(rows, max(align, chunk))
+
+
+def _row_chunks(rows: int, width: int, block: int, device: torch.device) -> list[tuple[int, int]]:
+    chunk = swiglu_chunk_rows(rows, width, block, device)
+    return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
+
+
+def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:
+    """Rows r0..r1 of a quantized [..., width] tensor, as a [r1 - r0, width] QTensor sharing its memory."""
+    part = q.blocks(r0 * width, (r1 - r0) * width)
+    return QTensor(part.payload, part.scales, torch.Size([r1 - r0, width]), q.dtype, q.fmt)
+
+
+def _accumulate_product(acc: torch.Tensor | None, grad_rows: torch.Tensor, act_rows: torch.Tensor) -> torch.Tensor:
+    """acc + grad_rows^T @ act_rows, summed in fp32 (the down weight's gradient over row chunks)."""
+    if acc is None:
+        return grad_rows.t().mm(act_rows).float()
+    if act_rows.dtype == torch.float32 and grad_rows.dtype == torch.float32:
+        return acc.addmm_(grad_rows.t(), act_rows)
+    return acc.add_(grad_rows.t().mm(act_rows))
 
 
 def _swiglu_backward(

@@ -233,13 +233,20 @@ class QuantGradBuffer:
         def hook(p: torch.Tensor) -> None:
             g, p.grad = p.grad, None
             if g is not None:
-                self.fold(index, g)
+                self._fold(index, g)
+                # The full-precision gradient is gone before a bucket it completed is sent, so the
+                # bucket's messages never coexist with it (the largest, the embedding's, comes last).
+                del g
+                self._launch_ready()
 
         return hook
 
     def fold(self, param: int | str | torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Add one micro-batch's full-precision gradient of ``param`` into the 8-bit buffer."""
-        pi = self._index(param)
+        self._fold(self._index(param), grad)
+        self._launch_ready()
+
+    def _fold(self, pi: int, grad: torch.Tensor) -> None:
         if grad.numel() != self.params[pi].numel():
             raise ValueError(f"gradient of {self.names[pi]!r} has {grad.numel()} values, the parameter {self.params[pi].numel()}")
         if any(self.buckets[seg.bucket].state != "open" for seg in self.segments[pi]):
@@ -284,7 +291,6 @@ class QuantGradBuffer:
         if self._folds[pi] == self.microbatches:
             for seg in self.segments[pi]:
                 self.buckets[seg.bucket].pending -= 1
-            self._launch_ready()
 
     def _regions(self, pi: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """(start, end in the flat gradient, payload view, scales view) of each fold piece of a parameter, built once.

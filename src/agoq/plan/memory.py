@@ -29,6 +29,7 @@ import torch
 
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
+from agoq.activation.ops import swiglu_chunk_rows
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.gradient.collectives import REDUCE_PIECE
@@ -56,9 +57,10 @@ STEP_BYTES = 4  # AdamW's per-parameter step counter (a 0-dim fp32 tensor)
 # Per element of the [tokens, intermediate] tensors, what a SwiGLU backward materialises at once,
 # counted from agoq.activation.ops: the baseline (autograd through silu and mul) makes the gradients
 # of the product, gate and up and SiLU's derivative in the compute dtype; the fused op's backward
-# (_swiglu_backward) at its peak holds gate and up dequantized to fp32, the output gradient in fp32,
-# sigmoid, SiLU and the gate gradient's first product in fp32, and the up gradient and the output
-# gradient as computed in the compute dtype.
+# (_swiglu_backward), per element of the chunk of rows it works on, at its peak holds gate and up
+# dequantized to fp32, the output gradient in fp32, sigmoid, SiLU and the gate gradient's first
+# product in fp32, and the up gradient and the output gradient as computed in the compute dtype
+# (besides the whole gate and up gradients it writes the chunks into).
 SWIGLU_BACKWARD_VALUES = {"baseline": (0, 4), "quantized": (6, 2)}  # (fp32 values, compute-dtype values)
 # The paper's measured cost of its quantization kernels per layer: +2% forward, +3% backward.
 QUANT_OVERHEAD = (0.02, 0.03)
@@ -175,6 +177,7 @@ class PlanConfig:
     memory_budget: int | None = None  # budget mode: bits and recompute chosen to fit this many bytes
     recompute_layers: int | None = None  # a fixed recompute count per stage for every configuration; None: the fewest that fit
     setups: tuple[str, ...] = DEFAULT_SETUPS
+    device: str = "cuda"  # where the step runs: some temporaries are cut into device-sized chunks
 
     @property
     def vstages(self) -> int:
@@ -566,9 +569,15 @@ class _Planner:
         """
         m, es, dp = self.m, self.es, self.cfg.dp
         fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["quantized" if setup.activations else "baseline"]
+        if setup.activations:
+            # The fused backward works a chunk of rows at a time beside its two whole outputs.
+            rows = swiglu_chunk_rows(self.tokens_tp, m.intermediate, self.fmt.block_size, torch.device(self.cfg.device))
+            swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 2 * self.tokens_tp * m.intermediate * es
+        else:
+            swiglu = self.tokens_tp * m.intermediate * (4 * fp32_values + es * dtype_values)
         worst = 0
         for s, b in zip(self.rank_stages[rank], bits):
-            layer = self.tokens_tp * m.intermediate * (4 * fp32_values + es * dtype_values)
+            layer = swiglu
             if recompute and len(self.ranges[s]):
                 layer += self.layer_bytes(policy, b)  # the recomputed layer's activations, during its backward
             worst = max(worst, layer)
@@ -788,5 +797,6 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
         micro_batch=d.batch_size // (p.dp * p.microbatches), global_batch=d.batch_size,
         schedule=p.schedule, virtual_stages=p.virtual_stages, dtype=dtype,
         activation_format=pr.activation_format, gradient_block=pr.gradient_block,
-        stage_bits=pr.stage_bits, recompute_layers=pr.recompute_layers or None, setups=(setup.name,), **memory,  # type: ignore[arg-type]
+        stage_bits=pr.stage_bits, recompute_layers=pr.recompute_layers or None, setups=(setup.name,),
+        device="cuda" if torch.cuda.is_available() else "cpu", **memory,  # type: ignore[arg-type]
     )
