@@ -163,8 +163,16 @@ def from_wire(wire: torch.Tensor, layout: ChunkLayout) -> QTensor:
     return QTensor(payload, scales, torch.Size([rows * layout.padded_chunk]), torch.float32, layout.fmt)
 
 
-# Values of a received chunk dequantized at once when summing the rows (whole blocks): 1 MiB of fp32.
-REDUCE_PIECE = 1 << 18
+# Values of a received chunk summed at once (whole blocks): the piece's fp32 sum and the
+# quantizer's work on it are the reduction's only fp32 temporaries. On a CPU 64K values (256 KiB
+# of fp32 each) stay in cache and cost a few hundred Python calls per 64 MiB; a GPU takes 4 MiB
+# pieces so that each kernel launch has work enough.
+REDUCE_PIECE = {"cpu": 1 << 16, "device": 1 << 20}
+
+
+def reduce_piece(device: torch.device) -> int:
+    """Values per piece of the reduction's sum on ``device`` (see REDUCE_PIECE)."""
+    return REDUCE_PIECE["cpu" if device.type == "cpu" else "device"]
 
 
 class EightBitReduction:
@@ -192,6 +200,7 @@ class EightBitReduction:
         self.name = name
         self.timings = timings
         self.world_size, self.rank = world_of(group)
+        self._device = wire.device
         if self.world_size != layout.world_size:
             raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
         if tuple(wire.shape) != (layout.world_size, layout.row_bytes) or wire.dtype != torch.uint8:
@@ -229,7 +238,7 @@ class EightBitReduction:
     def _pieces(self) -> Iterator[tuple[int, int]]:
         """(start, end) values of this rank's chunk, whole blocks of about REDUCE_PIECE values each."""
         block = self.layout.fmt.block_size
-        piece = max(1, REDUCE_PIECE // block) * block
+        piece = max(1, reduce_piece(self._device) // block) * block
         for start in range(0, self.layout.padded_chunk, piece):
             yield start, min(self.layout.padded_chunk, start + piece)
 

@@ -32,7 +32,7 @@ from agoq.activation.loss import default_chunk_size
 from agoq.activation.ops import swiglu_chunk_rows
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
-from agoq.gradient.collectives import REDUCE_PIECE
+from agoq.gradient.collectives import reduce_piece
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
 from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
@@ -607,7 +607,7 @@ class _Planner:
             # One bucket reduced a piece at a time: the chunk's requantized bytes to send, and one
             # piece summed in fp32 and requantized (the fp32 values and integer codes the quantizer
             # works on), beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
-            reduction = in_flight + fmt8.nbytes(chunk) + 9 * min(REDUCE_PIECE, chunk)
+            reduction = in_flight + fmt8.nbytes(chunk) + 9 * min(reduce_piece(torch.device(self.cfg.device)), chunk)
         if setup.zero1:
             # Every bucket's fp32 shard of the reduced gradient waits for the optimizer step, which
             # then all-gathers one bucket's updated weights in the compute dtype.

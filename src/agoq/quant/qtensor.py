@@ -265,15 +265,16 @@ def _check(q: QTensor) -> None:
         )
 
 
-def _slab_values(q: QTensor, start: int, m: int) -> torch.Tensor:
-    """fp32 format values (unscaled, padded to whole blocks and groups) of elements start..start+m."""
+def _slab_values(q: QTensor, start: int, m: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 format values (unscaled, padded to whole blocks and groups) of elements start..start+m,
+    written into ``into`` when given (fp32, exactly that padded length)."""
     fmt = q.fmt
     _, length = _padded(m, fmt)
     b0, nbytes = start * fmt.bits // 8, length * fmt.bits // 8
     chunk = q.payload[b0 : b0 + nbytes]
     if chunk.numel() < nbytes:
         chunk = torch.nn.functional.pad(chunk, (0, nbytes - chunk.numel()))
-    v = torch.empty(length, dtype=torch.float32, device=q.device)
+    v = torch.empty(length, dtype=torch.float32, device=q.device) if into is None else into
     _decode_into(chunk, fmt, v)
     return v
 
@@ -295,10 +296,15 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     step = _slab(fmt, q.device)
     for start in range(0, n, step):
         m = min(step, n - start)
-        blocks, _ = _padded(m, fmt)
+        blocks, length = _padded(m, fmt)
+        s = q.scales[start // block : start // block + blocks, None]
+        if out.dtype == torch.float32 and m == length:
+            # fp32 out and a slab of whole blocks and groups: decoded and scaled where it lies,
+            # with no slab-sized temporary (the same single fp32 rounding of the product).
+            _slab_values(q, start, m, into=out[start : start + m]).view(blocks, block).mul_(s)
+            continue
         v = _slab_values(q, start, m)
         vb = v[: blocks * block].view(blocks, block)
-        s = q.scales[start // block : start // block + blocks, None]
         if m == blocks * block:
             # Multiplied in fp32, rounded once into the output dtype.
             torch.mul(vb, s, out=out[start : start + m].view(blocks, block))
