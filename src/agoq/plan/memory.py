@@ -573,6 +573,10 @@ class _Planner:
             # The fused backward works a chunk of rows at a time beside its two whole outputs.
             rows = swiglu_chunk_rows(self.tokens_tp, m.intermediate, self.fmt.block_size, torch.device(self.cfg.device))
             swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 2 * self.tokens_tp * m.intermediate * es
+            # Then the fused norm + gate/up backward: those two gradients, the two weight gradients
+            # it returns, and the norm's fp32 recompute and backward (about six [tokens, hidden]).
+            norm_gate_up = 2 * (self.tokens_tp + m.hidden) * m.intermediate * es + 6 * self.tokens_tp * m.hidden * 4
+            swiglu = max(swiglu, norm_gate_up)
         else:
             swiglu = self.tokens_tp * m.intermediate * (4 * fp32_values + es * dtype_values)
         worst = 0
@@ -592,22 +596,27 @@ class _Planner:
         largest = max(numels)
         # Backward: autograd's full-precision gradient of the largest tensor before it is folded into
         # the gradient buffer (into 8 bits a piece at a time), besides a layer's or the loss's work.
-        backward = worst + largest * es + p2p
+        folding = largest * es
         if setup.gradients:
             # A piece being folded: the stored values dequantized, the sum, and the quantizer's work.
-            backward += 3 * 4 * min(FOLD_PIECE, largest)
+            folding += 3 * 4 * min(FOLD_PIECE, largest)
         reduction = optimizer = 0
         fmt8 = QuantFormat("int", 8, self.cfg.gradient_block)
         buckets = self.bucket_sizes(rank)
         bucket = max(buckets)
         chunk = bucket // dp
+        in_flight = 0
         if setup.gradients and dp > 1:
             in_flight = 2 * fmt8.nbytes(bucket)  # two buckets' 8-bit rows on the wire (sent, received or gathered)
-            backward += in_flight
             # One bucket reduced a piece at a time: the chunk's requantized bytes to send, and one
             # piece summed in fp32 and requantized (the fp32 values and integer codes the quantizer
             # works on), beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
             reduction = in_flight + fmt8.nbytes(chunk) + 9 * min(reduce_piece(torch.device(self.cfg.device)), chunk)
+        # A bucket is sent once the gradient that completed it is folded and dropped, so the buckets
+        # in flight and the full-precision gradient being folded are not held at once; a rank's
+        # only bucket is sent after its last layer's backward, others during a later layer's.
+        beside = worst if len(buckets) > 1 else 0
+        backward = p2p + max(worst + folding, in_flight + beside)
         if setup.zero1:
             # Every bucket's fp32 shard of the reduced gradient waits for the optimizer step, which
             # then all-gathers one bucket's updated weights in the compute dtype.
@@ -616,8 +625,8 @@ class _Planner:
             optimizer = shards + es * (bucket + chunk)
         elif setup.gradients:
             # Gradients read back from 8 bits in fp32 for one group of parameters (at most
-            # STEP_GROUP_BYTES, or the largest tensor alone), and the dequantization of one of them.
-            optimizer = max(STEP_GROUP_BYTES, 4 * largest) + 4 * largest
+            # STEP_GROUP_BYTES, or the largest tensor alone), dequantized in place.
+            optimizer = max(STEP_GROUP_BYTES, 4 * largest)
         if setup.optimizer:
             optimizer += ADAM_MOMENTS * 4 * largest  # one tensor's moments dequantized for its update
         return max(backward, reduction, optimizer)
