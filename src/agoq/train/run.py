@@ -19,10 +19,14 @@ from agoq.train.lock import run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _describe(cfg: TrainConfig) -> str:
     p, pr = cfg.parallel, cfg.precision
     return (
-        f"model {cfg.model.preset}, pp={p.pp} x dp={p.dp} ({p.schedule}, {p.microbatches} micro-batches), "
+        f"model {cfg.model.preset}, pp={p.pp} x dp={p.dp} ({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')}), "
         f"activations {pr.activations} ({pr.activation_format}, stage bits {pr.stage_bits}), gradients {pr.gradients}, "
         f"{cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
     )
@@ -243,7 +247,7 @@ def announce(cfg: TrainConfig, processes: str) -> None:
     out = Path(cfg.train.out_dir)
     print(
         f"agoq train: model {cfg.model.preset} ({params / 1e6:.1f} M parameters), {processes}: pp={p.pp} x dp={p.dp} "
-        f"({p.schedule}, {p.microbatches} micro-batches per step)\n"
+        f"({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')} per step)\n"
         f"agoq train: activations {pr.activations}"
         + (f" ({pr.activation_format}, stage bits {pr.stage_bits})" if pr.activations != "bf16" else "")
         + f", gradients {pr.gradients}, optimizer {cfg.optim.name}, compute {pr.compute_dtype}, quantization {pr.quant_backend}\n"
