@@ -42,7 +42,6 @@ from agoq.gradient.collectives import (
     chunk_layout,
     gradient_format,
     parse_op,
-    to_wire,
     world_of,
 )
 from agoq.gradient.counter import CommCounter
@@ -384,9 +383,10 @@ class QuantGradBuffer:
         if not self.communicates:
             return
         layout = bucket.layout
-        wire = to_wire(bucket.values, layout.world_size)
         name = "grad_all_reduce_8bit" if self.collective == "all_reduce" else "grad_reduce_scatter_8bit"
-        bucket.reduction = EightBitReduction(wire, layout, self.op, self.group, counter=self.counter, name=name)
+        # The bucket's own storage is sent (it takes no fold until zero_grad, and is overwritten
+        # only by the all-gather that follows this all-to-all).
+        bucket.reduction = EightBitReduction(bucket.values, layout, self.op, self.group, counter=self.counter, name=name)
 
     def _progress(self, bucket: _Bucket) -> None:
         if bucket.state != "launched":

@@ -4,7 +4,8 @@ The precision-preserving 8-bit all-reduce (METHOD.md part 3) never adds in 8 bit
 
 1. the tensor is cut into W rank chunks of c values, each padded to whole quantization blocks, and
    quantized block-wise (blocks never straddle chunks, so every chunk travels with its own scales);
-2. all-to-all: rank j receives chunk j of every rank (payload and scales in one message);
+2. all-to-all: rank j receives chunk j of every rank (its payload rows and its scale rows, each
+   sent from where it is stored);
 3. each rank dequantizes the W received chunks and sums them in fp32, in rank order;
 4. re-quantizes its reduced chunk;
 5. all-gather of the reduced 8-bit chunks; every rank dequantizes the same bytes, so the result is
@@ -184,7 +185,7 @@ class EightBitReduction:
 
     def __init__(
         self,
-        wire: torch.Tensor,
+        rows: QTensor,
         layout: ChunkLayout,
         op: str | dist.ReduceOp = "sum",
         group: Group = None,
@@ -200,36 +201,41 @@ class EightBitReduction:
         self.name = name
         self.timings = timings
         self.world_size, self.rank = world_of(group)
-        self._device = wire.device
+        self._device = rows.device
         if self.world_size != layout.world_size:
             raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
-        if tuple(wire.shape) != (layout.world_size, layout.row_bytes) or wire.dtype != torch.uint8:
+        w = layout.world_size
+        if rows.fmt != layout.fmt or rows.numel != w * layout.padded_chunk or not (rows.payload.is_contiguous() and rows.scales.is_contiguous()):
             raise ValueError(
-                f"wire tensor must be uint8 of shape {(layout.world_size, layout.row_bytes)}, "
-                f"got {wire.dtype} {tuple(wire.shape)}"
+                f"the rows must be {w} x {layout.padded_chunk} values in {layout.fmt} with contiguous payload and scales, "
+                f"got {rows.numel} values in {rows.fmt}"
             )
+        # Payload rows and scale rows go as they are stored (two all-to-alls, no wire copy): a
+        # bucket-sized copy would be held until the transport lets go of it, after the wait.
+        payload, scales = rows.payload.view(w, layout.row_payload_bytes), rows.scales.view(w, layout.blocks_per_chunk)
         self._gather_work: dist.Work | None = None
         self._gathered: torch.Tensor | None = None
         self._requantized: tuple[torch.Tensor, int, QTensor] | None = None
-        w = self.world_size
         self.counter.record(name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes)
+        self._recv: tuple[torch.Tensor, torch.Tensor] | None = (payload, scales)
+        self._a2a: list[dist.Work] = []
         if w == 1:
-            self._recv, self._a2a = wire, None
             return
-        self._recv = torch.empty_like(wire)
+        self._recv = (torch.empty_like(payload), torch.empty_like(scales))
         with _timed(timings, "all_to_all"):
-            self._a2a = dist.all_to_all_single(self._recv, wire, group=group, async_op=True)
+            self._a2a = [dist.all_to_all_single(got, sent, group=group, async_op=True) for got, sent in zip(self._recv, (payload, scales))]
             if timings is not None:
-                self._a2a.wait()
+                for work in self._a2a:
+                    work.wait()
 
-    def _take_received(self) -> torch.Tensor:
-        """The W received rows, once the all-to-all is done; released from this object (one use)."""
+    def _take_received(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The W received (payload, scale) rows, once the all-to-alls are done; released from this object (one use)."""
         if self._recv is None:
             raise RuntimeError("this reduction was already reduced")
-        if self._a2a is not None:
-            with _timed(self.timings, "all_to_all"):
-                self._a2a.wait()
-            self._a2a = None
+        with _timed(self.timings, "all_to_all"):
+            for work in self._a2a:
+                work.wait()
+        self._a2a = []
         # The received rows are not needed once summed: the caller's reference is the last, so a
         # bucket waiting for its all-gather holds only its gathered bytes.
         recv, self._recv = self._recv, None
@@ -242,12 +248,14 @@ class EightBitReduction:
         for start in range(0, self.layout.padded_chunk, piece):
             yield start, min(self.layout.padded_chunk, start + piece)
 
-    def _sum(self, recv: torch.Tensor, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _sum(self, recv: tuple[torch.Tensor, torch.Tensor], start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Values start..end of the W received rows, summed in fp32 in rank order (then / W for avg).
 
         Rows are summed in rank order, so the sum is the same on every rank and for every path.
         """
-        rows = [from_wire(recv[i : i + 1], self.layout).blocks(start, end - start) for i in range(self.world_size)]
+        size = torch.Size([self.layout.padded_chunk])
+        payload, scales = recv
+        rows = [QTensor(payload[i], scales[i], size, torch.float32, self.layout.fmt).blocks(start, end - start) for i in range(self.world_size)]
         acc = dequantize(rows[0], torch.float32, out=out)
         for row in rows[1:]:
             acc += dequantize(row)
@@ -259,18 +267,16 @@ class EightBitReduction:
         """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
         recv = self._take_received()
         with _timed(self.timings, "reduce"):
-            kernels = backend.kernels(recv.device, self.layout.fmt)
+            kernels = backend.kernels(self._device, self.layout.fmt)
             if kernels is not None:
                 # Compiled or Triton: dequantize the W rows, sum in fp32 in rank order and
                 # requantize in one pass; start_gather sends the requantized chunk if it gets
                 # this very sum back.
-                pb = self.layout.row_payload_bytes
-                scales = recv[:, pb:].contiguous().view(torch.float32)
-                acc, q = kernels.reduce_rows(recv[:, :pb], scales, self.layout.fmt, average=self.op == "avg", requantize=True)
+                acc, q = kernels.reduce_rows(recv[0], recv[1], self.layout.fmt, average=self.op == "avg", requantize=True)
                 self._requantized = (acc, acc._version, q)
                 return acc
             # A piece at a time, so besides the fp32 result only one piece is ever in fp32.
-            acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=recv.device)
+            acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=self._device)
             for start, end in self._pieces():
                 self._sum(recv, start, end, out=acc[start:end])
         return acc
@@ -285,17 +291,16 @@ class EightBitReduction:
         recv = self._take_received()
         layout = self.layout
         fmt, pb = layout.fmt, layout.row_payload_bytes
-        send = torch.empty(layout.row_bytes, dtype=torch.uint8, device=recv.device)
+        send = torch.empty(layout.row_bytes, dtype=torch.uint8, device=self._device)
         payload, scales = send[:pb], send[pb:].view(torch.float32)
         with _timed(self.timings, "reduce"):
-            kernels = backend.kernels(recv.device, fmt)
-            recv_scales = recv[:, pb:].contiguous().view(torch.float32) if kernels is not None else None
+            kernels = backend.kernels(self._device, fmt)
             for start, end in self._pieces():
                 b0, b1 = start // fmt.block_size, end // fmt.block_size
                 p0, p1 = fmt.payload_bytes(start), fmt.payload_bytes(end)
                 if kernels is not None:
-                    scale_rows = recv_scales[:, b0:b1].contiguous()  # the kernels take whole rows of scales
-                    _, q = kernels.reduce_rows(recv[:, p0:p1], scale_rows, fmt, average=self.op == "avg", keep_sum=False, requantize=True)
+                    scale_rows = recv[1][:, b0:b1].contiguous()  # the kernels take whole rows of scales
+                    _, q = kernels.reduce_rows(recv[0][:, p0:p1], scale_rows, fmt, average=self.op == "avg", keep_sum=False, requantize=True)
                 else:
                     q = quantize(self._sum(recv, start, end), fmt, nonfinite="propagate")
                 payload[p0:p1].copy_(q.payload)
@@ -339,9 +344,9 @@ class EightBitReduction:
         return self._gathered
 
 
-def quantize_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-    """``x`` cut into rank chunks and quantized, as wire bytes uint8 [world_size, row_bytes]."""
-    return to_wire(quantize(padded_rows(x, layout), layout.fmt, nonfinite="propagate"), layout.world_size)
+def quantize_rows(x: torch.Tensor, layout: ChunkLayout) -> QTensor:
+    """``x`` cut into rank chunks, each padded to whole blocks, and quantized (world_size x padded_chunk values)."""
+    return quantize(padded_rows(x, layout), layout.fmt, nonfinite="propagate")
 
 
 class PendingAllReduce:
@@ -397,8 +402,8 @@ def all_reduce_8bit(
     world_size, _ = world_of(group)
     layout = chunk_layout(tensor.numel(), world_size, fmt)
     with _timed(timings, "quantize"):
-        wire = quantize_rows(tensor, layout)
-    reduction = EightBitReduction(wire, layout, op, group, counter=counter, name="all_reduce_8bit", timings=timings)
+        rows = quantize_rows(tensor, layout)
+    reduction = EightBitReduction(rows, layout, op, group, counter=counter, name="all_reduce_8bit", timings=timings)
     pending = PendingAllReduce(reduction, tensor)
     if async_op:
         return pending
@@ -425,8 +430,8 @@ def reduce_scatter_8bit(
     world_size, rank = world_of(group)
     layout = chunk_layout(tensor.numel(), world_size, fmt)
     with _timed(timings, "quantize"):
-        wire = quantize_rows(tensor, layout)
-    reduction = EightBitReduction(wire, layout, op, group, counter=counter, name="reduce_scatter_8bit", timings=timings)
+        rows = quantize_rows(tensor, layout)
+    reduction = EightBitReduction(rows, layout, op, group, counter=counter, name="reduce_scatter_8bit", timings=timings)
     start, end = layout.shard_range(rank)
     return reduction.reduce()[: end - start].to(out_dtype)
 
