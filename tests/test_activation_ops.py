@@ -247,6 +247,34 @@ def test_swiglu_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monke
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item(), msg=what)
 
 
+@pytest.mark.parametrize("quant_backend", ["torch", "compiled"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_linear_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monkeypatch, quant_backend: str, dtype: torch.dtype) -> None:
+    """The fused norm + GEMMs backward cut into row chunks: the input gradient is per-row, the
+    weight gradients and the norm weight's are sums over chunks (in fp32, rounded once)."""
+    from agoq.activation import ops
+    from agoq.quant import backend
+
+    if quant_backend == "compiled" and not backend.compiler_available():
+        pytest.skip("no C++ compiler for torch.compile")
+    fmt = parse_format("int4/128")
+    hidden = 72  # chunks start on block boundaries: multiples of 16 rows of 72
+    x = _rand(3, 37, hidden, dtype=dtype, seed=1, scale=2.0)
+    nw = (1 + 0.1 * _rand(hidden, dtype=torch.float32, seed=2).detach()).to(dtype).requires_grad_()
+    wq, wk = _rand(40, hidden, dtype=dtype, seed=3, scale=0.1), _rand(24, hidden, dtype=dtype, seed=4, scale=0.1)
+    gq, gk = _rand(3, 37, 40, dtype=dtype, seed=5).detach(), _rand(3, 37, 24, dtype=dtype, seed=6).detach()
+    leaves = [x, nw, wq, wk]
+    with backend.use_backend(quant_backend):
+        whole = _grads(rms_norm_linear(x, nw, EPS, (wq, wk), fmt), leaves, (gq, gk))
+        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "device": 1})
+        monkeypatch.setattr(ops, "MIN_SWIGLU_CHUNK_ROWS", 1)
+        assert len(ops._row_chunks(111, hidden, 128, torch.device("cpu"), ops.NORM_CHUNK_VALUES)) == 7
+        chunked = _grads(rms_norm_linear(x, nw, EPS, (wq, wk), fmt), leaves, (gq, gk))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}[dtype]
+    for what, a, b in zip(("input", "norm weight", "q weight", "k weight"), chunked, whole):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item(), msg=what)
+
+
 def test_swiglu_and_linear_backward_are_exact_gradients_at_the_dequantized_inputs() -> None:
     """In fp32, each fused backward equals autograd of the unfused op on the dequantized saved tensors."""
     fmt = "int4/128"

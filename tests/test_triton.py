@@ -259,10 +259,11 @@ def test_swiglu_backward_recomputes_from_quantized_gate_and_up(dtype: torch.dtyp
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "swiglu-backward-in-row-chunks"])
 def test_layer_ops_under_the_triton_backend_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch, chunked: bool) -> None:
-    if chunked:  # 16 rows per chunk: the kernel then reads the saved codes from a block offset
+    if chunked:  # 16 rows per chunk: the kernels then read the saved codes from a block offset
         from agoq.activation import ops
 
         monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "device": 1})
+        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "device": 1})
         monkeypatch.setattr(ops, "MIN_SWIGLU_CHUNK_ROWS", 16)
     used = []
     for name in ("rms_norm_quantize", "rms_norm_recompute", "rms_norm_backward", "swiglu_quantize", "swiglu_backward"):

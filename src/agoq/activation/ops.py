@@ -121,29 +121,49 @@ class _NormLinear(torch.autograd.Function):
         payload, scales, norm_weight, *weights = ctx.saved_tensors
         shape, dtype, fmt, eps = ctx.meta
         q = QTensor(payload, scales, shape, dtype, fmt)
-        kernels = _norm_kernels(payload.device, fmt, shape[-1])
-        if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
-            x = None
-            h, rstd = kernels.rms_norm_recompute(q, norm_weight, eps, dtype)
-        else:
-            # Under the compiled backend the recompute is one fused loop (and so is the backward
-            # below); its reductions may sum in another order: h agrees within dtype rounding.
-            x = dequantize(q, torch.float32)
-            h, rstd = backend.formula(_norm_forward, x.device, eps=eps, out_dtype=dtype)(x, norm_weight)
-        grad_h = torch.zeros(shape, dtype=torch.float32, device=payload.device)
-        weight_grads: list[torch.Tensor | None] = []
-        for i, (g, w) in enumerate(zip(grads, weights)):
-            if g is None:
-                weight_grads.append(None)
-                continue
-            grad_h += F.linear(g, w.t())
-            weight_grads.append(_tokens(g).t().mm(_tokens(h)) if ctx.needs_input_grad[4 + i] else None)
-        if x is None:
-            gx, gw = kernels.rms_norm_backward(grad_h, q, rstd, norm_weight, dtype, ctx.needs_input_grad[1])
-        else:
-            norm_backward = backend.formula(_norm_backward, x.device, x_dtype=dtype, need_weight_grad=ctx.needs_input_grad[1])
-            gx, gw = norm_backward(grad_h, x, rstd, norm_weight)
-        return (gx, gw, None, None, *weight_grads)
+        width = shape[-1]
+        kernels = _norm_kernels(payload.device, fmt, width)
+        need_norm_weight = ctx.needs_input_grad[1]
+        if kernels is None:
+            recompute = backend.formula(_norm_forward, payload.device, eps=eps, out_dtype=dtype)
+            norm_backward = backend.formula(_norm_backward, payload.device, x_dtype=dtype, need_weight_grad=need_norm_weight)
+        grad_x = torch.empty(shape, dtype=dtype, device=payload.device)
+        grad_rows = _tokens(grad_x)
+        outputs = [None if g is None else _tokens(g) for g in grads]
+        weight_grads: list[torch.Tensor | None] = [None] * len(weights)
+        grad_norm_weight: torch.Tensor | None = None
+        # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
+        # then hold a chunk's rows, not every token's.
+        for r0, r1 in _row_chunks(grad_rows.shape[0], width, fmt.block_size, payload.device, NORM_CHUNK_VALUES):
+            q_rows = _rows(q, r0, r1, width)
+            if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
+                x = None
+                h, rstd = kernels.rms_norm_recompute(q_rows, norm_weight, eps, dtype)
+            else:
+                # Under the compiled backend the recompute is one fused loop (and so is the backward
+                # below); its reductions may sum in another order: h agrees within dtype rounding.
+                x = dequantize(q_rows, torch.float32)
+                h, rstd = recompute(x, norm_weight)
+            grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
+            for i, (g, w) in enumerate(zip(outputs, weights)):
+                if g is None:
+                    continue
+                grad_h += F.linear(g[r0:r1], w.t())
+                if ctx.needs_input_grad[4 + i]:
+                    weight_grads[i] = _accumulate_product(weight_grads[i], g[r0:r1], h)
+            del h
+            if x is None:
+                gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
+            else:
+                gx, gw = norm_backward(grad_h, x, rstd, norm_weight)
+            grad_rows[r0:r1].copy_(gx)
+            if gw is not None:
+                grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
+            del gx, gw, grad_h, x
+        weight_grads = [None if g is None else g.to(w.dtype) for g, w in zip(weight_grads, weights)]
+        if grad_norm_weight is not None:
+            grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
+        return (grad_x, grad_norm_weight, None, None, *weight_grads)
 
 
 def rms_norm_linear(
@@ -233,16 +253,22 @@ SWIGLU_CHUNK_VALUES = {"cpu": 1 << 17, "device": 1 << 24}
 MIN_SWIGLU_CHUNK_ROWS = 64
 
 
-def swiglu_chunk_rows(rows: int, width: int, block: int, device: torch.device) -> int:
-    """Rows per chunk of the SwiGLU backward: whole quantization blocks, about the device's budget."""
-    budget = SWIGLU_CHUNK_VALUES["cpu" if device.type == "cpu" else "device"]
+# The same for the fused norm + GEMMs backward, in values of its [tokens, hidden] input: its
+# per-chunk cost is a pass over each weight's gradient (q, k, v or gate, up), so its chunks are
+# larger; a micro-batch of up to 1024 tokens of a 256-wide model is one chunk.
+NORM_CHUNK_VALUES = {"cpu": 1 << 18, "device": 1 << 24}
+
+
+def swiglu_chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int] | None = None) -> int:
+    """Rows per chunk of a chunked backward (SWIGLU_CHUNK_VALUES unless ``budgets``): whole quantization blocks, about the device's budget."""
+    budget = (budgets or SWIGLU_CHUNK_VALUES)["cpu" if device.type == "cpu" else "device"]
     align = block // math.gcd(width, block)  # a chunk must start on a block boundary of the flat codes
     chunk = max(MIN_SWIGLU_CHUNK_ROWS, budget // width) // align * align
     return min(rows, max(align, chunk))
 
 
-def _row_chunks(rows: int, width: int, block: int, device: torch.device) -> list[tuple[int, int]]:
-    chunk = swiglu_chunk_rows(rows, width, block, device)
+def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int] | None = None) -> list[tuple[int, int]]:
+    chunk = swiglu_chunk_rows(rows, width, block, device, budgets)
     return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
 
 

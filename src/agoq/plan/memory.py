@@ -29,7 +29,7 @@ import torch
 
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
-from agoq.activation.ops import swiglu_chunk_rows
+from agoq.activation.ops import NORM_CHUNK_VALUES, swiglu_chunk_rows
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.gradient.collectives import reduce_piece
@@ -574,8 +574,10 @@ class _Planner:
             rows = swiglu_chunk_rows(self.tokens_tp, m.intermediate, self.fmt.block_size, torch.device(self.cfg.device))
             swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 2 * self.tokens_tp * m.intermediate * es
             # Then the fused norm + gate/up backward: those two gradients, the two weight gradients
-            # it returns, and the norm's fp32 recompute and backward (about six [tokens, hidden]).
-            norm_gate_up = 2 * (self.tokens_tp + m.hidden) * m.intermediate * es + 6 * self.tokens_tp * m.hidden * 4
+            # it returns, and the norm's fp32 recompute and backward (about six [rows, hidden] of
+            # the chunk of rows it works on).
+            norm_rows = swiglu_chunk_rows(self.tokens_tp, m.hidden, self.fmt.block_size, torch.device(self.cfg.device), NORM_CHUNK_VALUES)
+            norm_gate_up = 2 * (self.tokens_tp + m.hidden) * m.intermediate * es + 6 * norm_rows * m.hidden * 4
             swiglu = max(swiglu, norm_gate_up)
         else:
             swiglu = self.tokens_tp * m.intermediate * (4 * fp32_values + es * dtype_values)
