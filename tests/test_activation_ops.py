@@ -241,6 +241,8 @@ def test_swiglu_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monke
         monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "device": 1})
         monkeypatch.setattr(ops, "MIN_SWIGLU_CHUNK_ROWS", 1)
         assert ops._row_chunks(111, inter, 128, torch.device("cpu"))[-2:] == [(80, 96), (96, 111)]
+        # The forward's SiLU(gate) * up is also formed a chunk at a time: still the baseline's bits.
+        assert torch.equal(swiglu_linear(gate, up, wd, fmt), swiglu_linear(gate, up, wd, None))
         chunked = _grads(swiglu_linear(gate, up, wd, fmt), [gate, up, wd], g)
     tol = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7}[dtype]
     for what, a, b in zip(("gate", "up", "down weight"), chunked, whole):

@@ -198,7 +198,14 @@ class _SwiGLULinear(torch.autograd.Function):
             act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
             out = F.linear(act, down_weight)
         else:
-            out = F.linear(F.silu(gate) * up, down_weight)
+            # SiLU(gate) * up a chunk of rows at a time into one buffer: SiLU(gate) is never a whole
+            # [tokens, intermediate] temporary (elementwise, so the product is the same bits).
+            act = torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype))
+            rows, g2, u2 = _tokens(act), _tokens(gate), _tokens(up)
+            for r0, r1 in _row_chunks(rows.shape[0], rows.shape[1], fmt.block_size, gate.device):
+                torch.mul(F.silu(g2[r0:r1]), u2[r0:r1], out=rows[r0:r1])
+            out = F.linear(act, down_weight)
+            del act, rows
             qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
         ctx.save_for_backward(qg.payload, qg.scales, qu.payload, qu.scales, down_weight)
         ctx.meta = (qg.shape, qg.dtype, qu.shape, qu.dtype, fmt)
