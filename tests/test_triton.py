@@ -264,7 +264,7 @@ def test_layer_ops_under_the_triton_backend_match_the_torch_backend(monkeypatch:
 
         monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "device": 1})
         monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "device": 1})
-        monkeypatch.setattr(ops, "MIN_SWIGLU_CHUNK_ROWS", 16)
+        monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 16)
     used = []
     for name in ("rms_norm_quantize", "rms_norm_recompute", "rms_norm_backward", "swiglu_quantize", "swiglu_backward"):
         real = getattr(tq, name)

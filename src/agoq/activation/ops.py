@@ -202,7 +202,7 @@ class _SwiGLULinear(torch.autograd.Function):
             # [tokens, intermediate] temporary (elementwise, so the product is the same bits).
             act = torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype))
             rows, g2, u2 = _tokens(act), _tokens(gate), _tokens(up)
-            for r0, r1 in _row_chunks(rows.shape[0], rows.shape[1], fmt.block_size, gate.device):
+            for r0, r1 in _row_chunks(rows.shape[0], rows.shape[1], fmt.block_size, gate.device, SWIGLU_CHUNK_VALUES):
                 torch.mul(F.silu(g2[r0:r1]), u2[r0:r1], out=rows[r0:r1])
             out = F.linear(act, down_weight)
             del act, rows
@@ -231,7 +231,7 @@ class _SwiGLULinear(torch.autograd.Function):
         grad_up = torch.empty(ushape, dtype=udtype, device=gp.device)
         gate_rows, up_rows = _tokens(grad_gate), _tokens(grad_up)
         grad_down: torch.Tensor | None = None
-        for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device):
+        for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
             grad_act = F.linear(go[r0:r1], down_weight.t())
             g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
             if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
@@ -255,9 +255,9 @@ class _SwiGLULinear(torch.autograd.Function):
 # pass over the fp32 down-weight gradient it adds into (measured small model, 512 tokens: 25.2 ms
 # per layer backward at 64-row chunks, 20.9 at 188, 19.4 whole), so on a CPU a chunk is about
 # 128K values (512 KiB of fp32 each, in cache between the formula's passes); a GPU takes far
-# larger chunks, so that the chunk's GEMMs stay large. At least MIN_SWIGLU_CHUNK_ROWS rows.
+# larger chunks, so that the chunk's GEMMs stay large. At least MIN_CHUNK_ROWS rows.
 SWIGLU_CHUNK_VALUES = {"cpu": 1 << 17, "device": 1 << 24}
-MIN_SWIGLU_CHUNK_ROWS = 64
+MIN_CHUNK_ROWS = 64
 
 
 # The same for the fused norm + GEMMs backward, in values of its [tokens, hidden] input: its
@@ -266,32 +266,38 @@ MIN_SWIGLU_CHUNK_ROWS = 64
 NORM_CHUNK_VALUES = {"cpu": 1 << 18, "device": 1 << 24}
 
 
-def swiglu_chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int] | None = None) -> int:
-    """Rows per chunk of a chunked backward (SWIGLU_CHUNK_VALUES unless ``budgets``): whole quantization blocks, about the device's budget."""
-    budget = (budgets or SWIGLU_CHUNK_VALUES)["cpu" if device.type == "cpu" else "device"]
+def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> int:
+    """Rows per chunk of ``rows`` x ``width`` values (SWIGLU_CHUNK_VALUES or NORM_CHUNK_VALUES as
+    ``budgets``): whole quantization blocks, about the device's budget of values."""
+    budget = budgets["cpu" if device.type == "cpu" else "device"]
     align = block // math.gcd(width, block)  # a chunk must start on a block boundary of the flat codes
-    chunk = max(MIN_SWIGLU_CHUNK_ROWS, budget // width) // align * align
+    chunk = max(MIN_CHUNK_ROWS, budget // width) // align * align
     return min(rows, max(align, chunk))
 
 
-def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int] | None = None) -> list[tuple[int, int]]:
-    chunk = swiglu_chunk_rows(rows, width, block, device, budgets)
+def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> list[tuple[int, int]]:
+    chunk = chunk_rows(rows, width, block, device, budgets)
     return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
+
+
+def _accumulate_product(acc: torch.Tensor | None, grad_rows: torch.Tensor, act_rows: torch.Tensor) -> torch.Tensor:
+    """acc + grad_rows^T @ act_rows, summed in fp32 (a GEMM weight's gradient over row chunks).
+
+    Not agoq.activation.loss._WeightGradSum: for a low-precision weight that one keeps an fp32 total
+    and two reused row blocks from the first chunk on, three weight-sized buffers when the weight
+    fits one block (measured on a bf16 hidden-512 layer: the step's temporaries 7.9 -> 19.2 MB).
+    """
+    if acc is None:
+        return grad_rows.t().mm(act_rows).float()
+    if act_rows.dtype == torch.float32 and grad_rows.dtype == torch.float32:
+        return acc.addmm_(grad_rows.t(), act_rows)
+    return acc.add_(grad_rows.t().mm(act_rows))
 
 
 def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:
     """Rows r0..r1 of a quantized [..., width] tensor, as a [r1 - r0, width] QTensor sharing its memory."""
     part = q.blocks(r0 * width, (r1 - r0) * width)
     return QTensor(part.payload, part.scales, torch.Size([r1 - r0, width]), q.dtype, q.fmt)
-
-
-def _accumulate_product(acc: torch.Tensor | None, grad_rows: torch.Tensor, act_rows: torch.Tensor) -> torch.Tensor:
-    """acc + grad_rows^T @ act_rows, summed in fp32 (the down weight's gradient over row chunks)."""
-    if acc is None:
-        return grad_rows.t().mm(act_rows).float()
-    if act_rows.dtype == torch.float32 and grad_rows.dtype == torch.float32:
-        return acc.addmm_(grad_rows.t(), act_rows)
-    return acc.add_(grad_rows.t().mm(act_rows))
 
 
 def _swiglu_backward(

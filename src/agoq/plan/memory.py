@@ -29,7 +29,7 @@ import torch
 
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
-from agoq.activation.ops import NORM_CHUNK_VALUES, swiglu_chunk_rows
+from agoq.activation.ops import NORM_CHUNK_VALUES, SWIGLU_CHUNK_VALUES, chunk_rows
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.gradient.collectives import reduce_piece
@@ -426,6 +426,7 @@ class _Planner:
         self.ranges = split_layers(self.m.n_layers, cfg.pp, cfg.vstages)
         self.rank_stages = [rank_stages(self.key, r, cfg.pp, cfg.vstages) for r in range(cfg.pp)]
         self.fmt = parse_format(cfg.activation_format)
+        self.device = torch.device(cfg.device)  # sizes the chunks some temporaries are cut into
         # Per-rank tokens of one micro-batch's sharded tensors: sequence parallelism cuts seq by tp.
         self.seq_tp = cfg.seq_len // cfg.tp
         self.tokens_tp = cfg.micro_batch * self.seq_tp
@@ -571,12 +572,12 @@ class _Planner:
         fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["quantized" if setup.activations else "baseline"]
         if setup.activations:
             # The fused backward works a chunk of rows at a time beside its two whole outputs.
-            rows = swiglu_chunk_rows(self.tokens_tp, m.intermediate, self.fmt.block_size, torch.device(self.cfg.device))
+            rows = chunk_rows(self.tokens_tp, m.intermediate, self.fmt.block_size, self.device, SWIGLU_CHUNK_VALUES)
             swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 2 * self.tokens_tp * m.intermediate * es
             # Then the fused norm + gate/up backward: those two gradients, the two weight gradients
             # it returns, and the norm's fp32 recompute and backward (about six [rows, hidden] of
             # the chunk of rows it works on).
-            norm_rows = swiglu_chunk_rows(self.tokens_tp, m.hidden, self.fmt.block_size, torch.device(self.cfg.device), NORM_CHUNK_VALUES)
+            norm_rows = chunk_rows(self.tokens_tp, m.hidden, self.fmt.block_size, self.device, NORM_CHUNK_VALUES)
             norm_gate_up = 2 * (self.tokens_tp + m.hidden) * m.intermediate * es + 6 * norm_rows * m.hidden * 4
             swiglu = max(swiglu, norm_gate_up)
         else:
@@ -613,7 +614,7 @@ class _Planner:
             # One bucket reduced a piece at a time: the chunk's requantized bytes to send, and one
             # piece summed in fp32 and requantized (the fp32 values and integer codes the quantizer
             # works on), beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
-            reduction = in_flight + fmt8.nbytes(chunk) + 9 * min(reduce_piece(torch.device(self.cfg.device)), chunk)
+            reduction = in_flight + fmt8.nbytes(chunk) + 9 * min(reduce_piece(self.device), chunk)
         # A bucket is sent once the gradient that completed it is folded and dropped, so the buckets
         # in flight and the full-precision gradient being folded are not held at once; a rank's
         # only bucket is sent after its last layer's backward, others during a later layer's.
