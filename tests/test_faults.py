@@ -295,6 +295,35 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     assert "Traceback" not in err and "agoq train: interrupted" in err, err
 
 
+def test_a_ctrl_c_inside_a_weakref_callback_is_raised_between_steps_not_printed(capfd):
+    # The step's allocation meter frees through weakref callbacks; a Ctrl-C landing in one printed
+    # "Exception ignored in ..." with a traceback and was lost. The worker keeps it for the step's end.
+    import weakref
+
+    import torch
+
+    from agoq.train.run import _DeferredInterrupt
+
+    def interrupt(_ref):
+        raise KeyboardInterrupt
+
+    saved_hook = sys.unraisablehook
+    try:
+        _DeferredInterrupt.install()
+        t = torch.ones(4)
+        ref = weakref.ref(t.untyped_storage(), interrupt)
+        del t
+        assert ref() is None and _DeferredInterrupt.pending
+        with pytest.raises(KeyboardInterrupt):
+            _DeferredInterrupt.raise_pending()
+        assert not _DeferredInterrupt.pending
+        _DeferredInterrupt.raise_pending()  # raised once only
+    finally:
+        sys.unraisablehook = saved_hook
+        _DeferredInterrupt.pending = False
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def _listening() -> set[tuple[str, str]]:
     """(local address, port) of every TCP socket listening on this machine, hex as /proc/net/tcp* writes them."""
     found = set()

@@ -71,6 +71,32 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.train.out_dir) / "checkpoints"
 
 
+class _DeferredInterrupt:
+    """A Ctrl-C that lands inside a callback Python runs from C (a weakref's, as the step's allocation
+    meter uses) cannot propagate: Python prints "Exception ignored in ..." with a traceback and goes on.
+    Installed in each worker, this keeps such an interrupt and raises it between steps instead."""
+
+    pending = False
+
+    @classmethod
+    def install(cls) -> None:
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if issubclass(unraisable.exc_type, KeyboardInterrupt):
+                cls.pending = True
+            else:
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+
+    @classmethod
+    def raise_pending(cls) -> None:
+        if cls.pending:
+            cls.pending = False
+            raise KeyboardInterrupt
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
@@ -122,6 +148,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
     bad_in_a_row = 0
     while trainer.step < cfg.train.steps:
         rec = trainer.train_step()
+        _DeferredInterrupt.raise_pending()
         # Loss and gradient norm are all-reduced, so every rank counts alike and stops together.
         bad_in_a_row = bad_in_a_row + 1 if rec["skipped"] or not math.isfinite(rec["loss"]) else 0
         if bad_in_a_row >= cfg.train.max_skipped_steps:
@@ -299,6 +326,7 @@ def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
     the worker then exits with status 1 (130 for Ctrl-C) without printing a traceback, and the
     launcher prints one line from the first rank that failed (:func:`failure_line`).
     """
+    _DeferredInterrupt.install()
     try:
         return train_worker(cfg)
     except BaseException as e:
