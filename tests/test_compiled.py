@@ -161,3 +161,34 @@ def test_a_torch_held_to_avx2_compiles_into_a_cache_folder_of_its_own() -> None:
     assert held.stdout.strip().endswith(os.sep + "aten-cpu-capability-avx2")
     chosen = subprocess.run([sys.executable, "-c", code], env={**env, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}, capture_output=True, text=True, check=True)
     assert chosen.stdout.strip() == "/tmp/x"  # the user's choice stands
+
+
+def test_a_compiled_formula_runs_its_variants_without_dynamo_and_compiles_one_more_for_new_arguments() -> None:
+    fmt = parse_format("int4/64")
+    kernel = C.compiled(C._quantize_blocks, max_value=fmt.max_value, **C._constants(fmt))
+    x = torch.randn(64 * 40)
+    codes, scales = kernel(x)
+    assert kernel._variants, "torch.compile's variant was not picked up"
+    compiles = []
+    dynamo = kernel._dynamo
+
+    def counted(*tensors):
+        compiles.append([t.dtype for t in tensors])
+        return dynamo(*tensors)
+
+    kernel._dynamo = counted
+    try:
+        y = torch.randn(64 * 24)  # another size, same dtype: the variant's guard accepts it (dynamic shapes)
+        got = kernel(y)
+        assert compiles == []
+        ref = C._quantize_blocks(y, max_value=fmt.max_value, **C._constants(fmt))
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        z = torch.randn(64 * 24, dtype=torch.float64)  # another dtype: no guard accepts it
+        got = kernel(z)
+        assert compiles == [[torch.float64]]
+        ref = C._quantize_blocks(z, max_value=fmt.max_value, **C._constants(fmt))
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        kernel(z)
+        assert len(compiles) == 1  # the new variant now serves it directly
+    finally:
+        kernel._dynamo = dynamo
