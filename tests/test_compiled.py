@@ -192,3 +192,30 @@ def test_a_compiled_formula_runs_its_variants_without_dynamo_and_compiles_one_mo
         assert len(compiles) == 1  # the new variant now serves it directly
     finally:
         kernel._dynamo = dynamo
+
+
+@pytest.mark.parametrize("spec", ["int8/256", "int4/128", "nf4/64"])
+def test_sum_of_squares_reads_whole_blocks_in_one_pass_and_equals_the_dequantized_sum(spec: str) -> None:
+    fmt = parse_format(spec)
+    x = torch.randn(fmt.block_size * 37) * 3
+    q = quantize(x, fmt)
+    ref = torch.linalg.vector_norm(dequantize(q), dtype=torch.float64).square()
+    got = C.sum_of_squares(q)
+    assert got.dtype == torch.float64 and abs(float(got) - float(ref)) <= 1e-12 * float(ref)
+    with pytest.raises(ValueError, match="whole blocks"):
+        C.sum_of_squares(quantize(x[:-1], fmt))
+
+
+def test_the_gradient_buffer_norm_under_compiled_code_equals_the_reference() -> None:
+    from agoq.gradient.buffer import QuantGradBuffer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 70), torch.nn.Linear(70, 3))
+    buf = QuantGradBuffer(model, fmt="int8/64", bucket_numel=1024)
+    model(torch.randn(8, 40)).square().sum().backward()
+    buf.finish()
+    with backend.use_backend("torch"):
+        ref = buf.grad_norm()
+    with backend.use_backend("compiled"):
+        got = buf.grad_norm()
+    assert ref > 0 and abs(got - ref) <= 1e-12 * ref

@@ -487,12 +487,17 @@ class QuantGradBuffer:
     def grad_norm(self) -> float:
         """L2 norm of the stored gradients (padding holds zeros), accumulated in fp64.
 
-        Dequantized a piece of a bucket at a time: the fp32 temporaries stay a few hundred KiB.
+        Compiled CPU code reads each bucket in one pass; elsewhere a piece of a bucket is
+        dequantized at a time, so that the fp32 temporaries stay a few hundred KiB.
         """
         self._check_readable()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        one_pass = getattr(backend.kernels(self.device, self.fmt), "sum_of_squares", None)
         for b in self.buckets:
             values = b.values
+            if one_pass is not None:
+                total += one_pass(values)
+                continue
             for start in range(0, values.numel, self._piece):
                 total += sum_of_squares(dequantize(values.blocks(start, self._piece)))
         return float(total.sqrt())

@@ -262,6 +262,11 @@ def _reduce_rows(
     return acc, codes, scales
 
 
+def _sum_of_squares(codes: torch.Tensor, scales: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> torch.Tensor:
+    """fp64 sum of the squares of the values of whole blocks: one pass that writes nothing value-sized."""
+    return _values(codes, scales, block, kind, bits, book).double().square().sum()
+
+
 # ---- the API of a kernel module -------------------------------------------------------------------------
 
 
@@ -406,6 +411,18 @@ def fold_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: 
     return bad
 
 
+def sum_of_squares(q: QTensor) -> torch.Tensor:
+    """The fp64 sum of the squares of the values ``q`` holds, which must be whole blocks (e.g. a
+    gradient buffer's), read in one pass: no fp32 copy, nor a call per piece of one."""
+    fmt = q.fmt
+    if q.numel != q.scales.numel() * fmt.block_size:
+        raise ValueError(f"sum_of_squares needs whole blocks of {fmt.block_size} values, got {q.numel} values")
+    if q.numel == 0:
+        return torch.zeros((), dtype=torch.float64, device=q.device)
+    kernel = compiled(_sum_of_squares, **_constants(fmt))
+    return kernel(_codes(q.payload, fmt.bits).view(-1, fmt.block_size), q.scales)
+
+
 def reduce_rows(
     payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, *, average: bool, keep_sum: bool = True, requantize: bool = False
 ) -> tuple[torch.Tensor | None, QTensor | None]:
@@ -422,4 +439,4 @@ def reduce_rows(
     return (acc if keep_sum else None), q
 
 
-__all__ = ["accumulate_", "compiled", "dequantize", "fold_", "quantize", "reduce_rows", "supports"]
+__all__ = ["accumulate_", "compiled", "dequantize", "fold_", "quantize", "reduce_rows", "sum_of_squares", "supports"]
