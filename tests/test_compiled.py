@@ -219,3 +219,23 @@ def test_the_gradient_buffer_norm_under_compiled_code_equals_the_reference() -> 
     with backend.use_backend("compiled"):
         got = buf.grad_norm()
     assert ref > 0 and abs(got - ref) <= 1e-12 * ref
+
+
+@pytest.mark.parametrize("spec", ["int4/128", "nf4/64", "int8/32"])
+def test_a_formula_reading_codes_equals_the_formula_on_dequantized_values(spec: str) -> None:
+    from agoq.activation.ops import _swiglu_backward
+
+    fmt = parse_format(spec)
+    torch.manual_seed(0)
+    rows, width = 24, 80  # 1920 values: whole blocks of 32, 64 and 128
+    gate, up, grad = torch.randn(rows, width) * 2, torch.randn(rows, width), torch.randn(rows, width)
+    qg, qu = quantize(gate, fmt), quantize(up, fmt)
+    constants = {"act_dtype": torch.float32, "gate_dtype": torch.float32, "up_dtype": torch.float32}
+    fused = C.reading_codes(_swiglu_backward, fmt, (1, 2), **constants)
+    got = fused(grad, qg, qu)
+    want = _swiglu_backward(grad, dequantize(qg, torch.float32), dequantize(qu, torch.float32), **constants)
+    for g, w in zip(got, want):
+        assert g.shape == (rows, width)
+        torch.testing.assert_close(g, w, rtol=2e-7, atol=0)  # the same fp32 operations; exp may round apart by an ulp
+    with pytest.raises(ValueError, match="whole blocks"):
+        fused(grad[:-1, :-1].contiguous(), quantize(gate[:-1, :-1], fmt), quantize(up[:-1, :-1], fmt))

@@ -219,9 +219,10 @@ class _SwiGLULinear(torch.autograd.Function):
         need_act = ctx.needs_input_grad[2]
         act_dtype = grad_out.dtype if need_act else None
         kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
-        formula = None if kernels is not None else backend.formula(
-            _swiglu_backward, gp.device, act_dtype=act_dtype, gate_dtype=gdtype, up_dtype=udtype
-        )
+        constants = {"act_dtype": act_dtype, "gate_dtype": gdtype, "up_dtype": udtype}
+        formula = None if kernels is not None else backend.formula(_swiglu_backward, gp.device, **constants)
+        # Compiled code dequantizes gate and up inside the formula's graph: no fp32 copy of them.
+        of_codes = None if kernels is not None else backend.formula_reading_codes(_swiglu_backward, gp.device, fmt, (1, 2), **constants)
         # Eagerly the formula writes both gradients straight into their rows; compiled code returns
         # them (writing into arguments inside a graph splits its fused loop).
         eager = formula is not None and backend.resolve(gp.device) == "torch"
@@ -236,6 +237,8 @@ class _SwiGLULinear(torch.autograd.Function):
             g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
             if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
                 act, gg, gu = kernels.swiglu_backward(grad_act, g_chunk, u_chunk, gdtype, act_dtype)
+            elif of_codes is not None and _whole_blocks(g_chunk) and _whole_blocks(u_chunk):
+                act, gg, gu = of_codes(grad_act, g_chunk, u_chunk)
             else:
                 # Arguments passed without names, so the formula can drop each after its last use.
                 into = {"out": (gate_rows[r0:r1], up_rows[r0:r1])} if eager else {}
@@ -292,6 +295,11 @@ def _accumulate_product(acc: torch.Tensor | None, grad_rows: torch.Tensor, act_r
     if act_rows.dtype == torch.float32 and grad_rows.dtype == torch.float32:
         return acc.addmm_(grad_rows.t(), act_rows)
     return acc.add_(grad_rows.t().mm(act_rows))
+
+
+def _whole_blocks(q: QTensor) -> bool:
+    """Whether ``q`` holds whole blocks (a chunk of rows does, except maybe a tensor's last)."""
+    return q.numel == q.scales.numel() * q.fmt.block_size
 
 
 def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:

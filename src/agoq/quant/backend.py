@@ -187,7 +187,20 @@ def formula(fn: Callable[..., Any], device: torch.device | str, **constants: Any
     return functools.partial(fn, **constants)
 
 
+def formula_reading_codes(
+    fn: Callable[..., Any], device: torch.device | str, fmt: QuantFormat, positions: tuple[int, ...], **constants: Any
+) -> Callable[..., Any] | None:
+    """Under the compiled backend, elementwise ``fn`` with ``constants`` fixed whose arguments at
+    ``positions`` are QTensors of whole blocks, dequantized inside its graph (see
+    agoq.quant.compiled.reading_codes); None elsewhere (dequantize first, then call :func:`formula`)."""
+    if resolve(device) != "compiled":
+        return None
+    import agoq.quant.compiled as kernel_module
+
+    return kernel_module.reading_codes(fn, fmt, positions, **constants) if kernel_module.supports(fmt) else None
+
+
 __all__ = [
-    "BACKENDS", "ENV_VAR", "compiler_available", "formula", "get_backend", "kernels", "layer_kernels", "resolve",
+    "BACKENDS", "ENV_VAR", "compiler_available", "formula", "formula_reading_codes", "get_backend", "kernels", "layer_kernels", "resolve",
     "set_backend", "triton_available", "use_backend",
 ]
