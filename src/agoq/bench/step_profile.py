@@ -9,9 +9,11 @@ a few more steps groups self CPU time into categories, to show what AGoQ adds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 DESCRIPTION = "step time and a per-category profile of the bf16 policy vs AGoQ (eager and compiled quantization)"
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from agoq.bench._common import write_result
+    from agoq.bench._common import RESULTS_DIR, write_result
     from agoq.quant import backend
     from agoq.train.compute_dtype import cpu_bf16_flags
 
@@ -133,9 +135,26 @@ def run(args: argparse.Namespace) -> int:
     }
     cmd = f"agoq bench step-profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
     name = f"step_profile_{args.model}_{args.dtype}"
+    results["history"] = history(Path(args.out_dir or RESULTS_DIR) / f"{name}.json")
     write_result(name, results, command=cmd, out_dir=args.out_dir)
     print(readme_markdown(results))
     return 0
+
+
+def history(path: Path) -> list[dict[str, Any]]:
+    """The earlier results' headlines (revision, date, CPU flags, ratio to the bf16 policy per
+    configuration) from the result file at ``path``, oldest first, with that file's own last."""
+    try:
+        previous = json.loads(path.read_text())
+        rows = previous["results"]["rows"]
+    except (OSError, ValueError, KeyError):
+        return []
+    headline = {
+        "git_revision": previous.get("git_revision"), "date": previous.get("date"),
+        "cpu_flags": previous.get("machine", {}).get("cpu_flags"),
+        "vs_bf16_policy": {r["config"]: round(r["vs_bf16_policy"], 3) for r in rows},
+    }
+    return [*previous["results"].get("history", []), headline]
 
 
 def readme_markdown(results: dict[str, Any]) -> str:
