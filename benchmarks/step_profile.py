@@ -1,4 +1,5 @@
 """Entry point: python benchmarks/step_profile.py (same as `agoq bench step-profile`)."""
+
 import sys
 
 from agoq.bench.step_profile import main

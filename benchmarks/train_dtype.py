@@ -1,4 +1,5 @@
 """Entry point: python benchmarks/train_dtype.py (same as `agoq bench train-dtype`)."""
+
 import sys
 
 from agoq.bench.train_dtype import main

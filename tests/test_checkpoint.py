@@ -428,8 +428,13 @@ def _pp_dp_checks(rank: int, world: int, root: str) -> dict:
     restore_rng_state(extra_b["rng"])
     trace_b = [step(b) for _ in range(3)]
     out.update(
-        step=step_b, extra_rank=extra_b["rank"], sampler=extra_b["sampler"], same_trace=trace_a == trace_b,
-        trace=trace_b, same_params=_same(a.params(), b.params()), same_moments=_same(a.moments(), b.moments()),
+        step=step_b,
+        extra_rank=extra_b["rank"],
+        sampler=extra_b["sampler"],
+        same_trace=trace_a == trace_b,
+        trace=trace_b,
+        same_params=_same(a.params(), b.params()),
+        same_moments=_same(a.moments(), b.moments()),
         numel=sum(p.numel() for p in a.model.parameters()),
     )
 

@@ -159,7 +159,13 @@ def test_a_torch_held_to_avx2_compiles_into_a_cache_folder_of_its_own() -> None:
     code = "import os, agoq.quant, torch.distributed.pipelining; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
     held = subprocess.run([sys.executable, "-c", code], env={**env, "ATEN_CPU_CAPABILITY": "avx2"}, capture_output=True, text=True, check=True)
     assert held.stdout.strip().endswith(os.sep + "aten-cpu-capability-avx2")
-    chosen = subprocess.run([sys.executable, "-c", code], env={**env, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}, capture_output=True, text=True, check=True)
+    chosen = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert chosen.stdout.strip() == "/tmp/x"  # the user's choice stands
 
 

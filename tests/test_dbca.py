@@ -139,9 +139,9 @@ def test_llama_stage_bits_never_raise_the_peak(schedule, pp, n, v, fused_loss):
     order = schedule_order(schedule, pp, n, v)
 
     def peaks(bits_of_layer) -> list[int]:
-        return peak_inflight_bytes(order, [
-            stage_saved_bytes(cfg, policy, r, s == len(ranges) - 1, bits_of_layer[r.start], 1, 4096) for s, r in enumerate(ranges)
-        ])
+        return peak_inflight_bytes(
+            order, [stage_saved_bytes(cfg, policy, r, s == len(ranges) - 1, bits_of_layer[r.start], 1, 4096) for s, r in enumerate(ranges)]
+        )
 
     dbca, uniform = peaks(per_layer), peaks([4] * cfg.n_layers)
     assert max(dbca) <= max(uniform)
@@ -167,8 +167,17 @@ def test_the_fused_loss_recomputes_only_under_a_pipeline(schedule, pp, virtual_s
     from agoq.train.trainer import make_policy_for
 
     assert loss_recompute_needed(pp) is recompute
-    cfg = load_config(None, [f"--parallel.pp={pp}", "--parallel.dp=1", f"--parallel.schedule={schedule}",
-                             f"--parallel.virtual_stages={virtual_stages}", "--parallel.microbatches=8", "--precision.compute_dtype=fp32"])
+    cfg = load_config(
+        None,
+        [
+            f"--parallel.pp={pp}",
+            "--parallel.dp=1",
+            f"--parallel.schedule={schedule}",
+            f"--parallel.virtual_stages={virtual_stages}",
+            "--parallel.microbatches=8",
+            "--precision.compute_dtype=fp32",
+        ],
+    )
     assert make_policy_for(cfg).loss_recompute is recompute
     # What the loss keeps: hidden states and targets when recomputing, else the hidden-state gradient
     # and the [vocab, hidden] head gradient (the planner reads the same function; tests/test_plan_train.py checks it against

@@ -18,9 +18,23 @@ def _torchrun(tmp: Path, name: str, *extra: str) -> tuple[Path, subprocess.Compl
     out = tmp / name
     out.mkdir()
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=1", "--monitor-interval=0.2",
-        str(SCRIPT), "--root", str(out / "ckpt"), "--out", str(out), "--steps", "8", "--save-every", "2", *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        str(SCRIPT),
+        "--root",
+        str(out / "ckpt"),
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+        "--save-every",
+        "2",
+        *extra,
     ]
     # torchrun's agent keeps one TCPStore for all restart rounds, so the restarted workers can read
     # the dead round's gloo addresses and fail with "Connection refused" (seen 1 run in 3 here).
@@ -49,8 +63,7 @@ def test_killed_worker_restarts_from_last_checkpoint_and_matches_an_uninterrupte
     for rank in (0, 1):
         starts, losses = _log(killed, rank)
         # The save of step 6 never finished, so the restarted job resumed from step 4.
-        assert starts == [{"event": "start", "restart": 0, "resumed_from": None},
-                          {"event": "start", "restart": 1, "resumed_from": 4}]
+        assert starts == [{"event": "start", "restart": 0, "resumed_from": None}, {"event": "start", "restart": 1, "resumed_from": 4}]
         clean_starts, clean_losses = _log(clean, rank)
         assert clean_starts == [{"event": "start", "restart": 0, "resumed_from": None}]
         assert losses == clean_losses and sorted(losses) == list(range(1, 9))

@@ -233,9 +233,19 @@ def test_the_trainer_state_round_trips_without_pickle(tmp_path):
 # ---------------------------------------------------------------------------------- whole runs
 
 SMALL = [
-    "--model.hidden=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.intermediate=160",
-    "--data.vocab_size=512", "--data.seq_len=32", "--data.batch_size=8", "--parallel.microbatches=2",
-    "--optim.warmup_steps=0", "--train.eval_every=0", "--train.baseline=false", "--precision.compute_dtype=fp32",
+    "--model.hidden=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.intermediate=160",
+    "--data.vocab_size=512",
+    "--data.seq_len=32",
+    "--data.batch_size=8",
+    "--parallel.microbatches=2",
+    "--optim.warmup_steps=0",
+    "--train.eval_every=0",
+    "--train.baseline=false",
+    "--precision.compute_dtype=fp32",
 ]
 
 
@@ -258,9 +268,17 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_
     from agoq.train.checkpoint import latest_checkpoint
 
     out = tmp_path / "run"
-    args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={out}", "--train.steps=8",
-                    "--optim.lr=1e30", "--optim.min_lr=1e30", "--optim.grad_clip=0", "--train.max_skipped_steps=2",
-                    "--checkpoint.every=1", "--checkpoint.keep=2"]
+    args = SMALL + [
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--train.out_dir={out}",
+        "--train.steps=8",
+        "--optim.lr=1e30",
+        "--optim.min_lr=1e30",
+        "--optim.grad_clip=0",
+        "--train.max_skipped_steps=2",
+        "--checkpoint.every=1",
+        "--checkpoint.keep=2",
+    ]
     assert main(["train", *args]) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("agoq train:")]
@@ -280,10 +298,16 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     out = tmp_path / "run"
     # Eager quantization: a 100000-step run would otherwise compile, and inductor's compile workers
     # share the process group (a Ctrl-C in the middle of a compile is not what this checks).
-    args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={out}", "--train.steps=100000", "--checkpoint.every=0",
-                    "--precision.quant_backend=torch"]
-    proc = subprocess.Popen([sys.executable, "-m", "agoq", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    args = SMALL + [
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--train.out_dir={out}",
+        "--train.steps=100000",
+        "--checkpoint.every=0",
+        "--precision.quant_backend=torch",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agoq", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     metrics = out / "metrics" / "rank0.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -374,8 +398,14 @@ def test_a_resumed_run_says_which_checkpoint_it_continues_from(tmp_path, capfd):
     from agoq.cli import main
 
     # One process with eager quantization: what is checked is the message, not the layout.
-    args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}", "--checkpoint.every=2",
-                    "--parallel.pp=1", "--parallel.dp=1", "--precision.quant_backend=torch"]
+    args = SMALL + [
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--train.out_dir={tmp_path / 'run'}",
+        "--checkpoint.every=2",
+        "--parallel.pp=1",
+        "--parallel.dp=1",
+        "--precision.quant_backend=torch",
+    ]
     assert main(["train", *args, "--train.steps=2"]) == 0
     capfd.readouterr()
     assert main(["train", *args, "--train.steps=3"]) == 0

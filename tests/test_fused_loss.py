@@ -164,8 +164,10 @@ def test_fused_saved_bytes_per_token_do_not_depend_on_vocab():
     fused = chunked_lm_head_cross_entropy
     recompute = lambda h, w, t: chunked_lm_head_cross_entropy(h, w, t, recompute=True)  # noqa: E731
     for vocab in (256, 4096):
-        per_token = {name: (measured(fn, 128, vocab) - measured(fn, 64, vocab)) / 64 for name, fn in
-                     (("plain", plain_lm_head_cross_entropy), ("fused", fused), ("recompute", recompute))}
+        per_token = {
+            name: (measured(fn, 128, vocab) - measured(fn, 64, vocab)) / 64
+            for name, fn in (("plain", plain_lm_head_cross_entropy), ("fused", fused), ("recompute", recompute))
+        }
         assert per_token["plain"] == hidden * 2 + 4 * vocab + 8  # the fp32 log-probs grow with vocab
         assert per_token["fused"] == hidden * 2  # only the bf16 hidden-state gradient
         assert per_token["recompute"] == hidden * 2 + 8  # the hidden states and the targets
@@ -252,6 +254,4 @@ def test_bad_arguments_raise_a_message_that_names_them(kwargs, message):
     h, w, t = _problem(torch.float32)
     args = {"hidden": h, "weight": w, "targets": t, **kwargs}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        chunked_lm_head_cross_entropy(
-            args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args
-        )
+        chunked_lm_head_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)

@@ -275,8 +275,10 @@ def _group_checks(rank: int, world: int) -> dict:
     stage_module = layers[rank]
     buf = QuantGradBuffer(stage_module, microbatches=4, group=dp_groups[rank])
     schedule = Schedule1F1B(
-        PipelineStage(stage_module, rank, world, torch.device("cpu")), n_microbatches=4,
-        loss_fn=lambda out, target: torch.nn.functional.mse_loss(out, target, reduction="sum"), scale_grads=False,
+        PipelineStage(stage_module, rank, world, torch.device("cpu")),
+        n_microbatches=4,
+        loss_fn=lambda out, target: torch.nn.functional.mse_loss(out, target, reduction="sum"),
+        scale_grads=False,
     )
     if rank == 0:
         schedule.step(x)
@@ -289,10 +291,7 @@ def _group_checks(rank: int, world: int) -> dict:
         "grads_freed": all(p.grad is None for p in stage_module.parameters()),
         # 4 re-quantized partial sums: at most 4 half-steps of max/127 when the partial sums stay
         # below the final maximum (they do for these fixed seeds); the test allows 5.
-        "max_rel_err": max(
-            float((buf.grad(n) - p.grad).abs().max() / p.grad.abs().max())
-            for n, p in zip(buf.names, whole[rank].parameters())
-        ),
+        "max_rel_err": max(float((buf.grad(n) - p.grad).abs().max() / p.grad.abs().max()) for n, p in zip(buf.names, whole[rank].parameters())),
     }
 
     # FSDP2 with the 8-bit reduce-scatter against FSDP2 without it.

@@ -99,7 +99,10 @@ def _checks(rank: int, world: int) -> dict:
             # Writing the result back into a bf16 tensor adds its rounding: half an ulp, 2^-8 |y|.
             bound = bound + yf.abs() * 2.0**-8
         entry = {
-            "case": case, "n": n, "dtype": str(dtype), "op": op,
+            "case": case,
+            "n": n,
+            "dtype": str(dtype),
+            "op": op,
             "equals_recomputation": bool(torch.equal(y, ref["expected"])),
             "max_err_over_bound": float((err_exact / (bound * (1 + 1e-5) + 1e-30)).max()),
             "max_err_vs_dequantized_over_half_step": float(
@@ -121,9 +124,7 @@ def _checks(rank: int, world: int) -> dict:
 
         shard = reduce_scatter_8bit(x, op, fmt=FMT, counter=counter)
         start, end = chunk_layout(n, world, FMT).shard_range(rank)
-        out["reduce_scatter"].append(
-            {"n": n, "len_ok": shard.numel() == end - start, "equal": bool(torch.equal(shard, ref["deq_sum"][start:end]))}
-        )
+        out["reduce_scatter"].append({"n": n, "len_ok": shard.numel() == end - start, "equal": bool(torch.equal(shard, ref["deq_sum"][start:end]))})
 
     # Wire bytes of one 2^20-value all-reduce, 8-bit vs fp32 and bf16.
     n = 1 << 20

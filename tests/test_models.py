@@ -40,8 +40,12 @@ def test_bad_configs_name_the_value():
     "cfg",
     [
         SMALL,  # GQA, untied head
-        LlamaConfig(vocab_size=101, hidden=96, n_layers=2, n_heads=6, n_kv_heads=6, intermediate=200, max_seq_len=64, rope_theta=50000.0, norm_eps=1e-6),
-        LlamaConfig(vocab_size=89, hidden=64, n_layers=2, n_heads=8, n_kv_heads=1, intermediate=128, max_seq_len=64, tie_embeddings=True, rope_theta=500000.0),
+        LlamaConfig(
+            vocab_size=101, hidden=96, n_layers=2, n_heads=6, n_kv_heads=6, intermediate=200, max_seq_len=64, rope_theta=50000.0, norm_eps=1e-6
+        ),
+        LlamaConfig(
+            vocab_size=89, hidden=64, n_layers=2, n_heads=8, n_kv_heads=1, intermediate=128, max_seq_len=64, tie_embeddings=True, rope_theta=500000.0
+        ),
     ],
 )
 def test_logits_equal_hugging_face_on_the_same_weights(cfg, tmp_path):

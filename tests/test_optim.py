@@ -29,7 +29,9 @@ def test_bf16_model_follows_fp32_masters_like_plain_adamw():
     opt = MasterWeightOptimizer(model.named_parameters(), OptimSection(lr=1e-2, weight_decay=0.1))
     ref_opt = torch.optim.AdamW(
         [{"params": [ref[0].weight], "weight_decay": 0.1}, {"params": list(ref[1].parameters()), "weight_decay": 0.0}],
-        lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     with torch.no_grad():
         for p, q in zip(ref.parameters(), opt.masters):

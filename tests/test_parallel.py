@@ -62,7 +62,17 @@ def test_other_torch_schedules_are_counted_from_their_order():
 
 def test_count_inflight_ends_a_microbatch_at_B_or_W_not_I():
     order = {
-        0: [_Action(0, F, 0), _Action(0, F, 1), _Action(0, I, 0), _Action(0, F, 2), _Action(0, W, 0), _Action(0, B, 1), None, _Action(0, I, 2), _Action(0, W, 2)],
+        0: [
+            _Action(0, F, 0),
+            _Action(0, F, 1),
+            _Action(0, I, 0),
+            _Action(0, F, 2),
+            _Action(0, W, 0),
+            _Action(0, B, 1),
+            None,
+            _Action(0, I, 2),
+            _Action(0, W, 2),
+        ],
     }
     assert count_inflight(order, 1) == ([3], [3])
     with pytest.raises(ValueError, match="before any forward"):
@@ -114,7 +124,9 @@ def test_valid_configs_pass_and_agree_with_torch():
 def test_split_layers_into_consecutive_equal_ranges():
     assert split_layers(8, 2) == [range(0, 4), range(4, 8)]
     assert split_layers(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    with pytest.raises(ValueError, match=r"6 layers cannot be cut into pp \* virtual_stages = 2 \* 2 = 4 equal stages; make the layer count a multiple of 4"):
+    with pytest.raises(
+        ValueError, match=r"6 layers cannot be cut into pp \* virtual_stages = 2 \* 2 = 4 equal stages; make the layer count a multiple of 4"
+    ):
         split_layers(6, 2, 2)
 
 

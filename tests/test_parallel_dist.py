@@ -84,9 +84,15 @@ def _pipeline_checks(rank: int, world: int) -> dict:
     shard = slice(dp_rank * 8, (dp_rank + 1) * 8)
     for name, virtual, n_mb in CASES:
         grads, loss, peak = _step_and_measure(
-            name, virtual, n_mb, list(blocks),
+            name,
+            virtual,
+            n_mb,
+            list(blocks),
             lambda s, layers: nn.Sequential(*[copy.deepcopy(blocks[i]) for i in layers]),
-            F.mse_loss, x[shard], y[shard], mesh,
+            F.mse_loss,
+            x[shard],
+            y[shard],
+            mesh,
         )
         # Stage-local name "k.param" is the k-th layer of that stage's layer range.
         err = 0.0

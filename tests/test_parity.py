@@ -20,10 +20,24 @@ from tests._dist import run_distributed
 
 STEPS = 40
 BASE = [
-    "--model.hidden=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.intermediate=160",
-    "--data.vocab_size=512", "--data.seq_len=32", "--data.batch_size=8", "--parallel.microbatches=2",
-    "--optim.warmup_steps=5", "--optim.lr=3e-3", "--optim.min_lr=3e-4", f"--train.steps={STEPS}",
-    f"--train.eval_every={STEPS}", "--train.eval_batches=4", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
+    "--model.hidden=64",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.intermediate=160",
+    "--data.vocab_size=512",
+    "--data.seq_len=32",
+    "--data.batch_size=8",
+    "--parallel.microbatches=2",
+    "--optim.warmup_steps=5",
+    "--optim.lr=3e-3",
+    "--optim.min_lr=3e-4",
+    f"--train.steps={STEPS}",
+    f"--train.eval_every={STEPS}",
+    "--train.eval_batches=4",
+    "--train.baseline=false",
+    "--checkpoint.every=0",
+    "--checkpoint.resume=false",
 ]
 POLICIES = {
     "bf16": ["--precision.activations=bf16", "--precision.gradients=fp32"],
@@ -40,7 +54,9 @@ TOLERANCE = SEED_STD / 2
 
 
 def _cfg(tmp: Path, name: str, seed: int):
-    return load_config(None, BASE + POLICIES[name] + [f"--train.seed={seed}", f"--data.cache_dir={tmp / 'cache'}", f"--train.out_dir={tmp / f'{name}_s{seed}'}"])
+    return load_config(
+        None, BASE + POLICIES[name] + [f"--train.seed={seed}", f"--data.cache_dir={tmp / 'cache'}", f"--train.out_dir={tmp / f'{name}_s{seed}'}"]
+    )
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:

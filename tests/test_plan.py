@@ -59,8 +59,11 @@ def test_activations_reuse_the_layer_and_loss_accounting():
     mb, seq = 2, 4096
     cfg = PRESETS["llama3-8b"]
     plan = _plan("llama3-8b", seq_len=seq, micro_batch=mb, setups=("baseline",))
-    layer = sum(layer_saved_bytes(mb, seq, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate,
-                                  torch.bfloat16, make_policy("bf16").formats).values())
+    layer = sum(
+        layer_saved_bytes(
+            mb, seq, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate, torch.bfloat16, make_policy("bf16").formats
+        ).values()
+    )
     tokens = mb * seq
     final_norm = tokens * cfg.hidden * 2 + tokens * 4
     ids = tokens * 8
@@ -77,8 +80,9 @@ def test_agoq_layer_is_about_a_third_of_the_baseline_layer():
     cfg = PRESETS["llama2-13b"]
 
     def layer_units(policy) -> float:
-        per_kind = layer_saved_bytes(1, 12288, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate,
-                                     torch.bfloat16, policy.formats)
+        per_kind = layer_saved_bytes(
+            1, 12288, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate, torch.bfloat16, policy.formats
+        )
         return sum(per_kind.values()) / U_bytes(1, 12288, cfg.hidden)
 
     # The planner's units are the layer accounting's (the one the meter is checked against to the byte).
@@ -125,8 +129,10 @@ def test_baseline_recomputes_the_fewest_layers_that_fit_and_agoq_needs_none():
     cap = 46 * GiB
     assert base.peak_without_recompute > cap and base.recompute_layers > 0 and base.peak <= cap and base.fits
     planner = _Planner(cfg)
-    fewer = [planner.rank_memory(r, parse_setup("baseline"), planner.policy(parse_setup("baseline")), [16] * 8,
-                                 base.recompute_layers - 1) for r in range(4)]
+    fewer = [
+        planner.rank_memory(r, parse_setup("baseline"), planner.policy(parse_setup("baseline")), [16] * 8, base.recompute_layers - 1)
+        for r in range(4)
+    ]
     assert max(r.total for r in fewer) > cap  # one layer fewer does not fit
     assert agoq.recompute_layers == 0 and agoq.fits and agoq.peak < cap
     speedup = plan.speedup_estimate("A+G+O")
@@ -193,20 +199,47 @@ def test_eight_bit_optimizer_state_matches_torchao():
 def test_json_schema_is_stable(capsys):
     from agoq.cli import main
 
-    assert main(["plan", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--seq-len", "8192", "--global-batch", "4",
-                 "--gpu-memory", "80GiB", "--json"]) == 0
+    assert (
+        main(
+            ["plan", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--seq-len", "8192", "--global-batch", "4", "--gpu-memory", "80GiB", "--json"]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "agoq.plan/1"
     assert set(doc) == {"schema", "model", "parallel", "precision", "memory", "inflight_per_rank", "layer_saved_units", "configurations"}
     assert [c["name"] for c in doc["configurations"]] == ["baseline", "baseline+zero1", "A", "A+G", "A+G+O", "A+G+O+zero1"]
     conf = doc["configurations"][0]
-    assert set(conf) == {"name", "description", "activations", "gradients", "optimizer", "zero1", "peak_bytes",
-                         "peak_bytes_without_recompute", "fits", "recompute_layers", "relative_iteration_time_estimate", "ranks"}
+    assert set(conf) == {
+        "name",
+        "description",
+        "activations",
+        "gradients",
+        "optimizer",
+        "zero1",
+        "peak_bytes",
+        "peak_bytes_without_recompute",
+        "fits",
+        "recompute_layers",
+        "relative_iteration_time_estimate",
+        "ranks",
+    }
     rank = conf["ranks"][0]
     assert set(rank) == {"pp_rank", "stages", "layers", "bits", "inflight", "recompute_layers", "bytes"}
-    assert set(rank["bytes"]) == {"parameters", "gradients", "optimizer", "activations_per_microbatch", "activations_peak",
-                                  "pipeline_buffers", "temporary", "total", "total_without_recompute"}
-    assert rank["bytes"]["total"] == sum(v for k, v in rank["bytes"].items() if k not in ("activations_per_microbatch", "total", "total_without_recompute"))
+    assert set(rank["bytes"]) == {
+        "parameters",
+        "gradients",
+        "optimizer",
+        "activations_per_microbatch",
+        "activations_peak",
+        "pipeline_buffers",
+        "temporary",
+        "total",
+        "total_without_recompute",
+    }
+    assert rank["bytes"]["total"] == sum(
+        v for k, v in rank["bytes"].items() if k not in ("activations_per_microbatch", "total", "total_without_recompute")
+    )
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -226,8 +259,10 @@ def test_the_command_works_for_every_preset(name, capsys):
         (["--model", "llama3-8b", "--tp", "64"], "n_heads=32 is not divisible by tp=64"),
         (["--model", "codellama-34b", "--tp", "16"], "n_kv_heads=8 is not divisible by tp=16"),
         (["--model", "llama2-13b", "--pp", "3"], "40 layers cannot be cut into pp * virtual_stages = 3 * 1"),
-        (["--model", "llama2-13b", "--pp", "4", "--schedule", "interleaved-1f1b", "--global-batch", "8", "--virtual-stages", "3"],
-         "40 layers cannot be cut into pp * virtual_stages = 4 * 3"),
+        (
+            ["--model", "llama2-13b", "--pp", "4", "--schedule", "interleaved-1f1b", "--global-batch", "8", "--virtual-stages", "3"],
+            "40 layers cannot be cut into pp * virtual_stages = 4 * 3",
+        ),
         (["--model", "llama5-1t"], "unknown model 'llama5-1t'"),
         (["--model", "tiny", "--global-batch", "3", "--dp", "2"], "global-batch=3 is not a multiple"),
         (["--model", "tiny", "--seq-len", "101", "--tp", "2"], "seq-len=101 is not divisible by tp=2"),

@@ -45,10 +45,22 @@ def _train_all(rank: int, world: int, cfgs: dict) -> dict:
 def _configs(tmp, layout: str) -> dict:
     pp, dp, microbatches, steps = LAYOUTS[layout]
     common = [
-        f"--data.corpus={tmp / 'corpus.txt'}", f"--data.cache_dir={tmp / 'cache'}", "--data.vocab_size=512",
-        "--data.seq_len=64", "--data.batch_size=4", f"--parallel.microbatches={microbatches}", f"--parallel.pp={pp}",
-        f"--parallel.dp={dp}", f"--train.steps={steps}", "--optim.warmup_steps=0", "--train.eval_every=0", "--train.eval_batches=1", "--train.baseline=false",
-        "--checkpoint.every=0", "--checkpoint.resume=false", "--precision.compute_dtype=bf16",
+        f"--data.corpus={tmp / 'corpus.txt'}",
+        f"--data.cache_dir={tmp / 'cache'}",
+        "--data.vocab_size=512",
+        "--data.seq_len=64",
+        "--data.batch_size=4",
+        f"--parallel.microbatches={microbatches}",
+        f"--parallel.pp={pp}",
+        f"--parallel.dp={dp}",
+        f"--train.steps={steps}",
+        "--optim.warmup_steps=0",
+        "--train.eval_every=0",
+        "--train.eval_batches=1",
+        "--train.baseline=false",
+        "--checkpoint.every=0",
+        "--checkpoint.resume=false",
+        "--precision.compute_dtype=bf16",
     ]
     runs = {f"{model}/{policy}": model_flags + flags for model, model_flags in MODELS.items() for policy, flags in POLICIES.items()}
     if dp > 1:
@@ -119,6 +131,13 @@ def test_predicted_temporaries_bound_the_measured_ones(measured, layout, run):
     for stats in result["ranks"]:
         predicted = sp.ranks[stats["pp_rank"]]
         meas = stats["peak_temporary_bytes"]
-        assert 0.85 * meas <= predicted.temporary <= 1.6 * meas, (run, layout, stats["rank"], predicted.temporary, meas, stats["peak_temporary_bytes_by_phase"])
+        assert 0.85 * meas <= predicted.temporary <= 1.6 * meas, (
+            run,
+            layout,
+            stats["rank"],
+            predicted.temporary,
+            meas,
+            stats["peak_temporary_bytes_by_phase"],
+        )
         total = stats["peak_tensor_bytes"]
         assert abs(predicted.total - total) <= 0.2 * total, (run, layout, stats["rank"], predicted.total, total)

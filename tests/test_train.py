@@ -17,10 +17,22 @@ from agoq.train.config import ConfigError, load_config
 from tests._dist import run_distributed
 
 BASE = [
-    "--model.hidden=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.intermediate=160",
-    "--data.vocab_size=512", "--data.seq_len=32", "--data.batch_size=8", "--parallel.microbatches=2",
-    "--optim.warmup_steps=0", "--optim.lr=3e-3", "--optim.min_lr=3e-3",
-    "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
+    "--model.hidden=64",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.intermediate=160",
+    "--data.vocab_size=512",
+    "--data.seq_len=32",
+    "--data.batch_size=8",
+    "--parallel.microbatches=2",
+    "--optim.warmup_steps=0",
+    "--optim.lr=3e-3",
+    "--optim.min_lr=3e-3",
+    "--train.eval_every=0",
+    "--train.baseline=false",
+    "--checkpoint.every=0",
+    "--checkpoint.resume=false",
 ]
 
 
@@ -63,7 +75,9 @@ def runs(tmp_path_factory):
         "1f1b_fp32": _cfg(tmp, "a", "--train.steps=4", *fp32_plain),
         "gpipe_agoq": _cfg(tmp, "b", "--train.steps=3", "--parallel.schedule=gpipe"),
         "interleaved_agoq": _cfg(tmp, "c", "--train.steps=3", "--parallel.schedule=interleaved-1f1b", "--parallel.virtual_stages=2"),
-        "ring8_recompute": _cfg(tmp, "g", "--train.steps=3", "--precision.activations=bf16", "--precision.gradients=ring8", "--precision.recompute_layers=1"),
+        "ring8_recompute": _cfg(
+            tmp, "g", "--train.steps=3", "--precision.activations=bf16", "--precision.gradients=ring8", "--precision.recompute_layers=1"
+        ),
         "resume_first_half": _cfg(tmp, "d", "--train.steps=2", "--checkpoint.every=2", *fp32_plain),
         "resume_second_half": _cfg(tmp, "d", "--train.steps=4", "--checkpoint.resume=true", *fp32_plain),
         "uniform4": _cfg(tmp, "e", "--train.steps=1", "--precision.stage_bits=uniform", "--precision.compute_dtype=fp32", "--train.baseline=true"),
@@ -210,8 +224,13 @@ def test_rerunning_a_finished_run_shows_its_summary_and_how_to_start_again(runs,
 
     tmp = runs["tmp"]
     # Folder d holds resume_first_half's checkpoint of step 2 (and the summary of the run resumed from it).
-    finished = BASE + [f"--data.cache_dir={tmp / 'cache'}", f"--train.out_dir={tmp / 'd'}", "--train.steps=2",
-                       "--checkpoint.resume=true", "--precision.compute_dtype=fp32"]
+    finished = BASE + [
+        f"--data.cache_dir={tmp / 'cache'}",
+        f"--train.out_dir={tmp / 'd'}",
+        "--train.steps=2",
+        "--checkpoint.resume=true",
+        "--precision.compute_dtype=fp32",
+    ]
     assert main(["train", *finished]) == 0
     out = capsys.readouterr().out
     assert "is already complete: its newest checkpoint is step 2 of train.steps=2" in out

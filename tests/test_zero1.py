@@ -19,10 +19,22 @@ from agoq.train.zero1 import Zero1Optimizer
 from tests._dist import run_distributed
 
 BASE = [
-    "--model.hidden=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.intermediate=160",
-    "--data.vocab_size=512", "--data.seq_len=32", "--data.batch_size=8", "--parallel.microbatches=2",
-    "--optim.warmup_steps=0", "--optim.lr=3e-3", "--optim.min_lr=3e-3",
-    "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
+    "--model.hidden=64",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.intermediate=160",
+    "--data.vocab_size=512",
+    "--data.seq_len=32",
+    "--data.batch_size=8",
+    "--parallel.microbatches=2",
+    "--optim.warmup_steps=0",
+    "--optim.lr=3e-3",
+    "--optim.min_lr=3e-3",
+    "--train.eval_every=0",
+    "--train.baseline=false",
+    "--checkpoint.every=0",
+    "--checkpoint.resume=false",
 ]
 FP32 = ["--precision.compute_dtype=fp32", "--precision.activations=bf16", "--precision.gradients=fp32"]
 STEPS = 4
@@ -299,7 +311,9 @@ def runs(tmp_path_factory):
         "plain_int8": _cfg(tmp, "plain_int8", f"--train.steps={STEPS}"),
         "zero1_int8": _cfg(tmp, "zero1_int8", f"--train.steps={STEPS}", "--parallel.zero1=true"),
         # The unsharded run's checkpoint, resumed with ZeRO-1.
-        "error_unsharded_checkpoint": _cfg(tmp, "plain_fp32", f"--train.steps={STEPS + 1}", "--checkpoint.resume=true", *FP32, "--parallel.zero1=true"),
+        "error_unsharded_checkpoint": _cfg(
+            tmp, "plain_fp32", f"--train.steps={STEPS + 1}", "--checkpoint.resume=true", *FP32, "--parallel.zero1=true"
+        ),
     }
     results = run_distributed(_runs, 4, cfgs)
     return {"tmp": tmp, "results": results}

@@ -262,8 +262,12 @@ def _entropy(tokens: torch.Tensor) -> float:
 
 
 def _markdown_layer(res: dict[str, Any]) -> str:
-    lines = [f"One {res['model']} decoder layer, forward + backward (median)", "",
-             "| seq | mode | fwd ms | bwd ms | total ms | x bf16 | kept act. MiB | bf16 / mode | peak MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"One {res['model']} decoder layer, forward + backward (median)",
+        "",
+        "| seq | mode | fwd ms | bwd ms | total ms | x bf16 | kept act. MiB | bf16 / mode | peak MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["rows"]:
         mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
         ratio = r.get("activation_ratio_bf16_over_mode")
@@ -275,17 +279,22 @@ def _markdown_layer(res: dict[str, Any]) -> str:
 
 
 def _markdown_train(res: dict[str, Any]) -> str:
-    lines = [f"{res['model']} ({res['parameters'] / 1e9:.2f} B parameters), {res['tokens_per_step']} tokens/step", "",
-             "| mode | steps | final loss (last 5) | tokens/s | x bf16 | peak GiB | x bf16 | step peak GiB, counted | step peak GiB, CUDA |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{res['model']} ({res['parameters'] / 1e9:.2f} B parameters), {res['tokens_per_step']} tokens/step",
+        "",
+        "| mode | steps | final loss (last 5) | tokens/s | x bf16 | peak GiB | x bf16 | step peak GiB, counted | step peak GiB, CUDA |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def gib(v: int | None) -> str:
         return "-" if v is None else f"{v / 2**30:.3f}"
 
     for r in res["rows"]:
         pv = "-" if r["peak_vs_bf16"] is None else f"{r['peak_vs_bf16']:.3f}"
-        lines.append(f"| {r['mode']} | {r['steps']} | {r['final_loss_mean_last5']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_bf16']:.3f} | "
-                     f"{gib(r['peak_bytes'])} | {pv} | {gib(r.get('counted_step_peak_bytes'))} | {gib(r.get('cuda_step_peak_bytes'))} |")
+        lines.append(
+            f"| {r['mode']} | {r['steps']} | {r['final_loss_mean_last5']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_bf16']:.3f} | "
+            f"{gib(r['peak_bytes'])} | {pv} | {gib(r.get('counted_step_peak_bytes'))} | {gib(r.get('cuda_step_peak_bytes'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -323,8 +332,17 @@ def main(argv: list[str] | None = None) -> int:
             from agoq.bench import kernels
 
             kargs = argparse.Namespace(
-                device=str(device), numel=args.kernel_numel, hidden=4096, world=8, formats=kernels.DEFAULT_FORMATS,
-                backends="torch,triton", tiles=args.kernel_tiles, repeats=5, inner=10, dry_run=args.dry_run, out_dir=str(out),
+                device=str(device),
+                numel=args.kernel_numel,
+                hidden=4096,
+                world=8,
+                formats=kernels.DEFAULT_FORMATS,
+                backends="torch,triton",
+                tiles=args.kernel_tiles,
+                repeats=5,
+                inner=10,
+                dry_run=args.dry_run,
+                out_dir=str(out),
             )
             kernels.run(kargs)
         elif phase == "layer":

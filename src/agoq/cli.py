@@ -55,7 +55,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         )
         train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
         train.add_argument("--max-restarts", type=int, default=0, help="restart the local workers this many times after a failure")
-        train.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML (file and overrides applied) and exit")
+        train.add_argument(
+            "--print-config", action="store_true", help="print the effective configuration as TOML (file and overrides applied) and exit"
+        )
     else:
         sub.add_parser("train", help=TRAIN_HELP)
     if every or command == "plan":
@@ -140,8 +142,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     except (KeyboardInterrupt, SignalException):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while shutting down prints no traceback
-        print(f"agoq train: interrupted; checkpoints already written in {checkpoint_root(cfg)} are intact, "
-              "and running the same command resumes from the newest", file=sys.stderr)
+        print(
+            f"agoq train: interrupted; checkpoints already written in {checkpoint_root(cfg)} are intact, "
+            "and running the same command resumes from the newest",
+            file=sys.stderr,
+        )
         return 130
     except ChildFailedError as e:
         if any(f.exitcode == 130 for f in e.failures.values()):

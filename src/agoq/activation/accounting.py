@@ -53,8 +53,15 @@ def layer_saved_bytes(
     out_proj_input_shared: bool = True,
 ) -> dict[str, int]:
     """Bytes one decoder layer keeps for backward, by kind (the keys of METER_KINDS)."""
-    for name, value in (("batch", batch), ("seq", seq), ("hidden", hidden), ("n_heads", n_heads),
-                        ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("intermediate", intermediate)):
+    for name, value in (
+        ("batch", batch),
+        ("seq", seq),
+        ("hidden", hidden),
+        ("n_heads", n_heads),
+        ("n_kv_heads", n_kv_heads),
+        ("head_dim", head_dim),
+        ("intermediate", intermediate),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     es = torch.empty((), dtype=dtype).element_size()

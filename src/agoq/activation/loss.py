@@ -49,7 +49,9 @@ REDUCTIONS = ("mean", "sum", "none")
 _BLOCK_ELEMENTS = 2**21
 
 
-def default_chunk_size(vocab: int, hidden: int, *, logits_bytes: int = CHUNK_LOGITS_BYTES, rows_per_hidden: int | None = CHUNK_ROWS_PER_HIDDEN) -> int:
+def default_chunk_size(
+    vocab: int, hidden: int, *, logits_bytes: int = CHUNK_LOGITS_BYTES, rows_per_hidden: int | None = CHUNK_ROWS_PER_HIDDEN
+) -> int:
     """Tokens per chunk: at most ``rows_per_hidden`` x ``hidden`` (None: no such bound), and few
     enough that a chunk's fp32 logits fit in ``logits_bytes``."""
     if vocab < 1 or hidden < 1:
@@ -105,9 +107,7 @@ def chunked_lm_head_cross_entropy(
     need_weight = grad_on and weight.requires_grad
     if recompute or reduction == "none":
         return _RecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
-    return _PrecomputedLoss.apply(
-        hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight
-    )
+    return _PrecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
 
 
 def loss_saved_bytes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, fused: bool, *, recompute: bool = False) -> int:
@@ -297,17 +297,11 @@ def _check_args(
     if weight.dim() != 2:
         raise ValueError(f"weight must be [vocab, hidden], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden's last dimension must equal weight's hidden size {weight.shape[1]}, got hidden shape {tuple(hidden.shape)}"
-        )
+        raise ValueError(f"hidden's last dimension must equal weight's hidden size {weight.shape[1]}, got hidden shape {tuple(hidden.shape)}")
     if hidden.dtype != weight.dtype or not hidden.is_floating_point():
-        raise ValueError(
-            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one floating dtype; cast one of them"
-        )
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one floating dtype; cast one of them")
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}"
-        )
+        raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
     if targets.dtype != torch.long:
         raise ValueError(f"targets must be int64 class indices, got {targets.dtype}; use targets.long()")
     if reduction not in REDUCTIONS:

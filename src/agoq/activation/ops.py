@@ -103,7 +103,9 @@ class _NormLinear(torch.autograd.Function):
     """RMSNorm then several GEMMs, keeping only the quantized norm input."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, fmt: QuantFormat, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, fmt: QuantFormat, *weights: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         kernels = _norm_kernels(x.device, fmt, x.shape[-1])
         if kernels is not None:  # one pass writes the norm output and the quantized input
             h, q = kernels.rms_norm_quantize(x, norm_weight, eps, fmt)
@@ -309,7 +311,13 @@ def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:
 
 
 def _swiglu_backward(
-    grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, act_dtype: torch.dtype | None, gate_dtype: torch.dtype, up_dtype: torch.dtype,
+    grad_act: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    act_dtype: torch.dtype | None,
+    gate_dtype: torch.dtype,
+    up_dtype: torch.dtype,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up), in fp32 from fp32 gate and up.
@@ -432,7 +440,9 @@ def _attention_hooks(fmt: QuantFormat, ndim: int) -> torch.autograd.graph.saved_
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
     """Causal grouped-query SDPA on [batch, heads, seq, head_dim]; with fmt, saved tensors are quantized."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"causal_attention takes [batch, heads, seq, head_dim] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"causal_attention takes [batch, heads, seq, head_dim] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     gqa = k.shape[1] != q.shape[1]

@@ -67,7 +67,9 @@ def git_revision() -> str:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         changed = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", f":(exclude){RESULTS_DIR.resolve()}"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         return rev + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers to build and measure (default 2; every layer keeps the same)")
     parser.add_argument("--vocab", type=int, default=None, help="override the vocab size (smaller embedding/head for large presets)")
     parser.add_argument(
-        "--presets", default="llama2-13b,llama3-8b",
+        "--presets",
+        default="llama2-13b,llama3-8b",
         help="comma-separated presets to also count analytically at --batch/--seq (empty: none)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown tables")
@@ -56,8 +57,13 @@ def measure(model_name: str, batch: int, seq: int, dtype_name: str, layers: int,
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     unit = U_bytes(batch, seq, cfg.hidden)
     out: dict[str, Any] = {
-        "model": model_name, "config": cfg.to_dict(), "batch": batch, "seq": seq, "dtype": dtype_name,
-        "U_bytes": unit, "policies": {},
+        "model": model_name,
+        "config": cfg.to_dict(),
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype_name,
+        "U_bytes": unit,
+        "policies": {},
     }
     for name in POLICIES:
         policy = make_policy(name)
@@ -105,11 +111,13 @@ def analytical(presets: list[str], batch: int, seq: int) -> list[dict[str, Any]]
         unit = U_bytes(batch, seq, cfg.hidden)
         totals = {}
         for name in POLICIES:
-            b = layer_saved_bytes(batch, seq, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate,
-                                  torch.bfloat16, make_policy(name).layer(0))
+            b = layer_saved_bytes(
+                batch, seq, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate, torch.bfloat16, make_policy(name).layer(0)
+            )
             totals[name] = {"bytes": sum(b.values()), "U": sum(b.values()) / unit, "by_kind_U": {k: v / unit for k, v in b.items()}}
-        rows.append({"model": preset, "batch": batch, "seq": seq, "policies": totals,
-                     "agoq_ratio": totals["agoq"]["bytes"] / totals["bf16"]["bytes"]})
+        rows.append(
+            {"model": preset, "batch": batch, "seq": seq, "policies": totals, "agoq_ratio": totals["agoq"]["bytes"] / totals["bf16"]["bytes"]}
+        )
     return rows
 
 
@@ -126,20 +134,32 @@ def _markdown(res: dict[str, Any], extra: list[dict[str, Any]]) -> str:
     ]
     for name, p in res["policies"].items():
         cells = [f"{p['layer_U'][k]:.3f}U" for k in kinds]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {p['layer_total_U']:.3f}U ({p['layer_total_bytes']:,} B) | "
-                     f"{p['ratio_to_bf16']:.3f} | {'yes' if p['formula_matches'] else 'NO'} |")
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {p['layer_total_U']:.3f}U ({p['layer_total_bytes']:,} B) | "
+            f"{p['ratio_to_bf16']:.3f} | {'yes' if p['formula_matches'] else 'NO'} |"
+        )
     for name, table in PAPER_U.items():
         cells = [f"{table[k]:g}U" for k in kinds]
         total = sum(table.values())
         lines.append(f"| paper {name} (Table 1) | " + " | ".join(cells) + f" | {total:g}U | {total / sum(PAPER_U['bf16'].values()):.3f} | |")
     lines += ["", "| policy | outside the layers (embedding, final norm, LM head, loss) | shared (rotary tables) |", "|---|---:|---:|"]
     for name, p in res["policies"].items():
-        lines.append(f"| {name}{' (fused loss)' if p['policy']['fused_loss'] else ''} | {p['outside_bytes']:,} B = {p['outside_bytes'] / unit:.2f}U | {p['shared_bytes']:,} B |")
+        lines.append(
+            f"| {name}{' (fused loss)' if p['policy']['fused_loss'] else ''} | {p['outside_bytes']:,} B = {p['outside_bytes'] / unit:.2f}U | {p['shared_bytes']:,} B |"
+        )
     if extra:
-        lines += ["", "Analytical (same formula), bf16 compute:", "", "| model | batch x seq | bf16 | agoq | uniform4 | agoq / bf16 |", "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Analytical (same formula), bf16 compute:",
+            "",
+            "| model | batch x seq | bf16 | agoq | uniform4 | agoq / bf16 |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for r in extra:
             t = r["policies"]
-            lines.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {t['bf16']['U']:.2f}U | {t['agoq']['U']:.2f}U | {t['uniform4']['U']:.2f}U | {r['agoq_ratio']:.3f} |")
+            lines.append(
+                f"| {r['model']} | {r['batch']} x {r['seq']} | {t['bf16']['U']:.2f}U | {t['agoq']['U']:.2f}U | {t['uniform4']['U']:.2f}U | {r['agoq_ratio']:.3f} |"
+            )
     return "\n".join(lines)
 
 

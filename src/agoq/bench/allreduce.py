@@ -59,7 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES), help=f"fp32 message sizes, local run (default {DEFAULT_SIZES})")
     parser.add_argument("--ranks", type=int, default=4, help="local ranks (default 4)")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per size and method; median reported (default 3)")
-    parser.add_argument("--netns-sizes", type=_sizes, default=_sizes(DEFAULT_NETNS_SIZES), help=f"fp32 message sizes over the shaped link (default {DEFAULT_NETNS_SIZES})")
+    parser.add_argument(
+        "--netns-sizes",
+        type=_sizes,
+        default=_sizes(DEFAULT_NETNS_SIZES),
+        help=f"fp32 message sizes over the shaped link (default {DEFAULT_NETNS_SIZES})",
+    )
     parser.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates for tc tbf, comma-separated (default {DEFAULT_RATES}; empty: skip)")
     parser.add_argument("--only", choices=("local", "netns"), default=None, help="run one setting only")
     parser.add_argument("--fmt", default="int8/256", help="8-bit wire format (default int8/256)")
@@ -126,8 +131,12 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
             dist.barrier()
             tx = (_tx_bytes(link) - tx0) / reps
             row: dict[str, Any] = {
-                "size_bytes": size, "numel": n, "method": method, "time_s": statistics.median(times),
-                "times_s": times, "wire_bytes_per_rank": counter.bytes() // reps,
+                "size_bytes": size,
+                "numel": n,
+                "method": method,
+                "time_s": statistics.median(times),
+                "times_s": times,
+                "wire_bytes_per_rank": counter.bytes() // reps,
                 "payload_bytes_per_rank": sum(counter.payload.values()) // reps,
                 "scale_bytes_per_rank": sum(counter.scales.values()) // reps,
                 "rel_l2_error": err,
@@ -225,7 +234,25 @@ class _TwoHosts:
             for ns, link, addr in zip(self.ns, self.links, self.addrs):
                 _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", link)
                 _sh("ip", "-n", ns, "link", "set", link, "up")
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", self.rate, "burst", str(burst), "latency", "100ms")
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    link,
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.rate,
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                )
         except BaseException:
             self.__exit__()
             raise
@@ -258,10 +285,31 @@ def run_netns(rate: str, sizes: list[int], reps: int, fmt: str, timeout_s: float
             host = rank // 2
             out = os.path.join(tmp, f"rank{rank}.json")
             cmd = [
-                "ip", "netns", "exec", hosts.ns[host], sys.executable, "-m", "agoq.bench.allreduce",
-                "--worker", str(rank), "--world", "4", "--master", hosts.addrs[0], "--port", str(port),
-                "--link", hosts.links[host], "--out", out, "--reps", str(reps), "--fmt", fmt,
-                "--netns-sizes", ",".join(str(s) for s in sizes),
+                "ip",
+                "netns",
+                "exec",
+                hosts.ns[host],
+                sys.executable,
+                "-m",
+                "agoq.bench.allreduce",
+                "--worker",
+                str(rank),
+                "--world",
+                "4",
+                "--master",
+                hosts.addrs[0],
+                "--port",
+                str(port),
+                "--link",
+                hosts.links[host],
+                "--out",
+                out,
+                "--reps",
+                str(reps),
+                "--fmt",
+                fmt,
+                "--netns-sizes",
+                ",".join(str(s) for s in sizes),
             ]
             env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -289,9 +337,7 @@ def _netns_worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.worker, world_size=args.world
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.worker, world_size=args.world)
     try:
         rows = measure(args.worker, args.world, args.netns_sizes, args.reps, args.fmt, args.link)
     finally:
@@ -400,7 +446,12 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"fmt": args.fmt, "reps": args.reps, "loadavg_before": os.getloadavg()}
     if args.only in (None, "local"):
         t0 = time.monotonic()
-        results["local"] = {"ranks": args.ranks, "backend": "gloo", "link": "loopback", "rows": run_local(args.ranks, args.sizes, args.reps, args.fmt)}
+        results["local"] = {
+            "ranks": args.ranks,
+            "backend": "gloo",
+            "link": "loopback",
+            "rows": run_local(args.ranks, args.sizes, args.reps, args.fmt),
+        }
         results["local"]["seconds"] = round(time.monotonic() - t0, 1)
     if args.only in (None, "netns"):
         results["netns"] = {}

@@ -18,17 +18,40 @@ DESCRIPTION = "loss, validation loss, grad norm, memory and step time of bf16 vs
 # name -> (what it is, config overrides). bf16 is the baseline: bf16 saved activations, fp32 all-reduce.
 RUNS: dict[str, tuple[str, list[str]]] = {
     "bf16": ("bf16 baseline (bf16 saved activations, fp32 gradient all-reduce)", ["--precision.activations=bf16", "--precision.gradients=fp32"]),
-    "agoq": ("full AGoQ: 4-bit activations + DBCA stage bits + 8-bit gradients", ["--precision.activations=agoq", "--precision.gradients=int8", "--precision.stage_bits=dbca"]),
-    "agoq_act": ("AGoQ activations only (fp32 gradients)", ["--precision.activations=agoq", "--precision.gradients=fp32", "--precision.stage_bits=dbca"]),
+    "agoq": (
+        "full AGoQ: 4-bit activations + DBCA stage bits + 8-bit gradients",
+        ["--precision.activations=agoq", "--precision.gradients=int8", "--precision.stage_bits=dbca"],
+    ),
+    "agoq_act": (
+        "AGoQ activations only (fp32 gradients)",
+        ["--precision.activations=agoq", "--precision.gradients=fp32", "--precision.stage_bits=dbca"],
+    ),
     "agoq_grad": ("AGoQ gradients only (bf16 activations)", ["--precision.activations=bf16", "--precision.gradients=int8"]),
-    "agoq_adamw8bit": ("full AGoQ + 8-bit AdamW (torchao)", ["--precision.activations=agoq", "--precision.gradients=int8", "--precision.stage_bits=dbca", "--optim.name=adamw8bit"]),
-    "uniform4": ("ablation: every saved tensor 4-bit, attention included (8-bit gradients)", ["--precision.activations=uniform4", "--precision.gradients=int8", "--precision.stage_bits=uniform"]),
-    "ring8": ("ablation: 8-bit gradients summed along a ring, FP8-LM style (bf16 activations)", ["--precision.activations=bf16", "--precision.gradients=ring8"]),
+    "agoq_adamw8bit": (
+        "full AGoQ + 8-bit AdamW (torchao)",
+        ["--precision.activations=agoq", "--precision.gradients=int8", "--precision.stage_bits=dbca", "--optim.name=adamw8bit"],
+    ),
+    "uniform4": (
+        "ablation: every saved tensor 4-bit, attention included (8-bit gradients)",
+        ["--precision.activations=uniform4", "--precision.gradients=int8", "--precision.stage_bits=uniform"],
+    ),
+    "ring8": (
+        "ablation: 8-bit gradients summed along a ring, FP8-LM style (bf16 activations)",
+        ["--precision.activations=bf16", "--precision.gradients=ring8"],
+    ),
 }
 MULTI_SEED = ("bf16", "agoq")
 # Per-rank memory by category (agoq.train.run.train_worker): persistent state, the step's peaks of
 # saved activations and of temporaries, and all tensors at the step's joint peak.
-MEMORY_KEYS = ("param_bytes", "grad_buffer_bytes", "optimizer_bytes", "peak_saved_bytes", "peak_temporary_bytes", "peak_tensor_bytes", "peak_rss_bytes")
+MEMORY_KEYS = (
+    "param_bytes",
+    "grad_buffer_bytes",
+    "optimizer_bytes",
+    "peak_saved_bytes",
+    "peak_temporary_bytes",
+    "peak_tensor_bytes",
+    "peak_rss_bytes",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,10 +100,20 @@ def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path, tr
             return data
     if not train:
         return None
-    cfg = load_config(None, [
-        *RUNS[name][1], f"--model.preset={model}", f"--train.seed={seed}", f"--train.steps={steps}", f"--train.eval_every={eval_every}",
-        "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false", f"--train.out_dir={folder}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            *RUNS[name][1],
+            f"--model.preset={model}",
+            f"--train.seed={seed}",
+            f"--train.steps={steps}",
+            f"--train.eval_every={eval_every}",
+            "--train.baseline=false",
+            "--checkpoint.every=0",
+            "--checkpoint.resume=false",
+            f"--train.out_dir={folder}",
+        ],
+    )
     summary = launch(cfg)
     if summary is None:
         raise RuntimeError(f"run {name} seed {seed} returned no summary; see {folder}")
@@ -122,18 +155,26 @@ def aggregate(done: dict[tuple[str, int], dict[str, Any]], names: list[str]) -> 
             continue
         runs = [done[(name, s)] for s in seeds]
         ranks = runs[0]["ranks"]
-        rows.append({
-            "name": name,
-            "what": RUNS[name][0],
-            "seeds": seeds,
-            "final_loss": _stats([r["run"]["final_loss"] for r in runs]),
-            "val_loss": _stats([r["run"]["val_loss"] for r in runs]),
-            "step_time_s": statistics.fmean(r["run"]["step_time_s"] for r in runs),
-            "tokens_per_s": statistics.fmean(r["run"]["tokens_per_s"] for r in runs),
-            "skipped_steps": sum(r["skipped_steps"] for r in runs),
-            "max_rank": {k: max(g[k] for g in ranks) for k in MEMORY_KEYS + ("wire_bytes_per_step", "fp32_wire_bytes_per_step")},
-            "per_rank": [{k: g[k] for k in ("rank", "pp_rank", "dp_rank", "layer_bits", *MEMORY_KEYS, "peak_temporary_bytes_by_phase", "wire_bytes_per_step")} for g in ranks],
-        })
+        rows.append(
+            {
+                "name": name,
+                "what": RUNS[name][0],
+                "seeds": seeds,
+                "final_loss": _stats([r["run"]["final_loss"] for r in runs]),
+                "val_loss": _stats([r["run"]["val_loss"] for r in runs]),
+                "step_time_s": statistics.fmean(r["run"]["step_time_s"] for r in runs),
+                "tokens_per_s": statistics.fmean(r["run"]["tokens_per_s"] for r in runs),
+                "skipped_steps": sum(r["skipped_steps"] for r in runs),
+                "max_rank": {k: max(g[k] for g in ranks) for k in MEMORY_KEYS + ("wire_bytes_per_step", "fp32_wire_bytes_per_step")},
+                "per_rank": [
+                    {
+                        k: g[k]
+                        for k in ("rank", "pp_rank", "dp_rank", "layer_bits", *MEMORY_KEYS, "peak_temporary_bytes_by_phase", "wire_bytes_per_step")
+                    }
+                    for g in ranks
+                ],
+            }
+        )
     base = next((r for r in rows if r["name"] == "bf16"), None)
     if base is not None:
         for r in rows:
@@ -256,7 +297,9 @@ def readme_markdown(results: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
-        lines.append(f"| {r['name']} | {r['what']} | {len(r['seeds'])} | {_pm(r['final_loss'])} | {_pm(r['val_loss'])} | {r.get('val_loss_vs_bf16', 0):+.2%} |")
+        lines.append(
+            f"| {r['name']} | {r['what']} | {len(r['seeds'])} | {_pm(r['final_loss'])} | {_pm(r['val_loss'])} | {r.get('val_loss_vs_bf16', 0):+.2%} |"
+        )
     lines += [
         "",
         "Memory per rank by category, in MiB, the largest over the 4 ranks: parameters, gradient buffer, optimizer "
@@ -279,14 +322,29 @@ def readme_markdown(results: dict[str, Any]) -> str:
         )
     t = results["targets"]
     lines += ["", "| target | measured |", "|---|---|"]
-    lines.append(f"| training loss well below the unigram entropy of the tokenized KJV train split ({t['unigram_entropy_nats']:.3f} nats) | "
-                 + (f"bf16 final loss {t['unigram_entropy_nats'] - t['bf16_final_loss_below_entropy_nats']:.3f}, {t['bf16_final_loss_below_entropy_nats']:.2f} nats below |" if "bf16_final_loss_below_entropy_nats" in t else "not measured |"))
+    lines.append(
+        f"| training loss well below the unigram entropy of the tokenized KJV train split ({t['unigram_entropy_nats']:.3f} nats) | "
+        + (
+            f"bf16 final loss {t['unigram_entropy_nats'] - t['bf16_final_loss_below_entropy_nats']:.3f}, {t['bf16_final_loss_below_entropy_nats']:.2f} nats below |"
+            if "bf16_final_loss_below_entropy_nats" in t
+            else "not measured |"
+        )
+    )
     if "agoq_val_loss_rel_diff" in t:
         spread = t["seed_std_val_loss"]
         lines.append(f"| full AGoQ val loss within 1% of bf16 | {t['agoq_val_loss_rel_diff']:+.2%}: {'yes' if t['agoq_within_1pct'] else 'no'} |")
-        lines.append("| ... inside the seed spread (difference of means <= the larger seed std) | "
-                     + ("one seed only |" if spread is None else f"{abs(_diff(results, 'agoq')):.4f} vs std {spread:.4f}: {'yes' if t['agoq_inside_seed_spread'] else 'no'} |"))
-    for n, label in (("uniform4", "uniform 4-bit (attention quantized too) measurably worse"), ("ring8", "8-bit ring sum (FP8-LM style) measurably worse")):
+        lines.append(
+            "| ... inside the seed spread (difference of means <= the larger seed std) | "
+            + (
+                "one seed only |"
+                if spread is None
+                else f"{abs(_diff(results, 'agoq')):.4f} vs std {spread:.4f}: {'yes' if t['agoq_inside_seed_spread'] else 'no'} |"
+            )
+        )
+    for n, label in (
+        ("uniform4", "uniform 4-bit (attention quantized too) measurably worse"),
+        ("ring8", "8-bit ring sum (FP8-LM style) measurably worse"),
+    ):
         if f"{n}_val_loss_diff" in t:
             verdict = "n/a" if t[f"{n}_measurably_worse"] is None else ("yes" if t[f"{n}_measurably_worse"] else "no, not at this scale")
             lines.append(f"| {label} (val loss above bf16 by > 2 seed std) | {t[f'{n}_val_loss_diff']:+.4f}: {verdict} |")

@@ -28,10 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step on each dp rank")
-    parser.add_argument("--out-dir", default=None,
-                        help="folder for the runs and the result JSON (default: runs under runs/bench_fixed_budget, the result in benchmarks/results)")
-    parser.add_argument("--quant-backend", default="compiled", choices=("torch", "compiled"),
-                        help="quantization path of every run (default compiled: what a long CPU run gets; auto would pick eager for these short runs)")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="folder for the runs and the result JSON (default: runs under runs/bench_fixed_budget, the result in benchmarks/results)",
+    )
+    parser.add_argument(
+        "--quant-backend",
+        default="compiled",
+        choices=("torch", "compiled"),
+        help="quantization path of every run (default compiled: what a long CPU run gets; auto would pick eager for these short runs)",
+    )
 
 
 def _measure(label: str, policy: list[str], recompute: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -39,16 +46,27 @@ def _measure(label: str, policy: list[str], recompute: int, args: argparse.Names
     from agoq.train.config import load_config
     from agoq.train.run import launch
 
-    cfg = load_config(None, [
-        *policy, f"--precision.recompute_layers={recompute}",
-        # The chunked loss for both, so the comparison is only about what the decoder layers keep.
-        "--precision.fused_loss=true",
-        f"--data.batch_size={args.batch_size}", f"--data.seq_len={args.seq_len}", f"--train.steps={args.steps}",
-        f"--parallel.pp={args.pp}", f"--parallel.dp={args.dp}", f"--parallel.microbatches={args.microbatches}",
-        f"--precision.quant_backend={args.quant_backend}",
-        "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
-        f"--train.out_dir={Path(args.out_dir or 'runs/bench_fixed_budget') / f'{label}_r{recompute}'}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            *policy,
+            f"--precision.recompute_layers={recompute}",
+            # The chunked loss for both, so the comparison is only about what the decoder layers keep.
+            "--precision.fused_loss=true",
+            f"--data.batch_size={args.batch_size}",
+            f"--data.seq_len={args.seq_len}",
+            f"--train.steps={args.steps}",
+            f"--parallel.pp={args.pp}",
+            f"--parallel.dp={args.dp}",
+            f"--parallel.microbatches={args.microbatches}",
+            f"--precision.quant_backend={args.quant_backend}",
+            "--train.eval_every=0",
+            "--train.baseline=false",
+            "--checkpoint.every=0",
+            "--checkpoint.resume=false",
+            f"--train.out_dir={Path(args.out_dir or 'runs/bench_fixed_budget') / f'{label}_r{recompute}'}",
+        ],
+    )
     s = launch(cfg)
     return {
         "run": label,
@@ -80,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = fits[0] if fits else None
     results = {
         "config": f"tiny LLaMA, pp={args.pp} x dp={args.dp}, {args.microbatches} micro-batches, {args.batch_size} x {args.seq_len} tokens per step, chunked loss for both, "
-                  f"{args.quant_backend} quantization",
+        f"{args.quant_backend} quantization",
         "steps": args.steps,
         "cap_bytes": cap,
         "rows": [agoq, agoq_all, *bf16],
@@ -90,10 +108,15 @@ def run(args: argparse.Namespace) -> int:
         "step_time_ratio_bf16_fit_vs_agoq": None if chosen is None else chosen["step_time_s"] / agoq["step_time_s"],
         "step_time_ratio_bf16_plain_vs_agoq": bf16[0]["step_time_s"] / agoq["step_time_s"],
     }
-    write_result("fixed_budget", results, out_dir=args.out_dir, command=(
-        f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} "
-        f"--pp {args.pp} --dp {args.dp} --microbatches {args.microbatches} --quant-backend {args.quant_backend}"
-    ))
+    write_result(
+        "fixed_budget",
+        results,
+        out_dir=args.out_dir,
+        command=(
+            f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} "
+            f"--pp {args.pp} --dp {args.dp} --microbatches {args.microbatches} --quant-backend {args.quant_backend}"
+        ),
+    )
     print(readme_markdown(results))
     return 0
 

@@ -206,13 +206,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         columns[column] = {
             "policy": {"name": base, "overrides": overrides},
             "relative_error": {g: (s[0] / s[1]) ** 0.5 if s[1] > 0 else 0.0 for g, s in sums.items()},
-            "relative_error_by_layer": {g: {str(k): (v[0] / v[1]) ** 0.5 if v[1] > 0 else 0.0 for k, v in sorted(d.items())} for g, d in per_layer.items()},
+            "relative_error_by_layer": {
+                g: {str(k): (v[0] / v[1]) ** 0.5 if v[1] > 0 else 0.0 for k, v in sorted(d.items())} for g, d in per_layer.items()
+            },
         }
     return {
-        "model": args.model, "config": cfg.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+        "model": args.model,
+        "config": cfg.to_dict(),
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
         "reference": f"policy 'bf16' (nothing quantized), same weights, same batches, same dtype ({args.dtype})",
-        "data": source, "train_steps": args.train_steps, "train_loss_first_last": [losses[0], losses[-1]] if losses else None,
-        "measured_batches": len(measured), "groups": list(WEIGHT_GROUPS) + list(INPUT_GROUPS), "columns": columns,
+        "data": source,
+        "train_steps": args.train_steps,
+        "train_loss_first_last": [losses[0], losses[-1]] if losses else None,
+        "measured_batches": len(measured),
+        "groups": list(WEIGHT_GROUPS) + list(INPUT_GROUPS),
+        "columns": columns,
     }
 
 

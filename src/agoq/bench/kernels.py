@@ -100,10 +100,24 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     for spec in [s.strip() for s in args.formats.split(",") if s.strip()]:
         fmt = parse_format(spec)
         q = quantize(x, fmt)
-        cases.append(dict(kernel="quantize", format=fmt.name, bytes=2 * n + qbytes(fmt, n),
-                          torch=ref(lambda fmt=fmt: quantize(x, fmt)), triton=lambda fmt=fmt: tq().quantize(x, fmt)))
-        cases.append(dict(kernel="dequantize", format=fmt.name, bytes=qbytes(fmt, n) + 2 * n,
-                          torch=ref(lambda q=q: dequantize(q)), triton=lambda q=q: tq().dequantize(q)))
+        cases.append(
+            dict(
+                kernel="quantize",
+                format=fmt.name,
+                bytes=2 * n + qbytes(fmt, n),
+                torch=ref(lambda fmt=fmt: quantize(x, fmt)),
+                triton=lambda fmt=fmt: tq().quantize(x, fmt),
+            )
+        )
+        cases.append(
+            dict(
+                kernel="dequantize",
+                format=fmt.name,
+                bytes=qbytes(fmt, n) + 2 * n,
+                torch=ref(lambda q=q: dequantize(q)),
+                triton=lambda q=q: tq().dequantize(q),
+            )
+        )
 
     fmt = parse_format("int4/128")
     xn = x[:nt].view(tokens, hidden)
@@ -124,12 +138,27 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
 
     norm_q = qbytes(fmt, nt)
     cases += [
-        dict(kernel="rms_norm_forward+quantize", format=fmt.name, bytes=2 * nt + 2 * hidden + 2 * nt + norm_q,
-             torch=ref(norm_fwd_torch), triton=lambda: tq().rms_norm_quantize(xn, w, 1e-5, fmt)),
-        dict(kernel="rms_norm_recompute", format=fmt.name, bytes=norm_q + 2 * hidden + 2 * nt + 4 * tokens,
-             torch=ref(norm_recompute_torch), triton=lambda: tq().rms_norm_recompute(qx, w, 1e-5, bf16)),
-        dict(kernel="rms_norm_backward", format=fmt.name, bytes=4 * nt + norm_q + 4 * tokens + 2 * hidden + 2 * nt,
-             torch=ref(norm_bwd_torch), triton=lambda: tq().rms_norm_backward(grad_h, qx, rstd, w, bf16, True)),
+        dict(
+            kernel="rms_norm_forward+quantize",
+            format=fmt.name,
+            bytes=2 * nt + 2 * hidden + 2 * nt + norm_q,
+            torch=ref(norm_fwd_torch),
+            triton=lambda: tq().rms_norm_quantize(xn, w, 1e-5, fmt),
+        ),
+        dict(
+            kernel="rms_norm_recompute",
+            format=fmt.name,
+            bytes=norm_q + 2 * hidden + 2 * nt + 4 * tokens,
+            torch=ref(norm_recompute_torch),
+            triton=lambda: tq().rms_norm_recompute(qx, w, 1e-5, bf16),
+        ),
+        dict(
+            kernel="rms_norm_backward",
+            format=fmt.name,
+            bytes=4 * nt + norm_q + 4 * tokens + 2 * hidden + 2 * nt,
+            torch=ref(norm_bwd_torch),
+            triton=lambda: tq().rms_norm_backward(grad_h, qx, rstd, w, bf16, True),
+        ),
     ]
 
     gate = x.view(-1)
@@ -148,10 +177,20 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
         return (silu * u).to(bf16), (ga * u * sig * (1 + g * (1 - sig))).to(bf16), (ga * silu).to(bf16)
 
     cases += [
-        dict(kernel="swiglu_forward+quantize", format=fmt.name, bytes=4 * n + 2 * n + 2 * qbytes(fmt, n),
-             torch=ref(swiglu_fwd_torch), triton=lambda: tq().swiglu_quantize(gate, up, fmt)),
-        dict(kernel="swiglu_backward", format=fmt.name, bytes=2 * qbytes(fmt, n) + 2 * n + 6 * n,
-             torch=ref(swiglu_bwd_torch), triton=lambda: tq().swiglu_backward(grad_act, qg, qu, bf16, bf16)),
+        dict(
+            kernel="swiglu_forward+quantize",
+            format=fmt.name,
+            bytes=4 * n + 2 * n + 2 * qbytes(fmt, n),
+            torch=ref(swiglu_fwd_torch),
+            triton=lambda: tq().swiglu_quantize(gate, up, fmt),
+        ),
+        dict(
+            kernel="swiglu_backward",
+            format=fmt.name,
+            bytes=2 * qbytes(fmt, n) + 2 * n + 6 * n,
+            torch=ref(swiglu_bwd_torch),
+            triton=lambda: tq().swiglu_backward(grad_act, qg, qu, bf16, bf16),
+        ),
     ]
 
     g8 = parse_format("int8/256")
@@ -185,8 +224,13 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
 
     cases += [
         dict(kernel="grad_accumulate", format=g8.name, bytes=2 * qbytes(g8, n) + 4 * n, torch=ref(accumulate_torch), triton=accumulate_triton),
-        dict(kernel=f"allreduce_local_step(W={world})", format=g8.name, bytes=world * qbytes(g8, chunk) + 4 * chunk + qbytes(g8, chunk),
-             torch=ref(reduce_torch), triton=lambda: tq().reduce_rows(pay_rows, sc_rows, g8, average=True, requantize=True)),
+        dict(
+            kernel=f"allreduce_local_step(W={world})",
+            format=g8.name,
+            bytes=world * qbytes(g8, chunk) + 4 * chunk + qbytes(g8, chunk),
+            torch=ref(reduce_torch),
+            triton=lambda: tq().reduce_rows(pay_rows, sc_rows, g8, average=True, requantize=True),
+        ),
     ]
     return cases
 
@@ -273,7 +317,9 @@ def run(args: argparse.Namespace) -> int:
     }
     command = (
         f"agoq bench kernels --device {device.type} --numel {args.numel} --hidden {args.hidden} --world {args.world} "
-        f"--formats {args.formats} --backends {args.backends}" + (f" --tiles {args.tiles}" if args.tiles else "") + (" --dry-run" if args.dry_run else "")
+        f"--formats {args.formats} --backends {args.backends}"
+        + (f" --tiles {args.tiles}" if args.tiles else "")
+        + (" --dry-run" if args.dry_run else "")
     )
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     path = write_result("kernels", results, command=command, out_dir=out_dir)

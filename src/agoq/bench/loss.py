@@ -101,18 +101,23 @@ def run(args: argparse.Namespace) -> int:
             chunks: dict[int, int] = {}  # effective chunk -> the smallest budget (MiB) giving it
             for mib in (64, 128, 256, 512, 1024):
                 chunks.setdefault(min(n, default_chunk_size(vocab, hdim, logits_bytes=mib * 2**20, rows_per_hidden=None)), mib)
-            sweep_steps: dict[Any, Callable[[], Any]] = {
-                c: (lambda c=c: paths["fused"](hidden, weight, targets, c)) for c in chunks
-            }
+            sweep_steps: dict[Any, Callable[[], Any]] = {c: (lambda c=c: paths["fused"](hidden, weight, targets, c)) for c in chunks}
             sweep_steps["plain"] = steps["plain"]
             swept, _ = _time_steps(sweep_steps, hidden, weight, args.repeats)
             for c, mib in chunks.items():
-                sweep.append({
-                    "vocab": vocab, "chunk_logits_mib": mib, "chunk_size": c,
-                    "fused_step_s": swept[c][0], "plain_step_s": swept["plain"][0], "time_ratio": swept[c][0] / swept["plain"][0],
-                    "fused_step_cpu_s": swept[c][1], "plain_step_cpu_s": swept["plain"][1],
-                    "cpu_ratio": swept[c][1] / swept["plain"][1],
-                })
+                sweep.append(
+                    {
+                        "vocab": vocab,
+                        "chunk_logits_mib": mib,
+                        "chunk_size": c,
+                        "fused_step_s": swept[c][0],
+                        "plain_step_s": swept["plain"][0],
+                        "time_ratio": swept[c][0] / swept["plain"][0],
+                        "fused_step_cpu_s": swept[c][1],
+                        "plain_step_cpu_s": swept["plain"][1],
+                        "cpu_ratio": swept[c][1] / swept["plain"][1],
+                    }
+                )
         hidden = weight = targets = None  # free this vocabulary's tensors before the next one's
 
     results = {"rows": rows, "chunk_sweep": sweep}

@@ -49,7 +49,9 @@ def _peer_worker(rank: int, peer: str, steps: int, port: int, queue: Any, count_
     import torch
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(DP))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(DP)
+    )
     try:
         if count_tensors:
             from agoq.train.saved import SavedActivationTracker
@@ -81,10 +83,21 @@ def _agoq_config(label: str, steps: int, out_dir: Path) -> Any:
     """``agoq train`` at pp=1 x dp=2, one micro-batch per step (the peers' batch), under ``label``'s policy."""
     from agoq.train.config import load_config
 
-    return load_config(None, [
-        *AGOQ_RUNS[label], "--parallel.pp=1", f"--parallel.dp={DP}", "--parallel.microbatches=1", f"--train.steps={steps}",
-        "--train.eval_every=0", "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false", f"--train.out_dir={out_dir}",
-    ])
+    return load_config(
+        None,
+        [
+            *AGOQ_RUNS[label],
+            "--parallel.pp=1",
+            f"--parallel.dp={DP}",
+            "--parallel.microbatches=1",
+            f"--train.steps={steps}",
+            "--train.eval_every=0",
+            "--train.baseline=false",
+            "--checkpoint.every=0",
+            "--checkpoint.resume=false",
+            f"--train.out_dir={out_dir}",
+        ],
+    )
 
 
 def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:

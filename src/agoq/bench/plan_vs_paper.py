@@ -23,8 +23,7 @@ DESCRIPTION = "agoq plan's per-GPU peaks beside the paper's measurements (LLaMA2
 PAPER_LAYER_U = {"baseline": 28.0, "agoq": 7.75}
 # (case, model, model fields, seq, {configuration: paper GB})
 CASES = [
-    ("LLaMA2-13B, TP=8, PP=1, seq 12K", "llama2-13b", {}, 12288,
-     {"baseline": 46.1, "O": 37.7, "G+O": 35.3, "A+G+O": 22.3}),
+    ("LLaMA2-13B, TP=8, PP=1, seq 12K", "llama2-13b", {}, 12288, {"baseline": 46.1, "O": 37.7, "G+O": 35.3, "A+G+O": 22.3}),
     ("LLaMA3-8B (36 layers), seq 32K", "llama3-8b", {"n_layers": 36}, 32768, {"baseline": 48.6, "A+G+O": 16.6}),
     ("LLaMA3-8B (16 layers), seq 64K", "llama3-8b", {"n_layers": 16}, 65536, {"baseline": 46.7, "A+G+O": 19.3}),
 ]
@@ -59,29 +58,47 @@ def compare(tp: int = 8) -> dict[str, Any]:
         m = cfg.model
         unit_tp = U_bytes(1, seq, m.hidden) / tp
         tokens_tp = seq // tp
-        layers_u.append({"case": case, "baseline_U": plan.layer_units["baseline"], "agoq_U": plan.layer_units["A"],
-                         "paper_baseline_U": PAPER_LAYER_U["baseline"], "paper_agoq_U": PAPER_LAYER_U["agoq"]})
+        layers_u.append(
+            {
+                "case": case,
+                "baseline_U": plan.layer_units["baseline"],
+                "agoq_U": plan.layer_units["A"],
+                "paper_baseline_U": PAPER_LAYER_U["baseline"],
+                "paper_agoq_U": PAPER_LAYER_U["agoq"],
+            }
+        )
         for name, paper_gb in paper.items():
             sp = plan.get(name)
             act = sp.setup.activations
             ours_u = plan.layer_units["A" if act else "baseline"]
             layer_delta = m.n_layers * (PAPER_LAYER_U["agoq" if act else "baseline"] - ours_u) * unit_tp
             # The paper's system keeps Megatron's loss: an fp32 log-softmax of [tokens, vocab / tp].
-            loss_delta = (loss_saved_bytes(tokens_tp, m.hidden, m.vocab_size, torch.bfloat16, False)
-                          - loss_saved_bytes(tokens_tp, m.hidden, m.vocab_size, torch.bfloat16, True, recompute=True)) if act else 0
+            loss_delta = (
+                (
+                    loss_saved_bytes(tokens_tp, m.hidden, m.vocab_size, torch.bfloat16, False)
+                    - loss_saved_bytes(tokens_tp, m.hidden, m.vocab_size, torch.bfloat16, True, recompute=True)
+                )
+                if act
+                else 0
+            )
             planner = sp.peak
             paper_bytes = paper_gb * GiB
             rebuilt = planner + layer_delta + loss_delta
-            rows.append({
-                "case": case, "configuration": name, "label": LABELS[name],
-                "paper_gib": paper_gb, "planner_gib": round(planner / GiB, 2),
-                "difference": round(planner / paper_bytes - 1, 4),
-                "layer_accounting_gib": round(layer_delta / GiB, 2),
-                "fused_loss_gib": round(loss_delta / GiB, 2),
-                "paper_accounting_gib": round(rebuilt / GiB, 2),
-                "residual": round(rebuilt / paper_bytes - 1, 4),
-                "breakdown_gib": {k: round(v / GiB, 2) for k, v in sp.ranks[0].to_dict()["bytes"].items()},  # type: ignore[union-attr]
-            })
+            rows.append(
+                {
+                    "case": case,
+                    "configuration": name,
+                    "label": LABELS[name],
+                    "paper_gib": paper_gb,
+                    "planner_gib": round(planner / GiB, 2),
+                    "difference": round(planner / paper_bytes - 1, 4),
+                    "layer_accounting_gib": round(layer_delta / GiB, 2),
+                    "fused_loss_gib": round(loss_delta / GiB, 2),
+                    "paper_accounting_gib": round(rebuilt / GiB, 2),
+                    "residual": round(rebuilt / paper_bytes - 1, 4),
+                    "breakdown_gib": {k: round(v / GiB, 2) for k, v in sp.ranks[0].to_dict()["bytes"].items()},  # type: ignore[union-attr]
+                }
+            )
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = {r["configuration"]: r for r in rows if r["case"] == case}
         if "O" in mine and "G+O" in mine:
@@ -97,8 +114,16 @@ def compare(tp: int = 8) -> dict[str, Any]:
         if "baseline" in mine and "A+G+O" in mine:
             for who in ("paper", "planner"):
                 mine["A+G+O"][f"{who}_reduction"] = round(1 - mine["A+G+O"][f"{who}_gib"] / mine["baseline"][f"{who}_gib"], 4)
-    return {"tp": tp, "pp": 1, "dp": 1, "micro_batch": 1, "gib_per_paper_gb": 1.0, "rows": rows, "layer_units": layers_u,
-            "explanations": explain(rows, layers_u)}
+    return {
+        "tp": tp,
+        "pp": 1,
+        "dp": 1,
+        "micro_batch": 1,
+        "gib_per_paper_gb": 1.0,
+        "rows": rows,
+        "layer_units": layers_u,
+        "explanations": explain(rows, layers_u),
+    }
 
 
 def explain(rows: list[dict[str, Any]], layer_units: list[dict[str, Any]]) -> list[str]:
@@ -123,19 +148,27 @@ def explain(rows: list[dict[str, Any]], layer_units: list[dict[str, Any]]) -> li
                     "which the paper's text we reproduce does not state; the agreement here is partly coincidental."
                 )
             continue
-        parts = [f"{r['case']}, {r['label']}: the planner's {r['planner_gib']:.1f} GiB is {abs(r['difference']) * 100:.0f}% "
-                 f"{'below' if r['difference'] < 0 else 'above'} the paper's {r['paper_gib']} GB"]
+        parts = [
+            f"{r['case']}, {r['label']}: the planner's {r['planner_gib']:.1f} GiB is {abs(r['difference']) * 100:.0f}% "
+            f"{'below' if r['difference'] < 0 else 'above'} the paper's {r['paper_gib']} GB"
+        ]
         parts.append(f"the per-layer accounting accounts for {r['layer_accounting_gib']:+.1f} GiB")
         if r["fused_loss_gib"]:
-            parts.append(f"agoq's fused loss, which keeps no fp32 log-softmax where the paper's system kept Megatron's, for {r['fused_loss_gib']:+.1f} GiB")
+            parts.append(
+                f"agoq's fused loss, which keeps no fp32 log-softmax where the paper's system kept Megatron's, for {r['fused_loss_gib']:+.1f} GiB"
+            )
         if r.get("gradient_path_gib"):
-            parts.append(f"the gradient path for {r['gradient_path_gib']:+.1f} GiB (the paper's 8-bit gradients saved "
-                         f"{r['gradient_path_gib']:.1f} GiB less than the planner's fp32 -> int8 buffer: its system kept more "
-                         "gradient memory beside the 8-bit buffer, e.g. compute-dtype .grad tensors or communication buffers)")
+            parts.append(
+                f"the gradient path for {r['gradient_path_gib']:+.1f} GiB (the paper's 8-bit gradients saved "
+                f"{r['gradient_path_gib']:.1f} GiB less than the planner's fp32 -> int8 buffer: its system kept more "
+                "gradient memory beside the 8-bit buffer, e.g. compute-dtype .grad tensors or communication buffers)"
+            )
         parts.append(f"with these re-added the planner gives {r['paper_accounting_gib']:.1f} GiB ({r['residual'] * 100:+.0f}% from the paper)")
         if abs(r["residual"]) > THRESHOLD:
-            parts.append("the remaining gap is outside the planner's model: the paper's exact parallel layout, micro-batch and "
-                         "allocator state for this run are not stated in what we reproduce (we assume TP=8, PP=1, micro-batch 1)")
+            parts.append(
+                "the remaining gap is outside the planner's model: the paper's exact parallel layout, micro-batch and "
+                "allocator state for this run are not stated in what we reproduce (we assume TP=8, PP=1, micro-batch 1)"
+            )
         out.append("; ".join(parts) + ".")
     return out
 
@@ -143,8 +176,7 @@ def explain(rows: list[dict[str, Any]], layer_units: list[dict[str, Any]]) -> li
 def markdown(res: dict[str, Any]) -> str:
     """The comparison table and the explanations."""
     lines = [
-        f"Planner assumptions for every row: TP={res['tp']} with sequence parallelism, PP=1, DP=1, micro-batch 1; "
-        "paper figures read as GiB.",
+        f"Planner assumptions for every row: TP={res['tp']} with sequence parallelism, PP=1, DP=1, micro-batch 1; paper figures read as GiB.",
         "",
         "| case | configuration | paper | agoq plan | difference | plan + the paper's accounting | vs paper |",
         "|---|---|---|---|---|---|---|",

@@ -80,7 +80,10 @@ def _model_and_batches(args: argparse.Namespace) -> tuple[Any, Any, dict[str, An
         losses.append(loss.item())
     info = {
         "params": sum(p.numel() for p in model.parameters()),
-        "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
+        "config": {
+            k: getattr(config, k)
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        },
         "steps": args.steps,
         "tokens_per_step": args.batch * args.seq,
         "loss_first": losses[0] if losses else None,
@@ -161,10 +164,23 @@ def run(args: argparse.Namespace) -> int:
             err, bits = _rel_l2(tensors[kind], fmt)
             # Bits plus log2(error): one more bit halves a uniform grid's error, so this is the
             # cost of an error level in bits, comparable across block sizes (lower is better).
-            rows.append({"tensor": kind, "format": base, "block": block, "rel_l2_error": err, "bits_per_value": bits, "bits_plus_log2_error": bits + math.log2(err)})
+            rows.append(
+                {
+                    "tensor": kind,
+                    "format": base,
+                    "block": block,
+                    "rel_l2_error": err,
+                    "bits_per_value": bits,
+                    "bits_plus_log2_error": bits + math.log2(err),
+                }
+            )
     results = {
         "model": info,
-        "captured": {k: {"tensors": len(v), "numel": sum(t.numel() for t in v), "dtype": str(v[0].dtype).replace("torch.", "")} for k, v in tensors.items() if v},
+        "captured": {
+            k: {"tensors": len(v), "numel": sum(t.numel() for t in v), "dtype": str(v[0].dtype).replace("torch.", "")}
+            for k, v in tensors.items()
+            if v
+        },
         "defaults": {"activation_block": DEFAULT_ACTIVATION_BLOCK, "gradient_block": DEFAULT_GRADIENT_BLOCK},
         "rows": rows,
     }

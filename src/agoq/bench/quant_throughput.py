@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # barrier for a descheduled thread (measured here: medians 10x the minimum with 2 threads).
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's default)")
     parser.add_argument("--device", default="cpu", help="device of the tensor (cpu, cuda)")
-    parser.add_argument("--backends", default="torch,compiled",
-                        help="comma-separated quantization paths to time (agoq.quant.backend: torch, compiled, triton)")
+    parser.add_argument(
+        "--backends", default="torch,compiled", help="comma-separated quantization paths to time (agoq.quant.backend: torch, compiled, triton)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
 
 

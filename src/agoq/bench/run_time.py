@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps of the default run (its own default: 200)")
     parser.add_argument("--short-steps", type=int, default=5, help="steps of the short runs")
     parser.add_argument(
-        "--no-avx2-row", action="store_true",
+        "--no-avx2-row",
+        action="store_true",
         help="skip the default run held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) on a CPU with more than AVX2",
     )
 
@@ -60,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
         rows += [
             _timed(f"{args.short_steps} steps, eager quantization", [*short, "--precision.quant_backend=torch"], {}),
             _timed(f"{args.short_steps} steps, compiled, warm cache", [*short, "--precision.quant_backend=compiled"], {}),
-            _timed(f"{args.short_steps} steps, compiled, cold cache", [*short, "--precision.quant_backend=compiled"], {"TORCHINDUCTOR_CACHE_DIR": cold_cache}),
+            _timed(
+                f"{args.short_steps} steps, compiled, cold cache",
+                [*short, "--precision.quant_backend=compiled"],
+                {"TORCHINDUCTOR_CACHE_DIR": cold_cache},
+            ),
         ]
     results = {"rows": rows}
     flag = " --no-avx2-row" if args.no_avx2_row else ""

@@ -29,13 +29,32 @@ CONFIGS = (
 CATEGORIES = (
     ("GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_", "aten::linear", "aten::matmul")),
     ("attention core", ("scaled_dot_product", "flash_attention")),
-    ("compiled quantization kernels", ("CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatcher", "inductor")),
+    (
+        "compiled quantization kernels",
+        ("CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatcher", "inductor"),
+    ),
     ("gradient hooks (fold into the buffer)", ("AccumulateGrad",)),
     ("fused ops' Python and autograd", ("_NormLinear", "_SwiGLULinear", "_SavedInputLinear", "_RMSNorm", "_Rotary", "_ChunkedLoss", "_Loss")),
     ("loss (log-softmax, recompute)", ("log_softmax", "nll_loss", "cross_entropy")),
     ("optimizer", ("adamw", "Optimizer")),
     ("allocation", ("aten::empty", "aten::zeros", "aten::full", "aten::fill_", "aten::zero_")),
-    ("quantize/dequantize, pack/unpack (eager ops)", ("aten::amax", "aten::amin", "aten::round", "aten::bitwise", "aten::index_select", "aten::nextafter", "aten::__rshift__", "aten::__lshift__", "aten::isnan", "aten::isfinite", "aten::masked_fill", "aten::div_")),
+    (
+        "quantize/dequantize, pack/unpack (eager ops)",
+        (
+            "aten::amax",
+            "aten::amin",
+            "aten::round",
+            "aten::bitwise",
+            "aten::index_select",
+            "aten::nextafter",
+            "aten::__rshift__",
+            "aten::__lshift__",
+            "aten::isnan",
+            "aten::isfinite",
+            "aten::masked_fill",
+            "aten::div_",
+        ),
+    ),
     ("copies and casts", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::cat", "aten::stack")),
     ("other elementwise", ("aten::",)),
 )
@@ -63,11 +82,21 @@ def _trainer(args: argparse.Namespace, activations: str, gradients: str, which: 
     from agoq.train.config import load_config
     from agoq.train.trainer import Trainer
 
-    cfg = load_config(None, [
-        f"--model.preset={args.model}", f"--precision.activations={activations}", f"--precision.gradients={gradients}",
-        f"--precision.compute_dtype={args.dtype}", f"--precision.quant_backend={which}", "--parallel.pp=1", "--parallel.dp=1", "--checkpoint.every=0",
-        "--checkpoint.resume=false", "--train.out_dir=runs/bench_step_profile",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"--model.preset={args.model}",
+            f"--precision.activations={activations}",
+            f"--precision.gradients={gradients}",
+            f"--precision.compute_dtype={args.dtype}",
+            f"--precision.quant_backend={which}",
+            "--parallel.pp=1",
+            "--parallel.dp=1",
+            "--checkpoint.every=0",
+            "--checkpoint.resume=false",
+            "--train.out_dir=runs/bench_step_profile",
+        ],
+    )
     return Trainer(cfg)
 
 
@@ -123,12 +152,22 @@ def run(args: argparse.Namespace) -> int:
         # of the profiled wall time.
         by_cat["Python and other"] = by_cat.get("Python and other", 0.0) + max(0.0, profiled * 1e3 - accounted)
         median = statistics.median(times[name])
-        rows.append({
-            "config": name, "backend": which, "step_s_median": median, "step_s_all": times[name], "vs_bf16_policy": median / base,
-            "first_two_steps_s": compile_s[name], "profile_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
-        })
+        rows.append(
+            {
+                "config": name,
+                "backend": which,
+                "step_s_median": median,
+                "step_s_all": times[name],
+                "vs_bf16_policy": median / base,
+                "first_two_steps_s": compile_s[name],
+                "profile_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            }
+        )
     results = {
-        "model": args.model, "dtype": args.dtype, "threads": args.threads, "cpu_bf16_flags": list(cpu_bf16_flags()),
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "cpu_bf16_flags": list(cpu_bf16_flags()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "setup": "1 process (pp = dp = 1), 4 micro-batches of 4 x 128 tokens, AdamW; int8 gradients fold into the 8-bit buffer (no communication at dp = 1)",
         "rows": rows,
@@ -150,7 +189,8 @@ def history(path: Path) -> list[dict[str, Any]]:
     except (OSError, ValueError, KeyError):
         return []
     headline = {
-        "git_revision": previous.get("git_revision"), "date": previous.get("date"),
+        "git_revision": previous.get("git_revision"),
+        "date": previous.get("date"),
         "cpu_flags": previous.get("machine", {}).get("cpu_flags"),
         "vs_bf16_policy": {r["config"]: round(r["vs_bf16_policy"], 3) for r in rows},
     }
@@ -174,7 +214,13 @@ def readme_markdown(results: dict[str, Any]) -> str:
         for c in r["profile_ms_per_step"]:
             if c not in cats:
                 cats.append(c)
-    lines += ["", "ms per step by category (self CPU time, torch.profiler):", "", "| category | " + " | ".join(r["config"] for r in rows) + " |", "|---|" + "---:|" * len(rows)]
+    lines += [
+        "",
+        "ms per step by category (self CPU time, torch.profiler):",
+        "",
+        "| category | " + " | ".join(r["config"] for r in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
     for c in cats:
         lines.append(f"| {c} | " + " | ".join(f"{r['profile_ms_per_step'].get(c, 0.0):.1f}" for r in rows) + " |")
     return "\n".join(lines)

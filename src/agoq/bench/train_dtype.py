@@ -11,8 +11,11 @@ DESCRIPTION = "step time of the default training run with bf16 vs fp32 compute, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length and where runs go."""
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (the first is not timed)")
-    parser.add_argument("--out-dir", default=None,
-                        help="folder for the runs and the result JSON (default: runs under runs/bench_train_dtype, the result in benchmarks/results)")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="folder for the runs and the result JSON (default: runs under runs/bench_train_dtype, the result in benchmarks/results)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,11 +26,18 @@ def run(args: argparse.Namespace) -> int:
 
     rows = []
     for dtype in ("bf16", "fp32"):
-        cfg = load_config(None, [
-            f"--precision.compute_dtype={dtype}", f"--train.steps={args.steps}", "--train.eval_every=0",
-            "--train.baseline=false", "--checkpoint.every=0", "--checkpoint.resume=false",
-            f"--train.out_dir={args.out_dir or 'runs/bench_train_dtype'}/{dtype}",
-        ])
+        cfg = load_config(
+            None,
+            [
+                f"--precision.compute_dtype={dtype}",
+                f"--train.steps={args.steps}",
+                "--train.eval_every=0",
+                "--train.baseline=false",
+                "--checkpoint.every=0",
+                "--checkpoint.resume=false",
+                f"--train.out_dir={args.out_dir or 'runs/bench_train_dtype'}/{dtype}",
+            ],
+        )
         summary = launch(cfg)
         run = summary["run"]
         rows.append({"compute_dtype": dtype, "step_time_s": run["step_time_s"], "tokens_per_s": run["tokens_per_s"], "final_loss": run["final_loss"]})
@@ -39,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from agoq.train.compute_dtype import cpu_bf16_flags
 
     results = {
-        "config": "embedded default (tiny, pp=2 x dp=2, 1f1b, agoq, int8 gradients)", "steps": args.steps, "rows": rows,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16_flags": list(cpu_bf16_flags()),
+        "config": "embedded default (tiny, pp=2 x dp=2, 1f1b, agoq, int8 gradients)",
+        "steps": args.steps,
+        "rows": rows,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_flags": list(cpu_bf16_flags()),
     }
     write_result("train_dtype", results, out_dir=args.out_dir, command=f"agoq bench train-dtype --steps {args.steps}")
     print(readme_markdown(results))
@@ -58,7 +71,9 @@ def readme_markdown(results: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
-        lines.append(f"| {r['compute_dtype']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['final_loss']:.3f} | {r['step_time_vs_fp32']:.2f}x |")
+        lines.append(
+            f"| {r['compute_dtype']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['final_loss']:.3f} | {r['step_time_vs_fp32']:.2f}x |"
+        )
     return "\n".join(lines)
 
 

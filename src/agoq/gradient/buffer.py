@@ -603,4 +603,3 @@ def _named(
         names.append(name)
         out.append(p)
     return names, out
-

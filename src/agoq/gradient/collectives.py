@@ -367,7 +367,11 @@ class PendingAllReduce:
             with _timed(r.timings, "dequantize"):
                 # Row by row, straight into the tensor where it is contiguous: one pass over the
                 # result (dequantize, un-pad and copy made three).
-                flat = self._tensor.view(-1) if self._tensor.is_contiguous() else torch.empty(layout.numel, dtype=self._tensor.dtype, device=self._tensor.device)
+                flat = (
+                    self._tensor.view(-1)
+                    if self._tensor.is_contiguous()
+                    else torch.empty(layout.numel, dtype=self._tensor.dtype, device=self._tensor.device)
+                )
                 for i in range(layout.world_size):
                     lo, hi = i * layout.chunk, min(layout.numel, (i + 1) * layout.chunk)
                     if hi <= lo:

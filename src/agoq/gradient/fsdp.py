@@ -52,9 +52,7 @@ class QuantizedReduceScatter(ReduceScatter):
         return None
 
 
-def use_quantized_reduce_scatter(
-    model: torch.nn.Module, fmt: QuantFormat | str | None = None, counter: CommCounter | None = None
-) -> int:
+def use_quantized_reduce_scatter(model: torch.nn.Module, fmt: QuantFormat | str | None = None, counter: CommCounter | None = None) -> int:
     """Install :class:`QuantizedReduceScatter` on every FSDP2 module in ``model``; return how many."""
     comm = QuantizedReduceScatter(fmt, counter)
     count = 0

@@ -51,7 +51,6 @@ class ShardedBucket:
         return self.segments[0].param
 
 
-
 def _shard_buckets(plan: Iterable[tuple[int, list[Segment]]], world: int, rank: int) -> list[ShardedBucket]:
     """The buckets with this rank's pieces: each segment intersected with [rank * chunk, (rank + 1) * chunk)."""
     buckets = []
@@ -116,7 +115,11 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
     """An fp32 flat buffer per bucket, reduce-scattered in fp32 (torch's reduce_scatter_single)."""
 
     def __init__(
-        self, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, block: int,
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        group: Group,
+        device: torch.device,
+        block: int,
         bucket_numel: int = DEFAULT_BUCKET_BYTES // 4,
     ) -> None:
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
@@ -141,8 +144,11 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
     def reduce(self) -> bool:
         ok = all(all_finite(f) for f in self.flat)
         if not ok:
-            bad = [self.names[i] for i, ss in enumerate(self._where)
-                   if not all(bool(torch.isfinite(self.flat[s.bucket][s.offset : s.offset + s.numel]).all()) for s in ss)]
+            bad = [
+                self.names[i]
+                for i, ss in enumerate(self._where)
+                if not all(bool(torch.isfinite(self.flat[s.bucket][s.offset : s.offset + s.numel]).all()) for s in ss)
+            ]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
         self._shards = []
         # Issued whatever this rank saw: every dp rank must call the same collectives.
@@ -174,8 +180,13 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
 
         counter = CommCounter()
         self.buffer = QuantGradBuffer(
-            params, fmt=f"int8/{block}", group=group, op="avg", microbatches=microbatches,
-            collective="reduce_scatter", counter=counter,
+            params,
+            fmt=f"int8/{block}",
+            group=group,
+            op="avg",
+            microbatches=microbatches,
+            collective="reduce_scatter",
+            counter=counter,
         )
         plan = [(b.layout.world_size * b.layout.padded_chunk, b.segments) for b in self.buffer.buckets]
         super().__init__(params, group, _shard_buckets(plan, self.buffer.world_size, self.buffer.rank), counter)
@@ -198,7 +209,12 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
 
 
 def make_sharded_sync(
-    mode: str, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, microbatches: int, block: int,
+    mode: str,
+    params: list[tuple[str, nn.Parameter]],
+    group: Group,
+    device: torch.device,
+    microbatches: int,
+    block: int,
 ) -> ShardedGradientSync:
     """The ZeRO-1 gradient path for ``precision.gradients`` = ``mode`` (int8 or fp32)."""
     if mode == "int8":

@@ -206,7 +206,12 @@ class QuantizedGradientSync(GradientSync):
 
 
 def make_gradient_sync(
-    mode: str, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, microbatches: int, block: int,
+    mode: str,
+    params: list[tuple[str, nn.Parameter]],
+    group: Group,
+    device: torch.device,
+    microbatches: int,
+    block: int,
 ) -> GradientSync:
     """The gradient path for ``precision.gradients`` = ``mode`` (int8, ring8, fp32 or bf16)."""
     if mode == "int8":

@@ -27,8 +27,7 @@ class LlamaConfig:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
         if self.hidden % self.n_heads:
             raise ValueError(
-                f"model.hidden={self.hidden} is not divisible by model.n_heads={self.n_heads}; "
-                "pick a head count that divides the hidden size"
+                f"model.hidden={self.hidden} is not divisible by model.n_heads={self.n_heads}; pick a head count that divides the hidden size"
             )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
@@ -63,26 +62,63 @@ PRESETS: dict[str, LlamaConfig] = {
     # The size of the peer measurements in DESIGN.md (15.8 M parameters with vocab 4096).
     "small": LlamaConfig(hidden=512, n_layers=4, n_heads=8, n_kv_heads=4, intermediate=1376),
     "llama3.2-1b": LlamaConfig(
-        vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate=8192,
-        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
+        vocab_size=128256,
+        hidden=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate=8192,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        tie_embeddings=True,
     ),
     "llama2-7b": LlamaConfig(
-        vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate=11008, max_seq_len=4096,
+        vocab_size=32000,
+        hidden=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        intermediate=11008,
+        max_seq_len=4096,
     ),
     "llama3-8b": LlamaConfig(
-        vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate=14336,
-        max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        hidden=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
     "llama2-13b": LlamaConfig(
-        vocab_size=32000, hidden=5120, n_layers=40, n_heads=40, n_kv_heads=40, intermediate=13824, max_seq_len=4096,
+        vocab_size=32000,
+        hidden=5120,
+        n_layers=40,
+        n_heads=40,
+        n_kv_heads=40,
+        intermediate=13824,
+        max_seq_len=4096,
     ),
     "codellama-34b": LlamaConfig(
-        vocab_size=32000, hidden=8192, n_layers=48, n_heads=64, n_kv_heads=8, intermediate=22016,
-        max_seq_len=16384, rope_theta=1000000.0,
+        vocab_size=32000,
+        hidden=8192,
+        n_layers=48,
+        n_heads=64,
+        n_kv_heads=8,
+        intermediate=22016,
+        max_seq_len=16384,
+        rope_theta=1000000.0,
     ),
     "llama3-70b": LlamaConfig(
-        vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, intermediate=28672,
-        max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        hidden=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        intermediate=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
 }
 

@@ -201,9 +201,7 @@ class Llama(nn.Module):
         if self.policy.fused_loss:
             from agoq.activation.loss import chunked_lm_head_cross_entropy
 
-            return chunked_lm_head_cross_entropy(
-                hidden, self.head.weight, targets, ignore_index=IGNORE_INDEX, recompute=self.policy.loss_recompute
-            )
+            return chunked_lm_head_cross_entropy(hidden, self.head.weight, targets, ignore_index=IGNORE_INDEX, recompute=self.policy.loss_recompute)
         logits = self.head(hidden)
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
 

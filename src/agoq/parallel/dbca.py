@@ -115,9 +115,7 @@ def stage_saved_bytes(
     """
     c = model_cfg
     precision = replace(policy, layer_bits=(bits,)).layer(0)
-    per_layer = sum(
-        layer_saved_bytes(micro_batch, seq_len, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, dtype, precision).values()
-    )
+    per_layer = sum(layer_saved_bytes(micro_batch, seq_len, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, dtype, precision).values())
     # The plain loss's logits are [seq_len tokens, full vocab] here (= [all tokens, vocab / tp] under a
     # vocab-parallel head); a precomputed head gradient is [vocab / tp, hidden] on each rank.
     vocab = -(-c.vocab_size // tp) if policy.fused_loss and not policy.loss_recompute else c.vocab_size

@@ -62,8 +62,7 @@ def schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_stages: 
         sched = cls(stages if is_multi_stage(key) else stages[0], n_microbatches, loss_fn=loss_fn)
     except (ValueError, AssertionError, RuntimeError) as err:
         raise ValueError(
-            f"torch cannot build schedule {key!r} for pp={pp}, virtual_stages={virtual_stages}, "
-            f"n_microbatches={n_microbatches}: {err}"
+            f"torch cannot build schedule {key!r} for pp={pp}, virtual_stages={virtual_stages}, n_microbatches={n_microbatches}: {err}"
         ) from err
     if sched.pipeline_order is None:
         raise ValueError(f"schedule {key!r} does not expose its action order in this torch version")

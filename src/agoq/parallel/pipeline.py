@@ -81,8 +81,7 @@ def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int 
     num_stages = pp * virtual_stages
     if not is_multi_stage(key) and virtual_stages != 1:
         raise ValueError(
-            f"schedule {key!r} runs one stage per rank but virtual_stages={virtual_stages}; "
-            "set virtual_stages=1 or use 'interleaved1f1b'"
+            f"schedule {key!r} runs one stage per rank but virtual_stages={virtual_stages}; set virtual_stages=1 or use 'interleaved1f1b'"
         )
     if key in _V_SCHEDULES and virtual_stages != 2:
         raise ValueError(f"schedule {key!r} needs exactly 2 stages per rank; set virtual_stages=2 (got {virtual_stages})")
@@ -92,9 +91,7 @@ def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int 
             f"raise n_microbatches to {pp} or more (or use 'gpipe')"
         )
     if key == "dualpipev" and n_microbatches < num_stages:
-        raise ValueError(
-            f"schedule 'dualpipev' needs n_microbatches >= 2 * pp = {num_stages}, got {n_microbatches}; raise n_microbatches"
-        )
+        raise ValueError(f"schedule 'dualpipev' needs n_microbatches >= 2 * pp = {num_stages}, got {n_microbatches}; raise n_microbatches")
     if key in _ROUND_SCHEDULES:
         # torch splits the micro-batches into max(1, n // pp) equal rounds.
         rounds = max(1, n_microbatches // pp)

@@ -6,10 +6,25 @@ Names are imported on first use (PEP 562), so ``agoq plan --help`` does not impo
 from agoq import _lazy_exports
 
 _HOMES = {
-    **{name: "agoq.plan.memory" for name in (
-        "DEFAULT_SETUPS", "SCHEMA", "Plan", "PlanConfig", "PlanError", "RankMemory", "Setup", "SetupPlan", "format_size",
-        "from_train_config", "make_plan_config", "parse_setup", "parse_size", "plan_memory",
-    )},
+    **{
+        name: "agoq.plan.memory"
+        for name in (
+            "DEFAULT_SETUPS",
+            "SCHEMA",
+            "Plan",
+            "PlanConfig",
+            "PlanError",
+            "RankMemory",
+            "Setup",
+            "SetupPlan",
+            "format_size",
+            "from_train_config",
+            "make_plan_config",
+            "parse_setup",
+            "parse_size",
+            "plan_memory",
+        )
+    },
     "markdown": "agoq.plan.report",
     "to_json": "agoq.plan.report",
 }

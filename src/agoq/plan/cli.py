@@ -17,24 +17,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from agoq.models.config import PRESETS
 
     parser.add_argument("--model", default="llama2-13b", help=f"model preset: {', '.join(PRESETS)} (default llama2-13b)")
-    parser.add_argument("--model-field", action="append", default=[], metavar="KEY=VALUE",
-                        help="override an architecture field, e.g. n_layers=36 or hidden=6144 (repeatable): any custom LLaMA")
+    parser.add_argument(
+        "--model-field",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an architecture field, e.g. n_layers=36 or hidden=6144 (repeatable): any custom LLaMA",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help="sequences per optimizer step over all dp ranks (default: micro-batch x dp x pp)")
+    parser.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per optimizer step over all dp ranks (default: micro-batch x dp x pp)"
+    )
     parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
     parser.add_argument("--virtual-stages", type=int, default=None, help="model chunks per pp rank (default 2 for interleaved-1f1b, else 1)")
     parser.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 48GiB, 80GB (enables fit and recompute)")
-    parser.add_argument("--reserved", default="2GiB",
-                        help="kept off --gpu-memory for the CUDA context, NCCL and allocator fragmentation (default 2GiB)")
-    parser.add_argument("--memory-budget", default=None,
-                        help="budget mode: per-stage bits (4..8, 16) and recompute chosen so every rank fits this many bytes")
-    parser.add_argument("--configs", default=None,
-                        help="comma-separated configurations (default baseline,baseline+zero1,A,A+G,A+G+O,A+G+O+zero1; also e.g. O, G+O)")
+    parser.add_argument(
+        "--reserved", default="2GiB", help="kept off --gpu-memory for the CUDA context, NCCL and allocator fragmentation (default 2GiB)"
+    )
+    parser.add_argument(
+        "--memory-budget", default=None, help="budget mode: per-stage bits (4..8, 16) and recompute chosen so every rank fits this many bytes"
+    )
+    parser.add_argument(
+        "--configs", default=None, help="comma-separated configurations (default baseline,baseline+zero1,A,A+G,A+G+O,A+G+O+zero1; also e.g. O, G+O)"
+    )
     parser.add_argument("--activation-format", default="int4/128", help="format of quantized saved activations (default int4/128)")
     parser.add_argument("--stage-bits", choices=("dbca", "uniform"), default="dbca", help="pipeline stage bits: dbca (default) or uniform")
     parser.add_argument("--gradient-block", type=int, default=256, help="values per scale of the 8-bit gradients (default 256)")
@@ -72,10 +81,19 @@ def run(args: argparse.Namespace) -> int:
         global_batch = args.global_batch if args.global_batch is not None else args.micro_batch * args.dp * args.pp
         fields = _fields(args.model_field)
         cfg = make_plan_config(
-            args.model, fields,
-            seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
-            global_batch=global_batch, schedule=args.schedule, virtual_stages=args.virtual_stages,
-            dtype=args.dtype, activation_format=args.activation_format, stage_bits=args.stage_bits,
+            args.model,
+            fields,
+            seq_len=args.seq_len,
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            micro_batch=args.micro_batch,
+            global_batch=global_batch,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
+            dtype=args.dtype,
+            activation_format=args.activation_format,
+            stage_bits=args.stage_bits,
             gradient_block=args.gradient_block,
             gpu_memory=None if args.gpu_memory is None else parse_size(args.gpu_memory),
             reserved=parse_size(args.reserved, allow_zero=True),
@@ -88,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
         # raises the config's to fit the sequence, so cfg.model cannot tell).
         limit = cfg.model.max_seq_len if "max_seq_len" in fields else PRESETS[args.model].max_seq_len
         if args.seq_len > limit:
-            print(f"agoq plan: warning: --seq-len {args.seq_len} is beyond {args.model}'s max_seq_len {limit} "
-                  "(the longest context it was built for); planned anyway", file=sys.stderr)
+            print(
+                f"agoq plan: warning: --seq-len {args.seq_len} is beyond {args.model}'s max_seq_len {limit} "
+                "(the longest context it was built for); planned anyway",
+                file=sys.stderr,
+            )
         plan = plan_memory(cfg)
     except PlanError as e:
         print(f"agoq plan: {e}", file=sys.stderr)

@@ -213,9 +213,7 @@ class PlanConfig:
         if c.n_heads % self.tp:
             raise PlanError(f"{self.model_name}: n_heads={c.n_heads} is not divisible by tp={self.tp}; pick a tp that divides {c.n_heads}")
         if c.n_kv_heads % self.tp:
-            raise PlanError(
-                f"{self.model_name}: n_kv_heads={c.n_kv_heads} is not divisible by tp={self.tp}; pick a tp that divides {c.n_kv_heads}"
-            )
+            raise PlanError(f"{self.model_name}: n_kv_heads={c.n_kv_heads} is not divisible by tp={self.tp}; pick a tp that divides {c.n_kv_heads}")
         if c.intermediate % self.tp:
             raise PlanError(f"{self.model_name}: intermediate={c.intermediate} is not divisible by tp={self.tp}")
         if self.seq_len % self.tp:
@@ -240,7 +238,9 @@ class PlanConfig:
         except ValueError as e:
             raise PlanError(f"activation-format={self.activation_format!r}: {e}") from None
         if fmt.kind != "int" or fmt.bits not in BIT_CANDIDATES:
-            raise PlanError(f"activation-format={self.activation_format!r}: stage bits need an int format of {BIT_CANDIDATES[:-1]} bits, e.g. int4/128")
+            raise PlanError(
+                f"activation-format={self.activation_format!r}: stage bits need an int format of {BIT_CANDIDATES[:-1]} bits, e.g. int4/128"
+            )
         if self.recompute_layers is not None and (not isinstance(self.recompute_layers, int) or self.recompute_layers < 0):
             raise PlanError(f"recompute-layers={self.recompute_layers!r} must be a non-negative integer")
         if self.stage_bits not in ("dbca", "uniform"):
@@ -391,18 +391,36 @@ class Plan:
         m = c.model
         return {
             "schema": SCHEMA,
-            "model": {"name": c.model_name, **{k: v for k, v in m.to_dict().items() if k not in ("rope_theta", "norm_eps", "max_seq_len")},
-                      "parameters": m.num_parameters()},
-            "parallel": {
-                "tp": c.tp, "pp": c.pp, "dp": c.dp, "sequence_parallel": c.tp > 1,
-                "schedule": schedule_name(c.schedule), "virtual_stages": c.vstages,
-                "micro_batch": c.micro_batch, "microbatches": c.microbatches,
-                "global_batch": c.micro_batch * c.dp * c.microbatches, "seq_len": c.seq_len,
+            "model": {
+                "name": c.model_name,
+                **{k: v for k, v in m.to_dict().items() if k not in ("rope_theta", "norm_eps", "max_seq_len")},
+                "parameters": m.num_parameters(),
             },
-            "precision": {"dtype": c.dtype, "activation_format": parse_format(c.activation_format).name,
-                          "gradient_format": f"int8/{c.gradient_block}", "optimizer_block": c.optimizer_block},
-            "memory": {"gpu_memory": c.gpu_memory, "reserved": c.reserved, "memory_budget": c.memory_budget,
-                       "capacity": c.capacity, "mode": "budget" if c.memory_budget is not None else "dbca"},
+            "parallel": {
+                "tp": c.tp,
+                "pp": c.pp,
+                "dp": c.dp,
+                "sequence_parallel": c.tp > 1,
+                "schedule": schedule_name(c.schedule),
+                "virtual_stages": c.vstages,
+                "micro_batch": c.micro_batch,
+                "microbatches": c.microbatches,
+                "global_batch": c.micro_batch * c.dp * c.microbatches,
+                "seq_len": c.seq_len,
+            },
+            "precision": {
+                "dtype": c.dtype,
+                "activation_format": parse_format(c.activation_format).name,
+                "gradient_format": f"int8/{c.gradient_block}",
+                "optimizer_block": c.optimizer_block,
+            },
+            "memory": {
+                "gpu_memory": c.gpu_memory,
+                "reserved": c.reserved,
+                "memory_budget": c.memory_budget,
+                "capacity": c.capacity,
+                "mode": "budget" if c.memory_budget is not None else "dbca",
+            },
             "inflight_per_rank": list(self.inflight),
             "layer_saved_units": self.layer_units,
             "configurations": [s.to_dict() for s in self.setups],
@@ -519,8 +537,9 @@ class _Planner:
     def final_norm_bytes(self) -> int:
         """The final RMSNorm's saved input and rstd (one of a baseline layer's two norms)."""
         c = self.m
-        kinds = layer_saved_bytes(self.cfg.micro_batch, self.seq_tp, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim,
-                                  c.intermediate, self.dtype, LayerPrecision())
+        kinds = layer_saved_bytes(
+            self.cfg.micro_batch, self.seq_tp, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, self.dtype, LayerPrecision()
+        )
         return kinds["norm_input"] // 2
 
     @property
@@ -659,8 +678,18 @@ class _Planner:
         """Per-stage bits from the trainer's DBCA function (uniform base bits at pp = 1, as the trainer does)."""
         if self.cfg.pp == 1 or self.cfg.stage_bits == "uniform":
             return [self.fmt.bits] * self.num_stages
-        layer_bits = stage_layer_bits(self.m, self.key, self.cfg.pp, self.cfg.microbatches, self.cfg.vstages,
-                                      self.cfg.micro_batch, self.seq_tp, policy, self.fmt.bits, dtype=self.dtype)
+        layer_bits = stage_layer_bits(
+            self.m,
+            self.key,
+            self.cfg.pp,
+            self.cfg.microbatches,
+            self.cfg.vstages,
+            self.cfg.micro_batch,
+            self.seq_tp,
+            policy,
+            self.fmt.bits,
+            dtype=self.dtype,
+        )
         return [layer_bits[r.start] for r in self.ranges]
 
     @functools.lru_cache(maxsize=None)  # noqa: B019  (one planner per plan; the bucket layout is costly for 70B)
@@ -782,7 +811,6 @@ def plan_memory(cfg: PlanConfig) -> Plan:
     return Plan(cfg, results, tuple(planner.inflight), planner.layer_units)
 
 
-
 def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory: object) -> PlanConfig:
     """The PlanConfig of an ``agoq train`` configuration (tp = 1), to predict what its ranks hold.
 
@@ -805,10 +833,22 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
         model = replace(model, vocab_size=vocab_size)
     setup = Setup(pr.activations == "agoq", pr.gradients == "int8", cfg.optim.name == "adamw8bit", p.zero1)
     return PlanConfig(
-        model=model, seq_len=d.seq_len, model_name=cfg.model.preset, tp=1, pp=p.pp, dp=p.dp,
-        micro_batch=d.batch_size // (p.dp * p.microbatches), global_batch=d.batch_size,
-        schedule=p.schedule, virtual_stages=p.virtual_stages, dtype=dtype,
-        activation_format=pr.activation_format, gradient_block=pr.gradient_block,
-        stage_bits=pr.stage_bits, recompute_layers=pr.recompute_layers or None, setups=(setup.name,),
-        device="cuda" if torch.cuda.is_available() else "cpu", **memory,  # type: ignore[arg-type]
+        model=model,
+        seq_len=d.seq_len,
+        model_name=cfg.model.preset,
+        tp=1,
+        pp=p.pp,
+        dp=p.dp,
+        micro_batch=d.batch_size // (p.dp * p.microbatches),
+        global_batch=d.batch_size,
+        schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
+        dtype=dtype,
+        activation_format=pr.activation_format,
+        gradient_block=pr.gradient_block,
+        stage_bits=pr.stage_bits,
+        recompute_layers=pr.recompute_layers or None,
+        setups=(setup.name,),
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        **memory,  # type: ignore[arg-type]
     )

@@ -201,6 +201,16 @@ def formula_reading_codes(
 
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "compiler_available", "formula", "formula_reading_codes", "get_backend", "kernels", "layer_kernels", "resolve",
-    "set_backend", "triton_available", "use_backend",
+    "BACKENDS",
+    "ENV_VAR",
+    "compiler_available",
+    "formula",
+    "formula_reading_codes",
+    "get_backend",
+    "kernels",
+    "layer_kernels",
+    "resolve",
+    "set_backend",
+    "triton_available",
+    "use_backend",
 ]

@@ -224,7 +224,16 @@ def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Ten
 
 
 def _accumulate(
-    codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, *, first: bool, block: int, kind: str, bits: int, max_value: float, book: tuple,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    first: bool,
+    block: int,
+    kind: str,
+    bits: int,
+    max_value: float,
+    book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fold of one gradient piece of whole blocks: quantize(grad or dequantize(region) + grad).
 
@@ -241,7 +250,16 @@ def _accumulate(
 
 
 def _fold(
-    codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, *, first: bool, block: int, kind: str, bits: int, max_value: float, book: tuple,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    first: bool,
+    block: int,
+    kind: str,
+    bits: int,
+    max_value: float,
+    book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """_accumulate for the gradient buffer: (codes, scales with 0 for non-finite blocks, whether there was one)."""
     new_codes, new_scales = _accumulate(codes, scales, grad, first=first, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
@@ -250,7 +268,16 @@ def _fold(
 
 
 def _reduce_rows(
-    code_rows: torch.Tensor, scale_rows: torch.Tensor, *, average: bool, rows: int, block: int, kind: str, bits: int, max_value: float, book: tuple,
+    code_rows: torch.Tensor,
+    scale_rows: torch.Tensor,
+    *,
+    average: bool,
+    rows: int,
+    block: int,
+    kind: str,
+    bits: int,
+    max_value: float,
+    book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 sum of W rows in row order (/ W if ``average``), its requantized codes and scales)."""
     acc = _values(code_rows[0], scale_rows[0], block, kind, bits, book).view(-1)
@@ -427,7 +454,9 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     return flat.view(q.shape)
 
 
-def _fold_region(formula: Callable[..., Any], payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, first: bool) -> tuple:
+def _fold_region(
+    formula: Callable[..., Any], payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat, first: bool
+) -> tuple:
     """Run an _accumulate-style formula on a region of whole blocks and write its payload and scales back."""
     n = scales.numel() * fmt.block_size
     if grad.numel() > n or payload.numel() != fmt.payload_bytes(n):
@@ -481,7 +510,9 @@ def reduce_rows(
     w, nblocks = scale_rows.shape
     n = nblocks * fmt.block_size
     if payload_rows.shape != (w, fmt.payload_bytes(n)):
-        raise ValueError(f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}")
+        raise ValueError(
+            f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}"
+        )
     kernel = compiled(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
     acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt.bits).view(w, -1), scale_rows)
     q = QTensor(_pack_codes(codes, fmt.bits), scales, torch.Size([n]), torch.float32, fmt) if requantize else None

@@ -41,9 +41,7 @@ class QuantFormat:
         if self.kind not in KINDS:
             raise ValueError(f"unknown quantization kind {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.kind == "int" and self.bits not in INT_BITS:
-            raise ValueError(
-                f"int quantization supports bits {INT_BITS}, got {self.bits}; pick one of those"
-            )
+            raise ValueError(f"int quantization supports bits {INT_BITS}, got {self.bits}; pick one of those")
         fixed = {"fp4": 4, "nf4": 4, "fp8": 8}
         if self.kind in fixed and self.bits != fixed[self.kind]:
             raise ValueError(f"{self.kind} is a {fixed[self.kind]}-bit format, got bits={self.bits}")
@@ -104,8 +102,7 @@ def parse_format(spec: str | QuantFormat, block_size: int | None = None) -> Quan
     m = _SPEC.match(spec.strip().lower())
     if not m:
         raise ValueError(
-            f"unknown quantization format {spec!r}; use int2..int8 (int7 excluded), fp4, nf4 or fp8, "
-            "optionally with '/BLOCK' (e.g. 'int4/128')"
+            f"unknown quantization format {spec!r}; use int2..int8 (int7 excluded), fp4, nf4 or fp8, optionally with '/BLOCK' (e.g. 'int4/128')"
         )
     kind = "int" if m.group(2) else m.group(1)
     bits = int(m.group(2)) if m.group(2) else (8 if kind == "fp8" else 4)

@@ -121,10 +121,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     flat = codes.reshape(-1)
     n = flat.numel()
     if n and bits < 8 and int(flat.max()) >= 1 << bits:
-        raise ValueError(
-            f"code {int(flat.max())} does not fit in {bits} bits (max {(1 << bits) - 1}); "
-            "mask the codes or pick a wider format"
-        )
+        raise ValueError(f"code {int(flat.max())} does not fit in {bits} bits (max {(1 << bits) - 1}); mask the codes or pick a wider format")
     groups = -(-n // g)
     flat = torch.nn.functional.pad(flat, (0, groups * g - n)) if groups * g != n else flat.contiguous()
     out = torch.empty(groups * gbytes, dtype=torch.uint8, device=codes.device)

@@ -173,8 +173,10 @@ def save_checkpoint(
     except CheckpointError as e:
         error = str(e)
     except Exception as e:
-        error = (f"extra state of rank {rank} cannot be stored as tensors and plain values ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200]}); keep only tensors, numbers, strings, lists, tuples and dicts in it")
+        error = (
+            f"extra state of rank {rank} cannot be stored as tensors and plain values ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}); keep only tensors, numbers, strings, lists, tuples and dicts in it"
+        )
     if rank == 0 and error is None:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -195,8 +197,7 @@ def save_checkpoint(
         state["optim"] = osd
     try:
         with _quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
-                     no_dist=not _distributed())
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, no_dist=not _distributed())
     except (Exception, CheckpointException) as e:
         _reraise_interrupts(e)
         raise CheckpointError(
@@ -280,13 +281,11 @@ def load_checkpoint(
         state["optim"] = osd
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), process_group=process_group,
-                     no_dist=not _distributed())
+            dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), process_group=process_group, no_dist=not _distributed())
     except (Exception, CheckpointException) as e:
         _reraise_interrupts(e)
         raise CheckpointError(
-            f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: "
-            "delete that folder and load an earlier checkpoint"
+            f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: delete that folder and load an earlier checkpoint"
         ) from None
     parts.load(msd, osd if stepped else None)
     try:
@@ -490,8 +489,16 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 def _publish(
-    root: Path, tmp: Path, final: Path, step: int, world: int, ranks: list[dict], parts: _Parts,
-    layout: dict | None, config: dict | None, keep: int,
+    root: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    world: int,
+    ranks: list[dict],
+    parts: _Parts,
+    layout: dict | None,
+    config: dict | None,
+    keep: int,
 ) -> None:
     """Manifest, rename, pointer, prune: run by one rank after every rank has written its files."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -553,23 +560,20 @@ def _prune(root: Path, current: Path, keep: int) -> None:
 def _resolve(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(
-            f"checkpoint path {path} does not exist; pass a checkpoint root (the folder holding 'latest') "
-            "or one of its step_NNNNNN folders"
+            f"checkpoint path {path} does not exist; pass a checkpoint root (the folder holding 'latest') or one of its step_NNNNNN folders"
         )
     if not path.is_dir():
         raise CheckpointError(f"checkpoint path {path} is a file; pass the checkpoint root or a step_NNNNNN folder")
     if path.name.endswith(".tmp"):
         raise CheckpointError(
-            f"{path} is an unfinished save (a crash or a save still running); load the root {path.parent} "
-            "to get the latest finished checkpoint"
+            f"{path} is an unfinished save (a crash or a save still running); load the root {path.parent} to get the latest finished checkpoint"
         )
     if (path / MANIFEST).is_file() or (path / ".metadata").exists() or _STEP_RE.match(path.name):
         return path
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(
-            f"no finished checkpoint under {path} (no step_NNNNNN folder with a {MANIFEST}); "
-            "start without resuming or point to the right folder"
+            f"no finished checkpoint under {path} (no step_NNNNNN folder with a {MANIFEST}); start without resuming or point to the right folder"
         )
     return found
 
@@ -577,20 +581,14 @@ def _resolve(path: Path) -> Path:
 def _read_manifest(step_dir: Path) -> dict:
     path = step_dir / MANIFEST
     if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {step_dir} has no {MANIFEST}, so its save never finished; "
-            "delete it and load an earlier checkpoint"
-        )
+        raise CheckpointError(f"checkpoint {step_dir} has no {MANIFEST}, so its save never finished; delete it and load an earlier checkpoint")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable ({e}); delete {step_dir} and load an earlier checkpoint") from None
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; "
-            "load it with the agoq version that wrote it"
-        )
+        raise CheckpointError(f"{path} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; load it with the agoq version that wrote it")
     return manifest
 
 
@@ -598,9 +596,7 @@ def _check_files(step_dir: Path, manifest: dict) -> None:
     for name, size in manifest["files"].items():
         path = step_dir / name
         if not path.is_file():
-            raise CheckpointError(
-                f"checkpoint {step_dir} is missing {name}; copy the whole folder, or delete it and load an earlier checkpoint"
-            )
+            raise CheckpointError(f"checkpoint {step_dir} is missing {name}; copy the whole folder, or delete it and load an earlier checkpoint")
         actual = path.stat().st_size
         if actual != size:
             raise CheckpointError(
@@ -636,10 +632,14 @@ def _check_digests(step_dir: Path, manifest: dict, rank: int, world: int) -> Non
     recorded = manifest.get("sha256")
     if recorded is None:
         if rank == 0:
-            warnings.warn(f"checkpoint {step_dir} records no checksums (written before they were added): its files are checked by size only", stacklevel=3)
+            warnings.warn(
+                f"checkpoint {step_dir} records no checksums (written before they were added): its files are checked by size only", stacklevel=3
+            )
         return
     if sorted(recorded) != sorted(manifest["files"]):
-        raise CheckpointError(f"{step_dir / MANIFEST} lists files without checksums or checksums without files; delete {step_dir} and load an earlier checkpoint")
+        raise CheckpointError(
+            f"{step_dir / MANIFEST} lists files without checksums or checksums without files; delete {step_dir} and load an earlier checkpoint"
+        )
     for name in _share(list(recorded), rank, world):
         if _sha256(step_dir / name) != recorded[name]:
             raise CheckpointError(
@@ -657,14 +657,11 @@ def _read_metadata(step_dir: Path) -> Any:
         return dcp.FileSystemReader(step_dir).read_metadata()
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint index {step_dir / '.metadata'} is unreadable ({_short(e)}); "
-            f"delete {step_dir} and load an earlier checkpoint"
+            f"checkpoint index {step_dir / '.metadata'} is unreadable ({_short(e)}); delete {step_dir} and load an earlier checkpoint"
         ) from None
 
 
-def _check_job(
-    step_dir: Path, manifest: dict, rank: int, world: int, parts: _Parts, msd: dict, layout: dict | None
-) -> None:
+def _check_job(step_dir: Path, manifest: dict, rank: int, world: int, parts: _Parts, msd: dict, layout: dict | None) -> None:
     """Raise if the job (world size, layout, model config, optimizer) differs from the saved one."""
     if manifest["world_size"] != world:
         saved = f" (layout {manifest['layout']})" if manifest.get("layout") else ""
@@ -674,22 +671,20 @@ def _check_job(
         )
     if layout is not None and manifest.get("layout") is not None and dict(layout) != manifest["layout"]:
         raise CheckpointError(
-            f"checkpoint {step_dir} was saved with layout {manifest['layout']}, this job uses {dict(layout)}; "
-            "resume with the saved layout"
+            f"checkpoint {step_dir} was saved with layout {manifest['layout']}, this job uses {dict(layout)}; resume with the saved layout"
         )
     saved_cfg, cfg = manifest.get("model_config"), parts.model_config()
     if saved_cfg is not None and cfg is not None and saved_cfg != cfg:
-        diffs = [f"{k}={saved_cfg.get(k)!r} (checkpoint) vs {cfg.get(k)!r} (model)"
-                 for k in sorted(set(saved_cfg) | set(cfg)) if saved_cfg.get(k) != cfg.get(k)]
-        raise CheckpointError(
-            f"checkpoint {step_dir} holds a different model: {', '.join(diffs)}; build the model with the saved config"
-        )
+        diffs = [
+            f"{k}={saved_cfg.get(k)!r} (checkpoint) vs {cfg.get(k)!r} (model)"
+            for k in sorted(set(saved_cfg) | set(cfg))
+            if saved_cfg.get(k) != cfg.get(k)
+        ]
+        raise CheckpointError(f"checkpoint {step_dir} holds a different model: {', '.join(diffs)}; build the model with the saved config")
     if parts.optimizer is not None:
         name = parts.optimizer_name()
         if manifest.get("optimizer") is None:
-            raise CheckpointError(
-                f"checkpoint {step_dir} holds no optimizer state; load it with optimizer=None and start the optimizer fresh"
-            )
+            raise CheckpointError(f"checkpoint {step_dir} holds no optimizer state; load it with optimizer=None and start the optimizer fresh")
         if manifest["optimizer"] != name:
             raise CheckpointError(
                 f"checkpoint {step_dir} holds {manifest['optimizer']} state, this job uses {name}; "
@@ -716,12 +711,11 @@ def _check_keys(step_dir: Path, manifest: dict, metadata: Any, parts: _Parts, ms
     def check(sd: dict, prefix: str, what: str) -> None:
         for key, value in _flatten(sd, (prefix,)):
             meta = saved.get(key)
-            short = key[len(prefix) + 1:]
+            short = key[len(prefix) + 1 :]
             if meta is None:
                 n = sum(1 for k in saved if k.startswith(prefix + "."))
                 raise CheckpointError(
-                    f"checkpoint {step_dir} has no {what} '{short}' ({n} {what}s saved); "
-                    "load it into the model (and optimizer) it was saved from"
+                    f"checkpoint {step_dir} has no {what} '{short}' ({n} {what}s saved); load it into the model (and optimizer) it was saved from"
                 )
             if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
                 raise CheckpointError(
@@ -735,9 +729,9 @@ def _check_keys(step_dir: Path, manifest: dict, metadata: Any, parts: _Parts, ms
         # The reverse direction: saved moments of this rank's parameters that it would not load.
         prefixes = tuple(f"optim.state.{k}." for k in msd)
         for key in saved:
-            if key.startswith(prefixes) and key[len("optim."):] not in osd:
+            if key.startswith(prefixes) and key[len("optim.") :] not in osd:
                 raise CheckpointError(
-                    f"checkpoint {step_dir} has optimizer state '{key[len('optim.'):]}' that this optimizer lacks; "
+                    f"checkpoint {step_dir} has optimizer state '{key[len('optim.') :]}' that this optimizer lacks; "
                     "resume with the saved optimizer settings"
                 )
 

@@ -102,7 +102,9 @@ def choose_compute_dtype(requested: str, device_type: str, hidden: int, intermed
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in TORCH_CAPABILITIES_WITHOUT_BF16:
         # ATEN_CPU_CAPABILITY (or the build) holds torch's kernels below AVX512: they would emulate bf16.
-        return DtypeChoice("fp32", f"torch runs this CPU's kernels at {capability} (ATEN_CPU_CAPABILITY), so bf16 would be emulated (about 10x slower)")
+        return DtypeChoice(
+            "fp32", f"torch runs this CPU's kernels at {capability} (ATEN_CPU_CAPABILITY), so bf16 would be emulated (about 10x slower)"
+        )
     t32 = probe_seconds(torch.float32, hidden, intermediate, threads)
     t16 = probe_seconds(torch.bfloat16, hidden, intermediate, threads)
     ratio = t32 / t16
@@ -135,7 +137,9 @@ def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeC
     if os.environ.get(backend.ENV_VAR):
         return DtypeChoice(backend.get_backend(), f"set by {backend.ENV_VAR}")
     if device_type == "cuda":
-        return DtypeChoice("auto", "Triton kernels where installed") if backend.triton_available() else DtypeChoice("torch", "triton is not installed")
+        return (
+            DtypeChoice("auto", "Triton kernels where installed") if backend.triton_available() else DtypeChoice("torch", "triton is not installed")
+        )
     if not backend.compiler_available():
         return DtypeChoice("torch", "no C++ compiler for torch.compile")
     if steps < COMPILE_MIN_STEPS:
@@ -149,6 +153,14 @@ def worker_threads(world_size: int) -> int:
 
 
 __all__ = [
-    "BF16_MIN_SPEEDUP", "COMPILE_MIN_STEPS", "DtypeChoice", "choose_compute_dtype", "choose_quant_backend", "compute_dtype_for", "cpu_bf16_flags", "cpu_flags",
-    "probe_seconds", "worker_threads",
+    "BF16_MIN_SPEEDUP",
+    "COMPILE_MIN_STEPS",
+    "DtypeChoice",
+    "choose_compute_dtype",
+    "choose_quant_backend",
+    "compute_dtype_for",
+    "cpu_bf16_flags",
+    "cpu_flags",
+    "probe_seconds",
+    "worker_threads",
 ]

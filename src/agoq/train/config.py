@@ -306,7 +306,9 @@ def validate(cfg: TrainConfig) -> None:
             "choose a layer count or pp that divides it"
         )
     if p.pp > 1 and p.schedule in ("1f1b", "interleaved-1f1b") and p.microbatches < p.pp:
-        raise ConfigError(f"parallel.microbatches={p.microbatches} is fewer than parallel.pp={p.pp}; schedule {p.schedule} needs at least pp micro-batches")
+        raise ConfigError(
+            f"parallel.microbatches={p.microbatches} is fewer than parallel.pp={p.pp}; schedule {p.schedule} needs at least pp micro-batches"
+        )
     if p.schedule == "interleaved-1f1b" and p.microbatches % p.pp:
         raise ConfigError(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} for interleaved-1f1b")
     if mc.tie_embeddings and p.pp > 1:
@@ -332,7 +334,9 @@ def validate(cfg: TrainConfig) -> None:
         try:
             load_tokenizer(d.tokenizer)
         except Exception as e:  # tokenizers raises its own exception types for a file it cannot parse
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a tokenizer file that loads ({str(e).splitlines()[0][:120]}); pass a Hugging Face tokenizer.json") from None
+            raise ConfigError(
+                f"data.tokenizer={d.tokenizer!r} is not a tokenizer file that loads ({str(e).splitlines()[0][:120]}); pass a Hugging Face tokenizer.json"
+            ) from None
     if pr.activations not in ACTIVATION_POLICIES:
         raise ConfigError(f"precision.activations={pr.activations!r} is unknown; use one of {', '.join(ACTIVATION_POLICIES)}")
     if pr.stage_bits not in STAGE_BITS_MODES:
@@ -380,7 +384,9 @@ def validate(cfg: TrainConfig) -> None:
         if value < least:
             raise ConfigError(f"{key}={value} must be >= {least}{why}")
     if d.vocab_size < MIN_VOCAB_SIZE and d.tokenizer is None:
-        raise ConfigError(f"data.vocab_size={d.vocab_size} must be at least {MIN_VOCAB_SIZE}: the trained byte-level BPE holds 256 bytes and its end-of-document token")
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} must be at least {MIN_VOCAB_SIZE}: the trained byte-level BPE holds 256 bytes and its end-of-document token"
+        )
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty; name a folder, e.g. --train.out_dir=runs/NAME")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
@@ -388,6 +394,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 # ---- help and printing ------------------------------------------------------------------------
+
 
 def _allowed() -> dict[str, tuple[str, ...]]:
     from agoq.quant.backend import BACKENDS

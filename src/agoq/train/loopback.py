@@ -41,7 +41,13 @@ def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300)) -
     sock = listening_socket(port)
     port = sock.getsockname()[1]
     store = dist.TCPStore(
-        HOST, port, is_master=True, master_listen_fd=sock.fileno(), wait_for_workers=False, multi_tenant=True, timeout=timeout,
+        HOST,
+        port,
+        is_master=True,
+        master_listen_fd=sock.fileno(),
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timeout,
     )
     sock.detach()  # the store owns the descriptor now and closes it when it goes
     return store, port

@@ -275,8 +275,7 @@ def plot_run(summary: dict[str, Any], path: Path, title: str) -> Path | None:
             bottom = 0.0
             for c in categories:
                 height = values[c] / mib
-                mem.bar(x, height, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="white",
-                        label=c if (x == 0.0) else None)
+                mem.bar(x, height, bottom=bottom, color=colors[c], hatch=hatch, edgecolor="white", label=c if (x == 0.0) else None)
                 bottom += height
             ticks.append(x)
             labels.append(f"r{bar['rank']}\n{kind}")

@@ -14,6 +14,7 @@ from agoq.train.config import OptimSection
 # the 8-bit buffer), and the fused AdamW gains nothing from larger groups beyond a few MiB.
 STEP_GROUP_BYTES = 4 * 2**20
 
+
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at total_steps (step counts from 0)."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:

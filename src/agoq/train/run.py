@@ -179,8 +179,14 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
 
             state = trainer.checkpoint_state()
             save_checkpoint(
-                checkpoint_root(cfg), trainer.step, state["model"], state["optimizer"], trainer.extra_state(),
-                keep=cfg.checkpoint.keep, layout=trainer.layout(), config=cfg.to_dict(),
+                checkpoint_root(cfg),
+                trainer.step,
+                state["model"],
+                state["optimizer"],
+                trainer.extra_state(),
+                keep=cfg.checkpoint.keep,
+                layout=trainer.layout(),
+                config=cfg.to_dict(),
             )
     progress.close()
     return records
@@ -240,8 +246,11 @@ def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
     drawn = plot_run(summary, out / "loss.png", title)
     print("\n" + summary_text(summary), flush=True)
     plot = f"{drawn} (loss and memory), " if drawn else ""
-    print(f"\nwritten: {out / 'summary.json'} (everything), {out / 'summary.md'} (the table as markdown), "
-          f"{plot}{out / 'metrics'}/rank*.jsonl (every step)", flush=True)
+    print(
+        f"\nwritten: {out / 'summary.json'} (everything), {out / 'summary.md'} (the table as markdown), "
+        f"{plot}{out / 'metrics'}/rank*.jsonl (every step)",
+        flush=True,
+    )
     if drawn is None:
         print("agoq train: no loss.png: matplotlib is not installed (pip install 'agoq[plot]')", flush=True)
 

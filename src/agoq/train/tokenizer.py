@@ -43,18 +43,13 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, eos_token: str, source: str = "") -> None:
         eos_id = backend.token_to_id(eos_token)
         if eos_id is None:
-            raise ValueError(
-                f"tokenizer {source or '(in memory)'} has no token {eos_token!r}; "
-                "name its end-of-document token with eos_token=..."
-            )
+            raise ValueError(f"tokenizer {source or '(in memory)'} has no token {eos_token!r}; name its end-of-document token with eos_token=...")
         self.backend = backend
         self.eos_token = eos_token
         self.eos_id: int = eos_id
         self.source = source
         serialized = backend.to_str()
-        self.fingerprint: str = hashlib.sha256(
-            (serialized + "\0" + eos_token).encode("utf-8")
-        ).hexdigest()
+        self.fingerprint: str = hashlib.sha256((serialized + "\0" + eos_token).encode("utf-8")).hexdigest()
         # Ids run 0..vocab_size-1; an embedding table needs this many rows.
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
@@ -77,19 +72,13 @@ class Tokenizer:
         return path
 
     def __repr__(self) -> str:
-        return (
-            f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}->{self.eos_id}, "
-            f"source={self.source!r})"
-        )
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}->{self.eos_id}, source={self.source!r})"
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     """A byte-level BPE with ``vocab_size`` ids (EOS included) trained on ``texts``."""
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + EOS), "
-            f"got {vocab_size!r}"
-        )
+        raise ValueError(f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + EOS), got {vocab_size!r}")
     backend = tokenizers.Tokenizer(models.BPE())
     # No prefix space: encode/decode must round-trip the exact text.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -118,15 +107,13 @@ def load_tokenizer(path: str | os.PathLike[str], eos_token: str | None = None) -
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises a bare Exception with a serde message
         raise ValueError(
-            f"{str(path)!r} is not a readable tokenizer.json ({exc}); "
-            "save one with tokenizers' Tokenizer.save or transformers' save_pretrained"
+            f"{str(path)!r} is not a readable tokenizer.json ({exc}); save one with tokenizers' Tokenizer.save or transformers' save_pretrained"
         ) from exc
     if eos_token is None:
         eos_token = next((t for t in KNOWN_EOS_TOKENS if backend.token_to_id(t) is not None), None)
         if eos_token is None:
             raise ValueError(
-                f"tokenizer {str(path)!r} has none of the end-of-document tokens "
-                f"{', '.join(KNOWN_EOS_TOKENS)}; name its EOS token with eos_token=..."
+                f"tokenizer {str(path)!r} has none of the end-of-document tokens {', '.join(KNOWN_EOS_TOKENS)}; name its EOS token with eos_token=..."
             )
     return Tokenizer(backend, eos_token, source=str(path))
 

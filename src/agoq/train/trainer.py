@@ -71,8 +71,16 @@ def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -
 
     return tuple(
         stage_layer_bits(
-            model_cfg, p.schedule, p.pp, p.microbatches, p.virtual_stages, micro_batch, cfg.data.seq_len,
-            make_policy_for(cfg), fmt.bits, dtype=DTYPES[pr.compute_dtype],
+            model_cfg,
+            p.schedule,
+            p.pp,
+            p.microbatches,
+            p.virtual_stages,
+            micro_batch,
+            cfg.data.seq_len,
+            make_policy_for(cfg),
+            fmt.bits,
+            dtype=DTYPES[pr.compute_dtype],
         )
     )
 
@@ -221,7 +229,8 @@ class Trainer:
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = (
             validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
-            if cfg.uses_validation() else []
+            if cfg.uses_validation()
+            else []
         )
         self.tracker = SavedActivationTracker([prm for _, prm in self.params])
         self.out_dir = Path(cfg.train.out_dir)

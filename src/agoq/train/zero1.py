@@ -83,7 +83,11 @@ class Zero1Optimizer:
         for b, views in zip(self.buckets, self.views):
             for pc, v in zip(b.pieces, views):
                 s = slice(pc.shard_offset, pc.shard_offset + pc.numel)
-                self.optimizer.state[v] = {"step": torch.zeros((), dtype=torch.float32, device=v.device), "exp_avg": self.exp_avg[b.index][s], "exp_avg_sq": self.exp_avg_sq[b.index][s]}
+                self.optimizer.state[v] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=v.device),
+                    "exp_avg": self.exp_avg[b.index][s],
+                    "exp_avg_sq": self.exp_avg_sq[b.index][s],
+                }
         self._pending: list[int] = []
 
     def _flat(self, param: int) -> torch.Tensor:

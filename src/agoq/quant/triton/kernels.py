@@ -129,7 +129,19 @@ def _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND: tl.constexpr, BITS: tl.con
 
 
 @triton.jit
-def _store_codes(pay_ptr, codes, blk, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _store_codes(
+    pay_ptr,
+    codes,
+    blk,
+    nbytes,
+    NB: tl.constexpr,
+    BP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
     """Pack int32 codes [NB, BP] of blocks ``blk`` [NB] into the payload (bytes < nbytes only)."""
     lane = tl.arange(0, G)
     words = tl.sum(tl.reshape(codes, [NB, BP // G, G]).to(tl.int64) << (lane * BITS).to(tl.int64)[None, None, :], axis=2)
@@ -142,7 +154,18 @@ def _store_codes(pay_ptr, codes, blk, nbytes, NB: tl.constexpr, BP: tl.constexpr
 
 
 @triton.jit
-def _load_codes(pay_ptr, blk, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _load_codes(
+    pay_ptr,
+    blk,
+    nbytes,
+    NB: tl.constexpr,
+    BP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
     """int32 codes [NB, BP] of blocks ``blk`` [NB] unpacked from the payload."""
     j = tl.arange(0, GBP)
     grp = tl.arange(0, BP // G)
@@ -156,7 +179,22 @@ def _load_codes(pay_ptr, blk, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, NB: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _dequantize_tile(
+    pay_ptr,
+    sc_ptr,
+    val_ptr,
+    blk,
+    blk_ok,
+    nbytes,
+    NB: tl.constexpr,
+    BP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
     """fp32 values [NB, BP] of blocks ``blk`` (format value times block scale, rounded once)."""
     codes = _load_codes(pay_ptr, blk, nbytes, NB, BP, BLOCK, BITS, G, GB, GBP)
     s = tl.load(sc_ptr + blk, mask=blk_ok, other=0.0)
@@ -168,9 +206,25 @@ def _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, NB: tl.const
 
 @triton.jit
 def quantize_kernel(
-    x_ptr, pay_ptr, sc_ptr, bnd_ptr, code_ptr, n, nblocks, nbytes,
-    IN_BF16: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, NBND: tl.constexpr, MAXV: tl.constexpr,
-    BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    x_ptr,
+    pay_ptr,
+    sc_ptr,
+    bnd_ptr,
+    code_ptr,
+    n,
+    nblocks,
+    nbytes,
+    IN_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """Quantize n values into packed codes and one fp32 scale per block (NaN for non-finite blocks)."""
     blk = tl.program_id(0) * R + tl.arange(0, R)
@@ -185,9 +239,22 @@ def quantize_kernel(
 
 @triton.jit
 def dequantize_kernel(
-    pay_ptr, sc_ptr, val_ptr, out_ptr, n, nblocks, nbytes,
-    OUT_BF16: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-    BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    pay_ptr,
+    sc_ptr,
+    val_ptr,
+    out_ptr,
+    n,
+    nblocks,
+    nbytes,
+    OUT_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """Dequantize n values into a float tensor."""
     blk = tl.program_id(0) * R + tl.arange(0, R)
@@ -228,9 +295,28 @@ def _row_blocks(t0, T, H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOC
 
 @triton.jit
 def rms_norm_quantize_kernel(
-    x_ptr, w_ptr, h_ptr, pay_ptr, sc_ptr, bnd_ptr, code_ptr, T, eps, nbytes,
-    IN_BF16: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, NBND: tl.constexpr, MAXV: tl.constexpr,
-    H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    pay_ptr,
+    sc_ptr,
+    bnd_ptr,
+    code_ptr,
+    T,
+    eps,
+    nbytes,
+    IN_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    RT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """h = RMSNorm(x) * w in x's dtype, and x quantized block-wise, from one read of x."""
     t0 = tl.program_id(0) * RT
@@ -247,7 +333,24 @@ def rms_norm_quantize_kernel(
 
 
 @triton.jit
-def _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr):
+def _dequantize_rows(
+    pay_ptr,
+    sc_ptr,
+    val_ptr,
+    t0,
+    T,
+    nbytes,
+    valid,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    RT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
     """fp32 [RT, HP] values of the quantized rows t0..t0+RT (zeros outside ``valid``)."""
     blk, blk_ok = _row_blocks(t0, T, H, HP, RT, BLOCK)
     v = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk_ok, nbytes, RT * (HP // BLOCK), BLOCK, BLOCK, KIND, BITS, G, GB, GBP)
@@ -256,9 +359,25 @@ def _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H: tl.const
 
 @triton.jit
 def rms_norm_recompute_kernel(
-    pay_ptr, sc_ptr, val_ptr, w_ptr, h_ptr, rstd_ptr, T, eps, nbytes,
-    OUT_BF16: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-    H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    pay_ptr,
+    sc_ptr,
+    val_ptr,
+    w_ptr,
+    h_ptr,
+    rstd_ptr,
+    T,
+    eps,
+    nbytes,
+    OUT_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    RT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """From the quantized norm input: rstd (fp32) and the GEMM input RMSNorm(x) * w, in one pass."""
     t0 = tl.program_id(0) * RT
@@ -272,9 +391,28 @@ def rms_norm_recompute_kernel(
 
 @triton.jit
 def rms_norm_backward_kernel(
-    gh_ptr, pay_ptr, sc_ptr, val_ptr, rstd_ptr, w_ptr, gx_ptr, gw_ptr, T, nbytes,
-    GH_BF16: tl.constexpr, OUT_BF16: tl.constexpr, NEED_GW: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-    H: tl.constexpr, HP: tl.constexpr, RT: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    gh_ptr,
+    pay_ptr,
+    sc_ptr,
+    val_ptr,
+    rstd_ptr,
+    w_ptr,
+    gx_ptr,
+    gw_ptr,
+    T,
+    nbytes,
+    GH_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    NEED_GW: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    RT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """RMSNorm input gradient from the quantized input, and one weight-gradient partial per program.
 
@@ -319,9 +457,29 @@ def _sigmoid(z):
 
 @triton.jit
 def swiglu_quantize_kernel(
-    g_ptr, u_ptr, act_ptr, gpay_ptr, gsc_ptr, upay_ptr, usc_ptr, bnd_ptr, code_ptr, n, nblocks, nbytes,
-    IN_BF16: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, NBND: tl.constexpr, MAXV: tl.constexpr,
-    BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    g_ptr,
+    u_ptr,
+    act_ptr,
+    gpay_ptr,
+    gsc_ptr,
+    upay_ptr,
+    usc_ptr,
+    bnd_ptr,
+    code_ptr,
+    n,
+    nblocks,
+    nbytes,
+    IN_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """act = SiLU(gate) * up in the inputs' dtype, and gate and up quantized, from one read of each."""
     blk, e, valid = _flat_tile(n, BLOCK, BP, R)
@@ -341,9 +499,29 @@ def swiglu_quantize_kernel(
 
 @triton.jit
 def swiglu_backward_kernel(
-    ga_ptr, gpay_ptr, gsc_ptr, upay_ptr, usc_ptr, val_ptr, act_ptr, gg_ptr, gu_ptr, n, nblocks, nbytes,
-    GA_BF16: tl.constexpr, OUT_BF16: tl.constexpr, NEED_ACT: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-    BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    ga_ptr,
+    gpay_ptr,
+    gsc_ptr,
+    upay_ptr,
+    usc_ptr,
+    val_ptr,
+    act_ptr,
+    gg_ptr,
+    gu_ptr,
+    n,
+    nblocks,
+    nbytes,
+    GA_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    NEED_ACT: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """From quantized gate/up and grad of SiLU(gate) * up: the recomputed product and both gradients."""
     blk, e, valid = _flat_tile(n, BLOCK, BP, R)
@@ -364,9 +542,28 @@ def swiglu_backward_kernel(
 
 @triton.jit
 def accumulate_kernel(
-    pay_ptr, sc_ptr, g_ptr, val_ptr, bnd_ptr, code_ptr, k, n, nblocks, nbytes,
-    FIRST: tl.constexpr, IN_BF16: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, NBND: tl.constexpr, MAXV: tl.constexpr,
-    BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    pay_ptr,
+    sc_ptr,
+    g_ptr,
+    val_ptr,
+    bnd_ptr,
+    code_ptr,
+    k,
+    n,
+    nblocks,
+    nbytes,
+    FIRST: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """In place: stored blocks := quantize(dequantize(stored) + g) (or quantize(g) on the first fold).
 
@@ -386,10 +583,31 @@ def accumulate_kernel(
 
 @triton.jit
 def reduce_rows_kernel(
-    pay_ptr, row_stride, sc_ptr, val_ptr, bnd_ptr, code_ptr, acc_ptr, out_pay_ptr, out_sc_ptr, W, nblocks, nbytes,
-    AVG: tl.constexpr, STORE_SUM: tl.constexpr, REQUANT: tl.constexpr,
-    KIND: tl.constexpr, BITS: tl.constexpr, NBND: tl.constexpr, MAXV: tl.constexpr,
-    BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, GBP: tl.constexpr,
+    pay_ptr,
+    row_stride,
+    sc_ptr,
+    val_ptr,
+    bnd_ptr,
+    code_ptr,
+    acc_ptr,
+    out_pay_ptr,
+    out_sc_ptr,
+    W,
+    nblocks,
+    nbytes,
+    AVG: tl.constexpr,
+    STORE_SUM: tl.constexpr,
+    REQUANT: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
 ):
     """Sum W quantized rows in fp32 in row order (optionally / W); store the sum and/or requantize it."""
     blk = tl.program_id(0) * R + tl.arange(0, R)

@@ -20,6 +20,7 @@ from agoq.quant.packing import group_shape
 from agoq.quant.qtensor import FLOAT_DTYPES, QTensor
 from agoq.quant.triton import kernels as K
 
+
 def _interpreted() -> bool:
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older releases read the variable directly
     if knobs is not None:
@@ -87,9 +88,18 @@ def _spec(fmt: QuantFormat, device: str) -> _Spec:
         kind = K.KIND_FP8 if fmt.kind == "fp8" else K.KIND_TABLE
         bnd, codes, values = t.boundaries, t.codes, t.by_code
     return _Spec(
-        kind=kind, bits=fmt.bits, nbnd=bnd.numel() if kind == K.KIND_TABLE else 0, maxv=float(fmt.max_value),
-        block=fmt.block_size, bp=triton.next_power_of_2(fmt.block_size), g=g, gb=gb, gbp=triton.next_power_of_2(gb),
-        boundaries=bnd, codes=codes, values=values,
+        kind=kind,
+        bits=fmt.bits,
+        nbnd=bnd.numel() if kind == K.KIND_TABLE else 0,
+        maxv=float(fmt.max_value),
+        block=fmt.block_size,
+        bp=triton.next_power_of_2(fmt.block_size),
+        g=g,
+        gb=gb,
+        gbp=triton.next_power_of_2(gb),
+        boundaries=bnd,
+        codes=codes,
+        values=values,
     )
 
 
@@ -145,8 +155,19 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     if n:
         r = _rows_per_program(spec.bp)
         K.quantize_kernel[(triton.cdiv(nblocks, r),)](
-            flat, payload, scales, spec.boundaries, spec.codes, n, nblocks, nbytes,
-            IN_BF16=bf16, BP=spec.bp, R=r, **spec.constants(), **_launch_options(),
+            flat,
+            payload,
+            scales,
+            spec.boundaries,
+            spec.codes,
+            n,
+            nblocks,
+            nbytes,
+            IN_BF16=bf16,
+            BP=spec.bp,
+            R=r,
+            **spec.constants(),
+            **_launch_options(),
         )
     return QTensor(payload, scales, x.shape, x.dtype, fmt)
 
@@ -163,8 +184,18 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         nblocks = q.scales.numel()
         r = _rows_per_program(spec.bp)
         K.dequantize_kernel[(triton.cdiv(nblocks, r),)](
-            q.payload, q.scales, spec.values, target, n, nblocks, q.payload.numel(),
-            OUT_BF16=bf16, BP=spec.bp, R=r, **spec.unpacking(), **_launch_options(),
+            q.payload,
+            q.scales,
+            spec.values,
+            target,
+            n,
+            nblocks,
+            q.payload.numel(),
+            OUT_BF16=bf16,
+            BP=spec.bp,
+            R=r,
+            **spec.unpacking(),
+            **_launch_options(),
         )
     return out.view(q.shape)
 
@@ -206,8 +237,22 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Qu
     if n:
         hp, rt = _row_tiling(hidden)
         K.rms_norm_quantize_kernel[(triton.cdiv(tokens, rt),)](
-            flat, weight.detach().contiguous(), target, payload, scales, spec.boundaries, spec.codes, tokens, float(eps), payload.numel(),
-            IN_BF16=bf16, H=hidden, HP=hp, RT=rt, **spec.constants(), **_launch_options(),
+            flat,
+            weight.detach().contiguous(),
+            target,
+            payload,
+            scales,
+            spec.boundaries,
+            spec.codes,
+            tokens,
+            float(eps),
+            payload.numel(),
+            IN_BF16=bf16,
+            H=hidden,
+            HP=hp,
+            RT=rt,
+            **spec.constants(),
+            **_launch_options(),
         )
     return h.view(x.shape), QTensor(payload, scales, x.shape, x.dtype, fmt)
 
@@ -225,8 +270,21 @@ def rms_norm_recompute(q: QTensor, weight: torch.Tensor, eps: float, out_dtype: 
     if n:
         hp, rt = _row_tiling(hidden)
         K.rms_norm_recompute_kernel[(triton.cdiv(tokens, rt),)](
-            q.payload, q.scales, spec.values, weight.detach().contiguous(), target, rstd, tokens, float(eps), q.payload.numel(),
-            OUT_BF16=bf16, H=hidden, HP=hp, RT=rt, **spec.unpacking(), **_launch_options(),
+            q.payload,
+            q.scales,
+            spec.values,
+            weight.detach().contiguous(),
+            target,
+            rstd,
+            tokens,
+            float(eps),
+            q.payload.numel(),
+            OUT_BF16=bf16,
+            H=hidden,
+            HP=hp,
+            RT=rt,
+            **spec.unpacking(),
+            **_launch_options(),
         )
     return h.view(q.shape), rstd.view(*q.shape[:-1], 1)
 
@@ -248,9 +306,24 @@ def rms_norm_backward(
     partials = torch.empty(programs, hidden, dtype=torch.float32, device=q.device)
     if n:
         K.rms_norm_backward_kernel[(programs,)](
-            g, q.payload, q.scales, spec.values, rstd.detach().reshape(-1).contiguous(), weight.detach().contiguous(),
-            target, partials, tokens, q.payload.numel(),
-            GH_BF16=gbf16, OUT_BF16=bf16, NEED_GW=need_weight_grad, H=hidden, HP=hp, RT=rt, **spec.unpacking(), **_launch_options(),
+            g,
+            q.payload,
+            q.scales,
+            spec.values,
+            rstd.detach().reshape(-1).contiguous(),
+            weight.detach().contiguous(),
+            target,
+            partials,
+            tokens,
+            q.payload.numel(),
+            GH_BF16=gbf16,
+            OUT_BF16=bf16,
+            NEED_GW=need_weight_grad,
+            H=hidden,
+            HP=hp,
+            RT=rt,
+            **spec.unpacking(),
+            **_launch_options(),
         )
     gw = partials.sum(0).to(weight.dtype) if need_weight_grad else None
     if gw is not None and not n:
@@ -272,12 +345,27 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     n = g.numel()
     act, target, _ = _out(n, gate.dtype, gate.device)
     nblocks, nbytes = fmt.num_blocks(n), fmt.payload_bytes(n)
-    parts = [torch.empty(nbytes, dtype=torch.uint8, device=gate.device) if i % 2 == 0 else torch.empty(nblocks, dtype=SCALE_DTYPE, device=gate.device) for i in range(4)]
+    parts = [
+        torch.empty(nbytes, dtype=torch.uint8, device=gate.device) if i % 2 == 0 else torch.empty(nblocks, dtype=SCALE_DTYPE, device=gate.device)
+        for i in range(4)
+    ]
     if n:
         r = _rows_per_program(spec.bp)
         K.swiglu_quantize_kernel[(triton.cdiv(nblocks, r),)](
-            g, u, target, *parts, spec.boundaries, spec.codes, n, nblocks, nbytes,
-            IN_BF16=bf16, BP=spec.bp, R=r, **spec.constants(), **_launch_options(),
+            g,
+            u,
+            target,
+            *parts,
+            spec.boundaries,
+            spec.codes,
+            n,
+            nblocks,
+            nbytes,
+            IN_BF16=bf16,
+            BP=spec.bp,
+            R=r,
+            **spec.constants(),
+            **_launch_options(),
         )
     qg = QTensor(parts[0], parts[1], gate.shape, gate.dtype, fmt)
     qu = QTensor(parts[2], parts[3], up.shape, up.dtype, fmt)
@@ -290,9 +378,7 @@ def swiglu_backward(
     """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up) from quantized gate and up."""
     _check_device(qg.payload)
     if qg.shape != qu.shape or qg.fmt != qu.fmt or tuple(grad_act.shape) != tuple(qg.shape):
-        raise ValueError(
-            f"gate {tuple(qg.shape)} {qg.fmt}, up {tuple(qu.shape)} {qu.fmt} and the gradient {tuple(grad_act.shape)} must match"
-        )
+        raise ValueError(f"gate {tuple(qg.shape)} {qg.fmt}, up {tuple(qu.shape)} {qu.fmt} and the gradient {tuple(grad_act.shape)} must match")
     if act_dtype is not None and act_dtype != grad_dtype:
         raise ValueError(f"the recomputed product and the gradients share one dtype here, got {act_dtype} and {grad_dtype}")
     spec = _spec(qg.fmt, str(qg.device))
@@ -305,8 +391,25 @@ def swiglu_backward(
     if n:
         r = _rows_per_program(spec.bp)
         K.swiglu_backward_kernel[(triton.cdiv(nblocks, r),)](
-            ga, qg.payload, qg.scales, qu.payload, qu.scales, spec.values, act_t, gg_t, gu_t, n, nblocks, qg.payload.numel(),
-            GA_BF16=gabf16, OUT_BF16=bf16, NEED_ACT=act is not None, BP=spec.bp, R=r, **spec.unpacking(), **_launch_options(),
+            ga,
+            qg.payload,
+            qg.scales,
+            qu.payload,
+            qu.scales,
+            spec.values,
+            act_t,
+            gg_t,
+            gu_t,
+            n,
+            nblocks,
+            qg.payload.numel(),
+            GA_BF16=gabf16,
+            OUT_BF16=bf16,
+            NEED_ACT=act is not None,
+            BP=spec.bp,
+            R=r,
+            **spec.unpacking(),
+            **_launch_options(),
         )
     return (None if act is None else act.view(qg.shape)), gg.view(qg.shape), gu.view(qg.shape)
 
@@ -333,8 +436,22 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
     if nblocks:
         r = _rows_per_program(spec.bp)
         K.accumulate_kernel[(triton.cdiv(nblocks, r),)](
-            payload, scales, g, spec.values, spec.boundaries, spec.codes, g.numel(), n, nblocks, payload.numel(),
-            FIRST=first, IN_BF16=bf16, BP=spec.bp, R=r, **spec.constants(), **_launch_options(),
+            payload,
+            scales,
+            g,
+            spec.values,
+            spec.boundaries,
+            spec.codes,
+            g.numel(),
+            n,
+            nblocks,
+            payload.numel(),
+            FIRST=first,
+            IN_BF16=bf16,
+            BP=spec.bp,
+            R=r,
+            **spec.constants(),
+            **_launch_options(),
         )
 
 
@@ -364,11 +481,25 @@ def reduce_rows(
     if nblocks:
         r = _rows_per_program(spec.bp)
         K.reduce_rows_kernel[(triton.cdiv(nblocks, r),)](
-            payload_rows, payload_rows.stride(0), scale_rows, spec.values, spec.boundaries, spec.codes,
-            dummy if acc is None else acc, payload_rows if out_pay is None else out_pay, dummy if out_sc is None else out_sc,
-            w, nblocks, fmt.payload_bytes(n),
-            AVG=average, STORE_SUM=keep_sum, REQUANT=requantize, BP=spec.bp, R=r, **spec.constants(), **_launch_options(),
+            payload_rows,
+            payload_rows.stride(0),
+            scale_rows,
+            spec.values,
+            spec.boundaries,
+            spec.codes,
+            dummy if acc is None else acc,
+            payload_rows if out_pay is None else out_pay,
+            dummy if out_sc is None else out_sc,
+            w,
+            nblocks,
+            fmt.payload_bytes(n),
+            AVG=average,
+            STORE_SUM=keep_sum,
+            REQUANT=requantize,
+            BP=spec.bp,
+            R=r,
+            **spec.constants(),
+            **_launch_options(),
         )
     q = QTensor(out_pay, out_sc, torch.Size([n]), torch.float32, fmt) if requantize else None
     return acc, q
-
