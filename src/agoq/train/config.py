@@ -285,11 +285,19 @@ MINIMUMS = (
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError for the first value that cannot work."""
-    p, pr, o, d, t = cfg.parallel, cfg.precision, cfg.optim, cfg.data, cfg.train
+    """Raise ConfigError for the first value that cannot work, section by section."""
     if cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; use one of {', '.join(PRESETS)}")
     mc = cfg.model_config()
+    _validate_parallel(cfg.parallel, mc)
+    _validate_data(cfg.data, cfg.parallel)
+    _validate_precision(cfg.precision, cfg.parallel, cfg.optim)
+    _validate_optim(cfg.optim, mc)
+    _validate_sizes(cfg)
+
+
+def _validate_parallel(p: ParallelSection, mc: LlamaConfig) -> None:
+    """The mesh, schedule and micro-batches against the model's layers."""
     for name in ("pp", "dp", "virtual_stages", "microbatches"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
@@ -313,6 +321,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} for interleaved-1f1b")
     if mc.tie_embeddings and p.pp > 1:
         raise ConfigError("model.tie_embeddings=true is not supported with parallel.pp > 1; set model.tie_embeddings=false")
+
+
+def _validate_data(d: DataSection, p: ParallelSection) -> None:
+    """Batch, sequence, corpus and tokenizer."""
     if d.batch_size < 1:
         raise ConfigError(f"data.batch_size={d.batch_size} must be >= 1")
     if d.batch_size % (p.dp * p.microbatches):
@@ -337,6 +349,10 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"data.tokenizer={d.tokenizer!r} is not a tokenizer file that loads ({str(e).splitlines()[0][:120]}); pass a Hugging Face tokenizer.json"
             ) from None
+
+
+def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSection) -> None:
+    """Policies, formats, backends, and what ZeRO-1 combines with."""
     if pr.activations not in ACTIVATION_POLICIES:
         raise ConfigError(f"precision.activations={pr.activations!r} is unknown; use one of {', '.join(ACTIVATION_POLICIES)}")
     if pr.stage_bits not in STAGE_BITS_MODES:
@@ -362,6 +378,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("parallel.zero1=true shards AdamW's fp32 state; it does not support optim.name='adamw8bit' (use one or the other)")
     if p.zero1 and pr.gradients in ("bf16", "ring8"):
         raise ConfigError(f"parallel.zero1=true works with precision.gradients = int8 or fp32, not {pr.gradients}")
+
+
+def _validate_optim(o: OptimSection, mc: LlamaConfig) -> None:
+    """The optimizer's name and every hyperparameter's range (finite first)."""
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
     # Finite first: NaN compares false with everything, so the range checks below would let it pass.
@@ -378,6 +398,11 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1) (AdamW's moment decay; 0.9 and 0.95 are usual)")
     if o.eps <= 0:
         raise ConfigError(f"optim.eps={o.eps} must be > 0 (it keeps AdamW's division finite; 1e-8 is usual)")
+
+
+def _validate_sizes(cfg: TrainConfig) -> None:
+    """Counts with a minimum, the vocabulary, the output folder and checkpoints."""
+    d, t = cfg.data, cfg.train
     for key, least, why in MINIMUMS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
