@@ -580,14 +580,10 @@ class _Planner:
 
     # ---- temporaries (estimates)
 
-    def temporary_bytes(self, rank: int, numels: list[int], setup: Setup, bits: list[int], recompute: int, policy: ActivationPolicy) -> int:
-        """The largest transient working set of a rank: the worst of its step's three phases.
-
-        The trainer counts the same three (agoq.train.saved.StepAllocations): forward and backward,
-        the gradient reduction, and the optimizer step; tests/test_plan_train.py checks this bound
-        against its measurements.
-        """
-        m, es, dp = self.m, self.es, self.cfg.dp
+    def _compute_work_bytes(self, rank: int, setup: Setup, bits: list[int], recompute: int, policy: ActivationPolicy) -> int:
+        """The largest working set of a rank's forward and backward compute: a layer's fused backward
+        (plus the recomputed layer's activations) or, on the last stage, the loss's."""
+        m, es = self.m, self.es
         fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["quantized" if setup.activations else "baseline"]
         if setup.activations:
             # The fused backward works a chunk of rows at a time beside its two whole outputs.
@@ -614,6 +610,17 @@ class _Planner:
                 else:
                     loss = self.tokens * self.vocab_tp * (4 + es)  # fp32 gradient of the log-softmax and its cast
                 worst = max(worst, loss)
+        return worst
+
+    def temporary_bytes(self, rank: int, numels: list[int], setup: Setup, bits: list[int], recompute: int, policy: ActivationPolicy) -> int:
+        """The largest transient working set of a rank: the worst of its step's three phases.
+
+        The trainer counts the same three (agoq.train.saved.StepAllocations): forward and backward,
+        the gradient reduction, and the optimizer step; tests/test_plan_train.py checks this bound
+        against its measurements.
+        """
+        es, dp = self.es, self.cfg.dp
+        worst = self._compute_work_bytes(rank, setup, bits, recompute, policy)
         p2p = 2 * self.hidden_bytes if self.cfg.pp > 1 else 0  # send and receive buffers
         largest = max(numels)
         # Backward: autograd's full-precision gradient of the largest tensor before it is folded into

@@ -150,20 +150,56 @@ def save_checkpoint(
     state; ``layout`` (e.g. ``{"pp": 2, "dp": 2}``) is checked on load; ``config`` (the run's
     configuration, JSON-able) is recorded. Keeps the newest ``keep`` checkpoints.
     """
+    _check_save_arguments(step, keep, extra)
+    root = Path(root)
+    rank, world = _rank_world(process_group)
+    name = step_dir_name(step)
+    tmp, final = root / f"{name}.tmp", root / name
+    parts, blob = _prepare_save(model, optimizer, extra, rank, root, tmp, process_group)
+
+    # A torch optimizer that has not stepped yet has no state; torch's state_dict helper would
+    # create it with a zero-gradient step, which advances AdamW's step count and changes the run.
+    stepped = parts.optim_kind != "torch" or bool(optimizer.state)
+    msd, osd = parts.state_dicts(optimizer_state=stepped)
+    state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): blob}}
+    if optimizer is not None and stepped:
+        state["optim"] = osd
+    _write_state(state, tmp, process_group)
+
+    try:
+        digests, error = _digest_share(tmp, rank, world), None
+    except OSError as e:
+        digests, error = {}, f"hashing checkpoint {tmp} failed ({e}); the previous checkpoint is untouched"
+    _agree(error, process_group)
+    ranks = _gather({**_rank_summary(rank, msd), "optimizer_state": optimizer is not None and stepped, "sha256": digests}, process_group)
+    error = None
+    if rank == 0:
+        try:
+            _publish(root, tmp, final, step, world, ranks, parts, layout, config, keep)
+        except OSError as e:
+            error = f"publishing checkpoint {final} failed ({e}); the previous checkpoint is still the latest"
+    # Nobody returns before the checkpoint is published: a crash right after save_checkpoint
+    # returns must find it.
+    _agree(error, process_group)
+    return final
+
+
+def _check_save_arguments(step: int, keep: int, extra: dict) -> None:
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
     if not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep={keep!r} must be an integer >= 1 (the number of checkpoints to keep)")
     if not isinstance(extra, dict):
         raise CheckpointError(f"extra must be a dict of this rank's state, got {type(extra).__name__}")
-    root = Path(root)
-    rank, world = _rank_world(process_group)
-    name = step_dir_name(step)
-    tmp, final = root / f"{name}.tmp", root / name
 
-    # Every problem found on one rank is agreed on before the first collective write, or the
-    # other ranks would wait in it forever.
-    parts, blob, error = None, None, None
+
+def _prepare_save(
+    model: Any, optimizer: Any, extra: dict, rank: int, root: Path, tmp: Path, process_group: dist.ProcessGroup | None
+) -> tuple[_Parts, bytes]:
+    """(this rank's model and optimizer parts, its extra state as bytes), with the step's temporary
+    folder created by rank 0. Every problem found on one rank is agreed on before the first
+    collective write, or the other ranks would wait in it forever."""
+    parts, blob, error = None, b"", None
     try:
         parts = _Parts(model, optimizer)
         buf = io.BytesIO()
@@ -187,14 +223,11 @@ def save_checkpoint(
             error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
     _agree(error, process_group)
     assert parts is not None  # _agree raised otherwise
+    return parts, blob
 
-    # A torch optimizer that has not stepped yet has no state; torch's state_dict helper would
-    # create it with a zero-gradient step, which advances AdamW's step count and changes the run.
-    stepped = parts.optim_kind != "torch" or bool(optimizer.state)
-    msd, osd = parts.state_dicts(optimizer_state=stepped)
-    state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): blob}}
-    if optimizer is not None and stepped:
-        state["optim"] = osd
+
+def _write_state(state: dict[str, Any], tmp: Path, process_group: dist.ProcessGroup | None) -> None:
+    """dcp.save of every rank's state into the step's temporary folder."""
     try:
         with _quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, no_dist=not _distributed())
@@ -204,23 +237,6 @@ def save_checkpoint(
             f"writing checkpoint {tmp} failed ({_short(e)}); the previous checkpoint is untouched, "
             "fix the cause (disk space, permissions) and save again"
         ) from None
-
-    try:
-        digests, error = _digest_share(tmp, rank, world), None
-    except OSError as e:
-        digests, error = {}, f"hashing checkpoint {tmp} failed ({e}); the previous checkpoint is untouched"
-    _agree(error, process_group)
-    ranks = _gather({**_rank_summary(rank, msd), "optimizer_state": optimizer is not None and stepped, "sha256": digests}, process_group)
-    error = None
-    if rank == 0:
-        try:
-            _publish(root, tmp, final, step, world, ranks, parts, layout, config, keep)
-        except OSError as e:
-            error = f"publishing checkpoint {final} failed ({e}); the previous checkpoint is still the latest"
-    # Nobody returns before the checkpoint is published: a crash right after save_checkpoint
-    # returns must find it.
-    _agree(error, process_group)
-    return final
 
 
 def load_checkpoint(
@@ -240,23 +256,7 @@ def load_checkpoint(
     ``optimizer=None`` only the model is loaded. Gradients of a torch optimizer are cleared.
     """
     rank, world = _rank_world(process_group)
-    parts, step_dir, manifest, metadata, error = None, None, None, None, None
-    try:
-        parts = _Parts(model, optimizer)
-        step_dir = _resolve(Path(root_or_step_dir))
-        manifest = _read_manifest(step_dir)
-        _check_files(step_dir, manifest)
-        _check_digests(step_dir, manifest, rank, world)
-    except CheckpointError as e:
-        error = str(e)
-    # Every file is verified by some rank before any rank unpickles the index or reads a tensor.
-    _agree(error, process_group)
-    try:
-        metadata = _read_metadata(step_dir)
-    except CheckpointError as e:
-        error = str(e)
-    _agree(error, process_group)
-    assert parts is not None and step_dir is not None and manifest is not None and metadata is not None
+    parts, step_dir, manifest, metadata = _verified(root_or_step_dir, model, optimizer, rank, world, process_group)
 
     # Saved before the optimizer's first step: the fresh optimizer already equals the saved one.
     stepped = manifest["ranks"][rank].get("optimizer_state", True) if rank < len(manifest["ranks"]) else True
@@ -288,14 +288,43 @@ def load_checkpoint(
             f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: delete that folder and load an earlier checkpoint"
         ) from None
     parts.load(msd, osd if stepped else None)
+    return int(manifest["step"]), _read_extra(state["extra"][_extra_key(rank)], rank, step_dir)
+
+
+def _verified(
+    root_or_step_dir: str | os.PathLike, model: Any, optimizer: Any, rank: int, world: int, process_group: dist.ProcessGroup | None
+) -> tuple[_Parts, Path, dict, Any]:
+    """(parts, step folder, manifest, dcp metadata), once every rank has found its files complete
+    and their checksums right: every file is verified by some rank before any rank unpickles the
+    index or reads a tensor."""
+    parts, step_dir, manifest, metadata, error = None, None, None, None, None
     try:
-        extra = torch.load(io.BytesIO(state["extra"][_extra_key(rank)]), weights_only=True)
+        parts = _Parts(model, optimizer)
+        step_dir = _resolve(Path(root_or_step_dir))
+        manifest = _read_manifest(step_dir)
+        _check_files(step_dir, manifest)
+        _check_digests(step_dir, manifest, rank, world)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error, process_group)
+    try:
+        metadata = _read_metadata(step_dir)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error, process_group)
+    assert parts is not None and step_dir is not None and manifest is not None and metadata is not None
+    return parts, step_dir, manifest, metadata
+
+
+def _read_extra(blob: bytes, rank: int, step_dir: Path) -> dict:
+    """This rank's trainer state from its bytes: tensors and plain values only (weights_only)."""
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=True)
     except Exception as e:
         raise CheckpointError(
             f"the trainer state of rank {rank} in {step_dir} holds more than tensors and plain values "
             f"({type(e).__name__}); it was not written by agoq {FORMAT_VERSION}: delete {step_dir} and load an earlier checkpoint"
         ) from None
-    return int(manifest["step"]), extra
 
 
 # ---------------------------------------------------------------------------------------------
