@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from agoq.activation import make_policy
 from agoq.models import get_config
 from agoq.parallel import (
+    PipelineLayout,
     allocate_rank_bits,
     allocate_stage_bits,
     inflight_microbatches,
@@ -133,7 +134,7 @@ def test_llama_stage_bits_never_raise_the_peak(schedule, pp, n, v, fused_loss):
     # LLaMA2-13B shapes, one 4096-token sequence per micro-batch: bytes from the activation accounting.
     cfg = get_config("llama2-13b")
     policy = make_policy("agoq", fused_loss=fused_loss)
-    per_layer = stage_layer_bits(cfg, schedule, pp, n, v, 1, 4096, policy)
+    per_layer = stage_layer_bits(cfg, PipelineLayout(schedule, pp, n, v), 1, 4096, policy)
     assert len(per_layer) == cfg.n_layers and min(per_layer) == 4
     ranges = split_layers(cfg.n_layers, pp, v)
     order = schedule_order(schedule, pp, n, v)
@@ -153,7 +154,7 @@ def test_llama_stage_bits_never_raise_the_peak(schedule, pp, n, v, fused_loss):
 
 def test_llama_interleaved_4x2x8_bits_per_rank():
     cfg = get_config("llama2-13b")
-    per_layer = stage_layer_bits(cfg, "interleaved1f1b", 4, 8, 2, 1, 4096, make_policy("agoq"))
+    per_layer = stage_layer_bits(cfg, PipelineLayout("interleaved1f1b", 4, 8, 2), 1, 4096, make_policy("agoq"))
     # 40 layers in 8 stages of 5; rank r holds stages r and r + 4.
     assert per_layer == ([4] * 5 + [6] * 5 + [8] * 10) * 2
 

@@ -152,3 +152,18 @@ def test_build_schedule_refuses_a_rank_without_loss_fn():
         build_schedule("1f1b", [object()], 4, None)
     with pytest.raises(ValueError, match="no pipeline stages given"):
         build_schedule("1f1b", [], 4, lambda out, target: out)
+
+
+def test_a_pipeline_layout_is_checked_once_and_answers_for_its_schedule():
+    from agoq.parallel import PipelineLayout, schedule_order
+
+    layout = PipelineLayout("interleaved-1f1b", pp=2, microbatches=4, virtual_stages=2, dp=3)
+    assert layout.key == check_schedule("interleaved-1f1b", 2, 4, 2) and layout.num_stages == 4
+    assert layout.stage_ranges(8) == split_layers(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert layout.stage_ranks() == [0, 1, 0, 1]
+    assert layout.order() == schedule_order(layout.key, 2, 4, 2)
+    assert layout == PipelineLayout("interleaved-1f1b", 2, 4, 2, 3) and layout != PipelineLayout("interleaved-1f1b", 2, 4, 2, 1)
+    with pytest.raises(ValueError, match="virtual"):
+        PipelineLayout("1f1b", pp=2, microbatches=4, virtual_stages=2)
+    with pytest.raises(ValueError, match="dp=0 must be >= 1"):
+        PipelineLayout("1f1b", pp=2, microbatches=4, dp=0)

@@ -14,7 +14,7 @@ import torch
 from agoq.activation import U_bytes, layer_saved_bytes, make_policy
 from agoq.activation.loss import loss_saved_bytes
 from agoq.models import PRESETS
-from agoq.parallel import stage_layer_bits
+from agoq.parallel import PipelineLayout, stage_layer_bits
 from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
 from agoq.plan.memory import _Planner
 from agoq.plan.report import verdict
@@ -102,7 +102,8 @@ def test_interleaved_peaks_and_dbca_bits_come_from_the_trainers_functions():
     assert plan.inflight == (11, 9, 7, 5)  # METHOD.md's figures, read off torch's schedule
     cfg = PRESETS["llama2-13b"]
     policy = make_policy("agoq", overrides={k: "int4/128" for k in ("norm_input", "act_input", "out_proj_input")})
-    layer_bits = stage_layer_bits(cfg, "interleaved1f1b", 4, 8, 2, 1, 16384 // 8, policy, 4)
+    layout = PipelineLayout("interleaved1f1b", pp=4, microbatches=8, virtual_stages=2, dp=2)
+    layer_bits = stage_layer_bits(cfg, layout, 1, 16384 // 8, policy, 4)
     got = [b for r in plan.setups[0].ranks for b in r.bits]
     want = [layer_bits[s * 5] for r in range(4) for s in (r, r + 4)]
     assert got == want and got[:2] == [4, 4] and max(got) > 4

@@ -9,6 +9,7 @@ from agoq.parallel.dbca import (
     stage_layer_bits,
     stage_saved_bytes,
 )
+from agoq.parallel.layout import PipelineLayout
 from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
 from agoq.parallel.pipeline import (
     SCHEDULES,
@@ -28,6 +29,7 @@ __all__ = [
     "BIT_CANDIDATES",
     "SCHEDULES",
     "InFlight",
+    "PipelineLayout",
     "allocate_rank_bits",
     "allocate_stage_bits",
     "build_schedule",

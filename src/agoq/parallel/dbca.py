@@ -24,8 +24,9 @@ import torch
 from agoq.activation.accounting import layer_saved_bytes
 from agoq.activation.loss import loss_saved_bytes
 from agoq.activation.policy import ActivationPolicy
-from agoq.parallel.inflight import peak_inflight_bytes, schedule_order
-from agoq.parallel.pipeline import check_schedule, split_layers, stage_to_rank
+from agoq.parallel.inflight import peak_inflight_bytes
+from agoq.parallel.layout import PipelineLayout
+from agoq.parallel.pipeline import split_layers
 
 if TYPE_CHECKING:
     from agoq.models import LlamaConfig
@@ -125,10 +126,7 @@ def stage_saved_bytes(
 
 def stage_layer_bits(
     model_cfg: LlamaConfig,
-    schedule: str,
-    pp: int,
-    n_microbatches: int,
-    virtual_stages: int,
+    layout: PipelineLayout,
     micro_batch: int,
     seq_len: int,
     policy: ActivationPolicy,
@@ -137,15 +135,14 @@ def stage_layer_bits(
     candidates: Sequence[int] = BIT_CANDIDATES,
 ) -> list[int]:
     """Per-layer bit widths (ActivationPolicy.layer_bits) that raise later ranks' precision without raising the peak."""
-    key = check_schedule(schedule, pp, n_microbatches, virtual_stages)
-    ranges = split_layers(model_cfg.n_layers, pp, virtual_stages)
+    ranges = layout.stage_ranges(model_cfg.n_layers)
     num_stages = len(ranges)
 
     def stage_bytes(stage: int, bits: int) -> int:
         return stage_saved_bytes(model_cfg, policy, ranges[stage], stage == num_stages - 1, bits, micro_batch, seq_len, dtype)
 
-    rank_bits = allocate_rank_bits(schedule_order(key, pp, n_microbatches, virtual_stages), stage_bytes, num_stages, candidates, base_bits)
-    return layer_bits(rank_bits, model_cfg.n_layers, stage_to_rank(key, pp, virtual_stages))
+    rank_bits = allocate_rank_bits(layout.order(), stage_bytes, num_stages, candidates, base_bits)
+    return layer_bits(rank_bits, model_cfg.n_layers, layout.stage_ranks())
 
 
 def peak_bytes(inflight: Sequence[int], bits: Sequence[int], bytes_per_microbatch: Callable[[int], int]) -> list[int]:

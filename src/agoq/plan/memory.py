@@ -36,6 +36,7 @@ from agoq.gradient.collectives import reduce_piece
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
 from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
+from agoq.parallel.layout import PipelineLayout
 from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_name, split_layers
 from agoq.quant import QuantFormat, parse_format
 
@@ -685,12 +686,10 @@ class _Planner:
         """Per-stage bits from the trainer's DBCA function (uniform base bits at pp = 1, as the trainer does)."""
         if self.cfg.pp == 1 or self.cfg.stage_bits == "uniform":
             return [self.fmt.bits] * self.num_stages
+        layout = PipelineLayout(self.key, self.cfg.pp, self.cfg.microbatches, self.cfg.vstages, self.cfg.dp)
         layer_bits = stage_layer_bits(
             self.m,
-            self.key,
-            self.cfg.pp,
-            self.cfg.microbatches,
-            self.cfg.vstages,
+            layout,
             self.cfg.micro_batch,
             self.seq_tp,
             policy,

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
+from agoq.parallel.layout import PipelineLayout
 from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.gradient.sync import GradientSync, make_gradient_sync
@@ -72,10 +73,7 @@ def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -
     return tuple(
         stage_layer_bits(
             model_cfg,
-            p.schedule,
-            p.pp,
-            p.microbatches,
-            p.virtual_stages,
+            pipeline_layout(cfg),
             micro_batch,
             cfg.data.seq_len,
             make_policy_for(cfg),
@@ -83,6 +81,12 @@ def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -
             dtype=DTYPES[pr.compute_dtype],
         )
     )
+
+
+def pipeline_layout(cfg: TrainConfig) -> PipelineLayout:
+    """The run's pipeline layout, from its parallel section."""
+    p = cfg.parallel
+    return PipelineLayout(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.dp)
 
 
 def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None) -> ActivationPolicy:
@@ -181,7 +185,7 @@ class Trainer:
     """One rank's share of a training run."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from agoq.parallel.pipeline import build_schedule, build_stages, split_layers
+        from agoq.parallel.pipeline import build_schedule, build_stages
         from agoq.train.data import TrainSampler, validation_batches
 
         self.cfg = cfg
@@ -198,8 +202,9 @@ class Trainer:
         self.layer_bits = layer_bits_for(cfg, self.model_cfg, self.micro_batch)
         self.policy = make_policy_for(cfg, self.layer_bits)
         dtype = DTYPES[cfg.precision.compute_dtype]
-        ranges = split_layers(self.model_cfg.n_layers, p.pp, p.virtual_stages)
-        num_stages = p.pp * p.virtual_stages
+        layout = pipeline_layout(cfg)
+        ranges = layout.stage_ranges(self.model_cfg.n_layers)
+        num_stages = layout.num_stages
         self.modules = []
         for s in ctx.stages:
             m = Llama(self.model_cfg, self.policy, layers=ranges[s], embed=s == 0, head=s == num_stages - 1)
