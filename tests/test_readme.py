@@ -20,13 +20,28 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd in ci_lines, f"README test command {test_cmd!r} is not what .ci/run executes"
 
 
-def test_readme_main_command_is_a_real_subcommand():
+def test_readme_main_command_trains_the_default_the_quick_start_describes():
+    from agoq.train.config import load_config
+
     readme = (ROOT / "README.md").read_text()
     main_cmd = _bash_blocks(readme)[0]
     assert main_cmd.endswith("agoq train")
-    parser = build_parser()
-    args, extra = parser.parse_known_args(["train"])
+    args, extra = build_parser().parse_known_args(["train"])
     assert args.command == "train" and extra == []
+    # What the Quick start says the command trains is the config `agoq train` gets without arguments.
+    cfg = load_config(None)
+    quick_start = " ".join(readme[readme.index("## Quick start") : readme.index("## What is here")].split())
+    p = cfg.parallel
+    facts = [
+        f"a {cfg.model.preset} LLaMA ({cfg.model_config().num_parameters() / 1e6:.1f} M parameters)",
+        f"{p.pp * p.dp} local CPU processes as pipeline {p.pp} x data parallel {p.dp}",
+        f"{cfg.train.steps} steps.",
+        f"for the {cfg.train.steps} steps",
+    ]
+    for fact in facts:
+        assert fact in quick_start, f"the Quick start does not say {fact!r}"
+    assert p.schedule == "1f1b" and "with 1F1B" in quick_start
+    assert cfg.precision.activations == "agoq" and cfg.precision.gradients == "int8" and "AGoQ activations and 8-bit gradients" in quick_start
 
 
 def test_readme_result_tables_match_the_committed_json(tmp_path):
