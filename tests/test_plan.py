@@ -16,7 +16,7 @@ from agoq.activation.loss import loss_saved_bytes
 from agoq.models import PRESETS
 from agoq.parallel import PipelineLayout, stage_layer_bits
 from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
-from agoq.plan.memory import _Planner
+from agoq.plan.memory import PlanAccounting
 from agoq.plan.report import verdict
 
 GiB = 2**30
@@ -129,7 +129,7 @@ def test_baseline_recomputes_the_fewest_layers_that_fit_and_agoq_needs_none():
     base, agoq = plan.get("baseline"), plan.get("A+G+O")
     cap = 46 * GiB
     assert base.peak_without_recompute > cap and base.recompute_layers > 0 and base.peak <= cap and base.fits
-    planner = _Planner(cfg)
+    planner = PlanAccounting(cfg)
     fewer = [
         planner.rank_memory(r, parse_setup("baseline"), planner.policy(parse_setup("baseline")), [16] * 8, base.recompute_layers - 1)
         for r in range(4)
@@ -189,7 +189,7 @@ def test_eight_bit_optimizer_state_matches_torchao():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (256 * 40, 4096, 1000, 300 * 256)]
     opt = torchao_optim.AdamW8bit(params)
     measured = sum(tensor_bytes(opt._new_buffer(p, s)) for p in params for s in (True, False))
-    planner = _Planner(make_plan_config("tiny", seq_len=64, dtype="fp32", setups=("O",)))
+    planner = PlanAccounting(make_plan_config("tiny", seq_len=64, dtype="fp32", setups=("O",)))
     predicted = planner.optimizer_bytes([p.numel() for p in params], parse_setup("O")) - 4 * len(params)  # less the step counters
     assert predicted == measured
 

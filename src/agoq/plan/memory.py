@@ -431,8 +431,15 @@ class Plan:
 # ------------------------------------------------------------------------------ the model
 
 
-class _Planner:
-    """Computes one configuration's per-rank bytes; shared pieces are computed once."""
+class PlanAccounting:
+    """The byte and time formulas of one configuration, per rank: parameters, gradients, optimizer
+    state, saved activations, temporaries and iteration time (the search over bits and recompute is
+    :func:`_plan_setup`, the report agoq.plan.report).
+
+    Over 250 lines on purpose: every formula reads the same derived sizes (the model, the per-rank
+    stages and layer ranges, the schedule's order and in-flight counts, tp-sharded token and vocab
+    counts), computed once in ``__init__``; split, the halves would pass them all back and forth.
+    """
 
     def __init__(self, cfg: PlanConfig) -> None:
         cfg.validate()
@@ -734,60 +741,6 @@ class _Planner:
         )
         return rm
 
-    def plan_setup(self, setup: Setup, budget_mode: bool) -> tuple[SetupPlan, list[float]]:
-        """The plan of one configuration, and its per-rank times (for the relative time)."""
-        policy = self.policy(setup)
-        cap = self.cfg.capacity
-        base_bits = self.fmt.bits
-        if not setup.activations:
-            bits = [16] * self.num_stages
-        elif budget_mode and cap is not None:
-            bits = self.budget_bits(setup, policy, cap)
-        else:
-            bits = self.dbca_bits(policy)
-        plain = [self.rank_memory(r, setup, policy, bits, 0) for r in range(self.cfg.pp)]
-        k: int | None = 0
-        if self.cfg.recompute_layers:
-            k = self.cfg.recompute_layers
-            ranks = [self.rank_memory(r, setup, policy, bits, k) for r in range(self.cfg.pp)]
-        elif cap is not None and any(r.total > cap for r in plain):
-            # Megatron's recompute_num_layers is one count for every (virtual) stage: take the
-            # smallest that fits every rank, with 4-bit stages where bits were raised.
-            if setup.activations and budget_mode:
-                bits = [base_bits] * self.num_stages
-            k = None
-            for n in range(1, max(len(r) for r in self.ranges) + 1):
-                ranks = [self.rank_memory(r, setup, policy, bits, n) for r in range(self.cfg.pp)]
-                if all(r.total <= cap for r in ranks):
-                    k = n
-                    break
-            if k is None:
-                n = max(len(r) for r in self.ranges)
-                ranks = [self.rank_memory(r, setup, policy, bits, n) for r in range(self.cfg.pp)]
-        else:
-            ranks = plain
-        for r, p in zip(ranks, plain):
-            r.total_without_recompute = p.total
-        fits = None if cap is None else all(r.total <= cap for r in ranks)
-        applied = k if k is not None else max(len(r) for r in self.ranges)
-        times = [self.rank_time(r, setup, applied, policy, bits) for r in range(self.cfg.pp)]
-        return SetupPlan(setup, ranks, fits, k, 0.0), times
-
-    def budget_bits(self, setup: Setup, policy: ActivationPolicy, cap: int) -> list[int]:
-        """Per stage, the highest bits (base..8, or 16) that keep its rank within the budget; base where none does."""
-        base = self.fmt.bits
-        candidates = [b for b in BIT_CANDIDATES if b >= base]
-        bits = [base] * self.num_stages
-        for rank in range(self.cfg.pp):
-            for b in reversed(candidates):
-                trial = list(bits)
-                for s in self.rank_stages[rank]:
-                    trial[s] = b
-                if self.rank_memory(rank, setup, policy, trial, 0).total <= cap or b == base:
-                    bits = trial
-                    break
-        return bits
-
     @cached_property
     def layer_units(self) -> dict[str, float]:
         """Saved bytes of one decoder layer in U (batch x seq x hidden x 2 bytes), without tp: baseline and 4-bit."""
@@ -800,14 +753,73 @@ class _Planner:
         return out
 
 
+# ---- the configuration search: bits and recompute per configuration, on the accounting above
+
+
+def _plan_setup(acc: PlanAccounting, setup: Setup, budget_mode: bool) -> tuple[SetupPlan, list[float]]:
+    """The plan of one configuration, and its per-rank times (for the relative time)."""
+    policy = acc.policy(setup)
+    cap = acc.cfg.capacity
+    base_bits = acc.fmt.bits
+    if not setup.activations:
+        bits = [16] * acc.num_stages
+    elif budget_mode and cap is not None:
+        bits = _budget_bits(acc, setup, policy, cap)
+    else:
+        bits = acc.dbca_bits(policy)
+    plain = [acc.rank_memory(r, setup, policy, bits, 0) for r in range(acc.cfg.pp)]
+    k: int | None = 0
+    if acc.cfg.recompute_layers:
+        k = acc.cfg.recompute_layers
+        ranks = [acc.rank_memory(r, setup, policy, bits, k) for r in range(acc.cfg.pp)]
+    elif cap is not None and any(r.total > cap for r in plain):
+        # Megatron's recompute_num_layers is one count for every (virtual) stage: take the
+        # smallest that fits every rank, with 4-bit stages where bits were raised.
+        if setup.activations and budget_mode:
+            bits = [base_bits] * acc.num_stages
+        k = None
+        for n in range(1, max(len(r) for r in acc.ranges) + 1):
+            ranks = [acc.rank_memory(r, setup, policy, bits, n) for r in range(acc.cfg.pp)]
+            if all(r.total <= cap for r in ranks):
+                k = n
+                break
+        if k is None:
+            n = max(len(r) for r in acc.ranges)
+            ranks = [acc.rank_memory(r, setup, policy, bits, n) for r in range(acc.cfg.pp)]
+    else:
+        ranks = plain
+    for r, p in zip(ranks, plain):
+        r.total_without_recompute = p.total
+    fits = None if cap is None else all(r.total <= cap for r in ranks)
+    applied = k if k is not None else max(len(r) for r in acc.ranges)
+    times = [acc.rank_time(r, setup, applied, policy, bits) for r in range(acc.cfg.pp)]
+    return SetupPlan(setup, ranks, fits, k, 0.0), times
+
+
+def _budget_bits(acc: PlanAccounting, setup: Setup, policy: ActivationPolicy, cap: int) -> list[int]:
+    """Per stage, the highest bits (base..8, or 16) that keep its rank within the budget; base where none does."""
+    base = acc.fmt.bits
+    candidates = [b for b in BIT_CANDIDATES if b >= base]
+    bits = [base] * acc.num_stages
+    for rank in range(acc.cfg.pp):
+        for b in reversed(candidates):
+            trial = list(bits)
+            for s in acc.rank_stages[rank]:
+                trial[s] = b
+            if acc.rank_memory(rank, setup, policy, trial, 0).total <= cap or b == base:
+                bits = trial
+                break
+    return bits
+
+
 def plan_memory(cfg: PlanConfig) -> Plan:
     """Per pp rank bytes of every configuration in cfg.setups, with recompute to fit and time estimates."""
-    planner = _Planner(cfg)
+    planner = PlanAccounting(cfg)
     budget_mode = cfg.memory_budget is not None
     results, times = [], {}
     for name in cfg.setups:
         setup = parse_setup(name)
-        sp, t = planner.plan_setup(setup, budget_mode)
+        sp, t = _plan_setup(planner, setup, budget_mode)
         results.append(sp)
         times[setup.name] = t
     reference = max(planner.rank_time(r, Setup(), 0, planner.policy(Setup())) for r in range(cfg.pp))
