@@ -38,7 +38,7 @@ def _train_all(rank: int, world: int, cfgs: dict) -> dict:
     for name, cfg in cfgs.items():
         res = train_worker(cfg)
         if rank == 0:
-            out[name] = {"ranks": res["ranks"], "vocab": res["config"]["model"]["overrides"]["vocab_size"]}
+            out[name] = {"ranks": res["ranks"], "vocab": res["model"]["vocab_size"]}
     return out
 
 

@@ -51,10 +51,13 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
     torch.manual_seed(0)
     out = {}
     for name, cfg in cfgs.items():
+        model_section = cfg.to_dict()["model"]
         res = train_worker(cfg)
+        # The tokenizer's vocabulary goes into the LlamaConfig the trainer builds, not into the config.
+        assert cfg.to_dict()["model"] == model_section, f"{name}: the run changed its model config"
         out[name] = {"losses": _losses(res), "stats": res["ranks"][rank] if "ranks" in res else res["stats"]}
         if "config" in res:
-            out[name]["vocab"] = res["config"]["model"]["overrides"]["vocab_size"]
+            out[name]["vocab"] = res["model"]["vocab_size"]
         if "ranks" in res:
             out[name]["all_stats"] = res["ranks"]
             out[name]["run"] = res["run"]

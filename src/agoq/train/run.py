@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -116,7 +117,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     dist.all_gather_object(gathered, mine)
     summary = None
     if ctx.rank == 0 and records:
-        summary = summarize(cfg, records, gathered, baseline is not None)
+        summary = summarize(cfg, trainer.model_cfg, records, gathered, baseline is not None)
         _write_summary(cfg, summary)
     trainer.metrics.close()
     dist.barrier()
@@ -226,15 +227,24 @@ def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str,
     return mine
 
 
-def summarize(cfg: TrainConfig, records: list[dict[str, Any]], ranks: list[dict[str, Any]], with_baseline: bool) -> dict[str, Any]:
-    """The run summary (summary.json): what ran, its figures, every rank's stats, the bf16 baseline, every step."""
+def summarize(cfg: TrainConfig, model: Any, records: list[dict[str, Any]], ranks: list[dict[str, Any]], with_baseline: bool) -> dict[str, Any]:
+    """The run summary (summary.json): what ran (the config as given and ``model``, the LlamaConfig
+    trained, with the tokenizer's vocabulary), its figures, every rank's stats, the bf16 baseline, every step."""
     # The first step includes one-time setup; the memory probe step counts every allocation.
     timed = [r for r in records[1:] if not r.get("memory_probe")] or records
     base = None
     if with_baseline:
         base = {"ranks": {str(g["rank"]): {"peak_saved_bytes": g["baseline_peak_saved_bytes"]} for g in ranks}}
     run = run_figures(records, timed, cfg.data.batch_size * cfg.data.seq_len)
-    return {"description": _describe(cfg), "config": cfg.to_dict(), "run": run, "ranks": ranks, "baseline": base, "records": records}
+    return {
+        "description": _describe(cfg),
+        "config": cfg.to_dict(),
+        "model": dataclasses.asdict(model),
+        "run": run,
+        "ranks": ranks,
+        "baseline": base,
+        "records": records,
+    }
 
 
 def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,10 +193,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.data = _prepare_data(cfg, ctx)
         p = cfg.parallel
-        overrides = dict(cfg.model.overrides)
-        overrides["vocab_size"] = self.data.tokenizer.vocab_size
-        cfg.model.overrides = overrides
-        self.model_cfg = cfg.model_config()
+        # The tokenizer's vocabulary (a tokenizer file may differ from data.vocab_size); derived
+        # here, the config itself is left as validated.
+        self.model_cfg = replace(cfg.model_config(), vocab_size=self.data.tokenizer.vocab_size)
         self.local_batch = cfg.data.batch_size // p.dp
         self.micro_batch = self.local_batch // p.microbatches
         self.layer_bits = layer_bits_for(cfg, self.model_cfg, self.micro_batch)
