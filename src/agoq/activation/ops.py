@@ -239,7 +239,7 @@ class _SwiGLULinear(torch.autograd.Function):
             g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
             if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
                 act, gg, gu = kernels.swiglu_backward(grad_act, g_chunk, u_chunk, gdtype, act_dtype)
-            elif of_codes is not None and _whole_blocks(g_chunk) and _whole_blocks(u_chunk):
+            elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
                 act, gg, gu = of_codes(grad_act, g_chunk, u_chunk)
             else:
                 # Arguments passed without names, so the formula can drop each after its last use.
@@ -297,11 +297,6 @@ def _accumulate_product(acc: torch.Tensor | None, grad_rows: torch.Tensor, act_r
     if act_rows.dtype == torch.float32 and grad_rows.dtype == torch.float32:
         return acc.addmm_(grad_rows.t(), act_rows)
     return acc.add_(grad_rows.t().mm(act_rows))
-
-
-def _whole_blocks(q: QTensor) -> bool:
-    """Whether ``q`` holds whole blocks (a chunk of rows does, except maybe a tensor's last)."""
-    return q.numel == q.scales.numel() * q.fmt.block_size
 
 
 def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:

@@ -35,7 +35,7 @@ from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.gradient.collectives import reduce_piece
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES, stage_layer_bits, stage_saved_bytes
-from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
+from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, peak_inflight_bytes
 from agoq.parallel.layout import PipelineLayout
 from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_name, split_layers
 from agoq.quant import QuantFormat, parse_format
@@ -447,9 +447,10 @@ class PlanAccounting:
         self.m = cfg.model
         self.dtype = DTYPES[cfg.dtype]
         self.es = torch.empty((), dtype=self.dtype).element_size()
-        self.key = check_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.vstages)
-        self.num_stages = cfg.pp * cfg.vstages
-        self.ranges = split_layers(self.m.n_layers, cfg.pp, cfg.vstages)
+        self.layout = PipelineLayout(cfg.schedule, cfg.pp, cfg.microbatches, cfg.vstages, cfg.dp)
+        self.key = self.layout.key
+        self.num_stages = self.layout.num_stages
+        self.ranges = self.layout.stage_ranges(self.m.n_layers)
         self.rank_stages = [rank_stages(self.key, r, cfg.pp, cfg.vstages) for r in range(cfg.pp)]
         self.fmt = parse_format(cfg.activation_format)
         self.device = torch.device(cfg.device)  # sizes the chunks some temporaries are cut into
@@ -462,7 +463,7 @@ class PlanAccounting:
             self.order = None
             self.inflight = (1,)  # one micro-batch's forward and backward before the next (Megatron, agoq's trainer)
         else:
-            self.order = schedule_order(self.key, cfg.pp, cfg.microbatches, cfg.vstages)
+            self.order = self.layout.order()
             self.inflight = inflight_microbatches(self.key, cfg.pp, cfg.microbatches, cfg.vstages).per_rank
 
     # ---- parameters
@@ -693,10 +694,9 @@ class PlanAccounting:
         """Per-stage bits from the trainer's DBCA function (uniform base bits at pp = 1, as the trainer does)."""
         if self.cfg.pp == 1 or self.cfg.stage_bits == "uniform":
             return [self.fmt.bits] * self.num_stages
-        layout = PipelineLayout(self.key, self.cfg.pp, self.cfg.microbatches, self.cfg.vstages, self.cfg.dp)
         layer_bits = stage_layer_bits(
             self.m,
-            layout,
+            self.layout,
             self.cfg.micro_batch,
             self.seq_tp,
             policy,

@@ -330,10 +330,10 @@ def reading_codes(fn: Callable[..., Any], fmt: QuantFormat, positions: tuple[int
         shape = args[0].shape
         flat: list[torch.Tensor] = []
         for i, a in enumerate(args):
-            whole = a.numel == a.scales.numel() * fmt.block_size if i in positions else a.numel() % fmt.block_size == 0 and a.is_contiguous()
-            if not whole:
+            quantized = i in positions
+            if not (a.whole_blocks if quantized else a.numel() % fmt.block_size == 0 and a.is_contiguous()):
                 raise ValueError(f"reading_codes needs whole blocks of {fmt.block_size} values and contiguous tensors (argument {i})")
-            if i in positions:
+            if quantized:
                 flat += [_codes(a.payload, fmt.bits).view(-1, fmt.block_size), a.scales]
             else:
                 flat.append(a.view(-1, fmt.block_size))
@@ -495,7 +495,7 @@ def sum_of_squares(q: QTensor) -> torch.Tensor:
     """The fp64 sum of the squares of the values ``q`` holds, which must be whole blocks (e.g. a
     gradient buffer's), read in one pass: no fp32 copy, nor a call per piece of one."""
     fmt = q.fmt
-    if q.numel != q.scales.numel() * fmt.block_size:
+    if not q.whole_blocks:
         raise ValueError(f"sum_of_squares needs whole blocks of {fmt.block_size} values, got {q.numel} values")
     if q.numel == 0:
         return torch.zeros((), dtype=torch.float64, device=q.device)

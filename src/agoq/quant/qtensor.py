@@ -66,6 +66,12 @@ class QTensor:
         return math.prod(self.shape)
 
     @property
+    def whole_blocks(self) -> bool:
+        """Whether the values fill every block (no padding in the last one), as kernels that read
+        codes in the blocks' own shape need."""
+        return self.numel == self.scales.numel() * self.fmt.block_size
+
+    @property
     def nbytes(self) -> int:
         """Every byte stored: packed payload plus scales."""
         return self.payload.numel() * self.payload.element_size() + self.scales.numel() * self.scales.element_size()
