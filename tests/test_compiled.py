@@ -43,6 +43,20 @@ def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str) -
             assert torch.equal(C.dequantize(ref), _reference(dequantize, ref)), (spec, dtype, n)
 
 
+@pytest.mark.parametrize("spec", ["int2/128", "int4/128", "fp4/128", "nf4/128", "int4/64"])
+def test_every_byte_value_decodes_through_the_byte_table_as_the_reference_decodes_it(spec: str) -> None:
+    # Formats whose codes divide a byte are dequantized by one table load per byte: every one of
+    # the 256 byte values, in every position of a block, under scales from 2**-20 to 2**20 and 0.
+    fmt = parse_format(spec)
+    blocks = 256 * 8 // fmt.block_size // fmt.bits * 2
+    payload = torch.arange(256, dtype=torch.uint8).repeat(blocks * fmt.payload_bytes(fmt.block_size) // 256)
+    scales = torch.logspace(-20, 20, blocks, base=2.0)
+    scales[0] = 0.0
+    q = QTensor(payload, scales, torch.Size([blocks * fmt.block_size]), torch.bfloat16, fmt)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(C.dequantize(q, dtype), _reference(dequantize, q, dtype)), (spec, dtype)
+
+
 @pytest.mark.parametrize("spec", ["int4/128", "fp4/128"])
 def test_packed_codes_slab_by_slab_equal_the_reference(spec: str) -> None:
     fmt = parse_format(spec)

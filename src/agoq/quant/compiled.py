@@ -213,6 +213,27 @@ def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, bi
     return v * scales.unsqueeze(1)
 
 
+def _dequantize_bytes(payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, per_byte: int, table: tuple) -> None:
+    """Writes into ``out`` ([blocks, block]) the values of whole blocks of packed bytes, each byte's codes read from a table.
+
+    For widths that divide a byte (1, 2, 4 bits): ``table`` holds, for each of the 256 byte values,
+    the format values of its ``per_byte`` codes in packing order, so one indirect load of a byte
+    gives all its values and nothing is unpacked first. The table is a literal of the graph, so its
+    sizes are static (passed as a tensor under dynamic shapes, each load paid an integer division
+    and a bounds check: 0.5x of a copy). Measured fp4 at 64M values: 0.39x of a copy with the
+    separate unpack pass and 16 compare-selects per value (_dequantize_blocks), 0.78x this way.
+    """
+    values = torch.tensor(table, dtype=torch.float32, device=payload.device).view(256, per_byte)
+    out.copy_(values[payload.view(-1, block // per_byte).long()].view(-1, block) * scales.unsqueeze(1))
+
+
+def _byte_table(kind: str, bits: int, book: tuple) -> tuple:
+    """The format value of code k (bits [k * bits, (k + 1) * bits), little-endian) of each byte value, flat [256 x 8 // bits]."""
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    by_code = [float(c - (1 << (bits - 1))) for c in range(1 << bits)] if kind == "int" else list(book[2])  # fp4's code 8 stays -0
+    return tuple(by_code[(byte >> (k * bits)) & mask] for byte in range(256) for k in range(per_byte))
+
+
 def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> None:
     """Writes into ``out`` ([blocks, block]) the values of whole blocks, multiplied in fp32 and rounded once.
 
@@ -434,8 +455,24 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     whole = fmt.payload_bytes(blocks * fmt.block_size)
     if payload.numel() != whole:
         payload = F.pad(payload, (0, whole - payload.numel()))
-    kernel = compiled(_dequantize_blocks, **_constants(fmt))
     values = torch.empty(blocks, fmt.block_size, dtype=dtype or q.dtype, device=q.device) if out is None else out.view(blocks, fmt.block_size)
+    if fmt.bits < 8 and 8 % fmt.bits == 0 and fmt.kind in ("int", "fp4", "nf4"):
+        table = _byte_table(fmt.kind, fmt.bits, _book(fmt.kind))
+        compiled(_dequantize_bytes, block=fmt.block_size, per_byte=8 // fmt.bits, table=table)(payload, q.scales, values)
+    else:
+        _dequantize_codes(payload, q.scales, values, fmt)
+    if out is not None:
+        return out
+    flat = values.view(-1)
+    if flat.numel() != n:  # the last block's padding: less than one block of spare values
+        flat = flat[:n]
+    return flat.view(q.shape)
+
+
+def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, fmt: QuantFormat) -> None:
+    """Writes the values of whole blocks into ``values`` [blocks, block], from codes unpacked a slab at a time."""
+    blocks = scales.numel()
+    kernel = compiled(_dequantize_blocks, **_constants(fmt))
     # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
     # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4 at
     # 64M values, slabs of 1M 2x faster).
@@ -445,13 +482,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
         # Codes, scales and out all carry the block count as their first size, so the compiled
         # graph sees one size (duck-shaped) and fuses everything into one loop over out.
-        kernel(_codes(payload[lo:hi], fmt.bits).view(-1, fmt.block_size), q.scales[b0:b1], values[b0:b1])
-    if out is not None:
-        return out
-    flat = values.view(-1)
-    if flat.numel() != n:  # the last block's padding: less than one block of spare values
-        flat = flat[:n]
-    return flat.view(q.shape)
+        kernel(_codes(payload[lo:hi], fmt.bits).view(-1, fmt.block_size), scales[b0:b1], values[b0:b1])
 
 
 def _fold_region(
