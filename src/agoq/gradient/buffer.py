@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from agoq.quant import SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, quantize
 from agoq.quant.formats import round_up
+from agoq.quant.qtensor import quantize as reference_quantize
 
 from agoq.gradient.collectives import (
     ChunkLayout,
@@ -150,7 +151,9 @@ class QuantGradBuffer:
         block = self.fmt.block_size
         segments: list[list[Segment]] = [[] for _ in self.params]
         buckets = []
-        zero = quantize(torch.zeros(block), self.fmt).payload[:1]
+        # The code of 0.0, from the reference quantizer: one block through a compiled one would
+        # compile (or load) a one-block variant in every process before the first step.
+        zero = reference_quantize(torch.zeros(block), self.fmt).payload[:1]
         for b, (n_padded, segs) in enumerate(plan_buckets([p.numel() for p in self.params], block, self.bucket_numel, self.world_size)):
             for seg in segs:
                 segments[seg.param].append(seg)
