@@ -143,8 +143,12 @@ def test_the_8bit_gradient_path_holds_a_few_buckets_of_temporaries_whatever_the_
 
     for small, large in run_distributed(_gradient_path_temporaries, 2):
         assert (small["buckets"], large["buckets"]) == (16, 32)
-        # Twice the buckets: the same peak but for a few KiB of small per-layer tensors.
-        assert large["peak"] <= 1.1 * small["peak"], (small, large)
+        # Twice the buckets: the same peak but for one bucket's buffers more or less. The transport
+        # lets go of a bucket's buffers when its collective completes, in gloo's own thread, so
+        # whether the last one is still held at the peak varies from run to run (a ratio bound of
+        # 1.1 failed about one run in three). One set per bucket would add 16 buckets' buffers.
+        bucket_bytes = small["stored"] // small["buckets"]
+        assert large["peak"] <= small["peak"] + 2 * bucket_bytes, (small, large)
         assert large["peak"] < large["stored"] / 2, large
         # One layer's fp32 gradient, its fold scratch, and two buckets in flight: under 4 fp32
         # buckets, plus the received 8-bit rows of the bucket whose chunk is being summed and
