@@ -220,10 +220,11 @@ def _dequantize_bytes(payload: torch.Tensor, scales: torch.Tensor, out: torch.Te
     the format values of its ``per_byte`` codes in packing order, so one indirect load of a byte
     gives all its values and nothing is unpacked first. The table is a literal of the graph, so its
     sizes are static (passed as a tensor under dynamic shapes, each load paid an integer division
-    and a bounds check: 0.5x of a copy). Measured fp4 at 64M values: 0.39x of a copy with the
-    separate unpack pass and 16 compare-selects per value (_dequantize_blocks), 0.44x this way
-    (0.75x into an existing ``out``). The load is scalar code, so int4, whose codes decode by one
-    vectorized subtraction after the unpack pass, stays on that path (0.73x there, 0.46x here).
+    and a bounds check: 0.49x of a copy against 0.71x, into an existing ``out``). Measured fp4 at
+    64M values (benchmarks/results/quant_throughput.json): 0.36x of a copy with the separate unpack
+    pass and 16 compare-selects per value (_dequantize_blocks), 0.44x this way (0.75x into an
+    existing ``out``). The load is scalar code, so int4, whose codes decode by one vectorized
+    subtraction after the unpack pass, stays on that path (0.76x there, 0.46x here).
     """
     values = torch.tensor(table, dtype=torch.float32, device=payload.device).view(256, per_byte)
     out.copy_(values[payload.view(-1, block // per_byte).long()].view(-1, block) * scales.unsqueeze(1))
@@ -234,6 +235,12 @@ def _byte_table(bits: int, book: tuple) -> tuple:
     per_byte, mask = 8 // bits, (1 << bits) - 1
     by_code = book[2]  # fp4's code 8 stays -0
     return tuple(by_code[(byte >> (k * bits)) & mask] for byte in range(256) for k in range(per_byte))
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_table_kernel(fmt: QuantFormat) -> Callable[..., Any]:
+    """The compiled _dequantize_bytes of a codebook format, built once: its table takes about 0.2 ms to build and hash."""
+    return compiled(_dequantize_bytes, block=fmt.block_size, per_byte=8 // fmt.bits, table=_byte_table(fmt.bits, _book(fmt.kind)))
 
 
 def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> None:
@@ -459,8 +466,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         payload = F.pad(payload, (0, whole - payload.numel()))
     values = torch.empty(blocks, fmt.block_size, dtype=dtype or q.dtype, device=q.device) if out is None else out.view(blocks, fmt.block_size)
     if fmt.kind in ("fp4", "nf4"):  # int codes decode by arithmetic, which vectorizes: the unpack pass is faster there
-        table = _byte_table(fmt.bits, _book(fmt.kind))
-        compiled(_dequantize_bytes, block=fmt.block_size, per_byte=8 // fmt.bits, table=table)(payload, q.scales, values)
+        _byte_table_kernel(fmt)(payload, q.scales, values)
     else:
         _dequantize_codes(payload, q.scales, values, fmt)
     if out is not None:
