@@ -1,3 +1,0 @@
-from agoq.bench.convergence import main
-
-main()

@@ -1,3 +1,0 @@
-from agoq.bench.fixed_budget import main
-
-main()

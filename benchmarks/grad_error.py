@@ -1,5 +1,0 @@
-"""Relative gradient error by layer kind under quantized saved activations (same as ``agoq bench grad-error``)."""
-
-from agoq.bench.grad_error import main
-
-raise SystemExit(main())

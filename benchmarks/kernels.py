@@ -1,5 +1,0 @@
-"""Kernel bandwidth, torch path vs Triton, against a same-bytes copy (same as ``agoq bench kernels``)."""
-
-from agoq.bench.kernels import main
-
-raise SystemExit(main())

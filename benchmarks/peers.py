@@ -1,3 +1,0 @@
-from agoq.bench.peers import main
-
-main()
