@@ -16,7 +16,7 @@ from agoq.activation.loss import loss_saved_bytes
 from agoq.models import PRESETS
 from agoq.parallel import PipelineLayout, stage_layer_bits
 from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
-from agoq.plan.memory import PlanAccounting
+from agoq.plan.accounting import PlanAccounting
 from agoq.plan.report import verdict
 
 GiB = 2**30

@@ -7,24 +7,22 @@ from agoq import _lazy_exports
 
 _HOMES = {
     **{
-        name: "agoq.plan.memory"
+        name: "agoq.plan.config"
         for name in (
             "DEFAULT_SETUPS",
-            "SCHEMA",
-            "Plan",
             "PlanConfig",
             "PlanError",
-            "RankMemory",
             "Setup",
-            "SetupPlan",
             "format_size",
             "from_train_config",
             "make_plan_config",
             "parse_setup",
             "parse_size",
-            "plan_memory",
         )
     },
+    **{name: "agoq.plan.result" for name in ("SCHEMA", "Plan", "RankMemory", "SetupPlan")},
+    "PlanAccounting": "agoq.plan.accounting",
+    "plan_memory": "agoq.plan.memory",
     "markdown": "agoq.plan.report",
     "to_json": "agoq.plan.report",
 }

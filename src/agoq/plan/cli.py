@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fields(items: list[str]) -> dict[str, object]:
     """KEY=VALUE strings as typed LlamaConfig overrides."""
     from agoq.models.config import LlamaConfig
-    from agoq.plan.memory import PlanError
+    from agoq.plan.config import PlanError
 
     types = {k: f.type for k, f in LlamaConfig.__dataclass_fields__.items()}
     out: dict[str, object] = {}
@@ -73,7 +73,8 @@ def _fields(items: list[str]) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print; a one-line error and exit status 2 for a configuration that cannot run."""
-    from agoq.plan.memory import DEFAULT_SETUPS, PlanError, make_plan_config, parse_size, plan_memory
+    from agoq.plan.config import DEFAULT_SETUPS, PlanError, make_plan_config, parse_size
+    from agoq.plan.memory import plan_memory
     from agoq.plan.report import markdown, to_json
 
     try:

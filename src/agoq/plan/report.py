@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from agoq.plan.memory import Plan, SetupPlan, format_size
 from agoq.parallel.pipeline import schedule_name
+from agoq.plan.config import format_size
+from agoq.plan.result import Plan, SetupPlan
 
 TIME_NOTE = (
     "Iteration times are estimates: per token, a layer's forward costs its GEMMs plus causal attention, backward "
