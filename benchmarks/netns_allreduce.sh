@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-simulated-hosts part of `agoq bench allreduce` alone: two network namespaces joined by a
+# The two-simulated-hosts part of `python -m benchmarks.allreduce` alone: two network namespaces joined by a
 # veth pair shaped with tc tbf, 2 gloo ranks per host. Needs root and iproute2 (skips otherwise).
 # The benchmark removes its namespaces on exit, Ctrl-C and SIGTERM; this trap also covers a
 # benchmark process that was killed outright.
@@ -7,4 +7,4 @@ set -euo pipefail
 export AGOQ_NETNS_TAG=$$
 trap 'ip netns del "agoq-a$AGOQ_NETNS_TAG" 2>/dev/null || true; ip netns del "agoq-b$AGOQ_NETNS_TAG" 2>/dev/null || true' EXIT
 cd "$(dirname "$0")/.."
-python -m agoq.bench.allreduce --only netns "$@"
+python -m benchmarks.allreduce --only netns "$@"

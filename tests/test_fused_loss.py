@@ -17,7 +17,7 @@ from agoq.activation.loss import (
     loss_saved_bytes,
     plain_lm_head_cross_entropy,
 )
-from agoq.bench.loss import saved_bytes
+from benchmarks.loss import saved_bytes
 
 IGNORE = -100
 

@@ -45,12 +45,12 @@ def test_readme_main_command_trains_the_default_the_quick_start_describes():
 
 
 def test_readme_result_tables_match_the_committed_json(tmp_path):
-    from agoq.bench.readme import update_readme
+    from benchmarks.readme import update_readme
 
     copy = tmp_path / "README.md"
     copy.write_text((ROOT / "README.md").read_text())
     update_readme(copy, ROOT / "benchmarks" / "results")
-    assert copy.read_text() == (ROOT / "README.md").read_text(), "README tables are stale: run `agoq bench readme`"
+    assert copy.read_text() == (ROOT / "README.md").read_text(), "README tables are stale: run `python -m benchmarks.readme`"
 
 
 def test_every_agoq_plan_command_in_the_readme_runs_as_written(capsys):

@@ -28,11 +28,13 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+# agoq from this checkout's src/, and the benchmarks package at its root (run_h200.sh also sets PYTHONPATH).
+for folder in (ROOT, ROOT / "src"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
-from agoq.bench._common import write_result  # noqa: E402
 from agoq.quant import backend  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     for phase in phases:
         t0 = time.perf_counter()
         if phase == "kernels":
-            from agoq.bench import kernels
+            from benchmarks import kernels
 
             kargs = argparse.Namespace(
                 device=str(device),

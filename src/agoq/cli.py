@@ -1,39 +1,27 @@
-"""The ``agoq`` command line: train, plan and bench."""
+"""The ``agoq`` command line: train and plan."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import sys
 
 import agoq
 
 
-def _bench_modules() -> dict[str, object]:
-    """Every benchmark under agoq.bench, by its command name (module name with '-' for '_')."""
-    import agoq.bench as pkg
-
-    found = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"agoq.bench.{info.name}")
-        if hasattr(module, "add_arguments") and hasattr(module, "run"):
-            found[info.name.replace("_", "-")] = module
-    return found
-
-
 TRAIN_HELP = "train a LLaMA model (default: tiny model on the KJV Bible, 4 local processes, pp=2 x dp=2)"
 PLAN_HELP = "memory per pipeline rank of a real configuration, bf16 baseline vs AGoQ"
-BENCH_HELP = "run a measurement that backs a claim in the README"
+# The benchmarks are not part of the installed package: they live in the repository's benchmarks/.
+BENCH_MOVED = (
+    "agoq bench: the benchmarks moved out of the agoq package; from a checkout of the repository run "
+    "`python -m benchmarks.NAME [args]` (`python -m benchmarks` lists them)"
+)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of the ``agoq`` command, with the options of ``command`` (None: every command).
 
     Only the command being run gets its options, so that ``agoq --help`` and ``agoq plan --help``
-    import neither torch nor the benchmarks.
+    do not import torch.
     """
     parser = argparse.ArgumentParser(
         prog="agoq",
@@ -67,13 +55,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         plan_arguments(plan)
     else:
         sub.add_parser("plan", help=PLAN_HELP)
-    bench = sub.add_parser("bench", help=BENCH_HELP)
-    if every or command == "bench":
-        bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
-        for name, module in sorted(_bench_modules().items()):
-            p = bench_sub.add_parser(name, help=getattr(module, "DESCRIPTION", None), description=getattr(module, "DESCRIPTION", None))
-            module.add_arguments(p)  # type: ignore[attr-defined]
-            p.set_defaults(_bench_run=module.run)  # type: ignore[attr-defined]
     return parser
 
 
@@ -86,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agoq`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
-    parser = build_parser(command if command in ("train", "plan", "bench") else "")
+    if command == "bench":
+        print(BENCH_MOVED, file=sys.stderr)
+        return 2
+    parser = build_parser(command if command in ("train", "plan") else "")
     # Config overrides (--section.key=value) go straight to the config loader: argparse would take
     # one whose value holds a space ("--model.overrides={n_layers = 4}") for the config file.
     overrides = [a for a in argv if a.startswith("--") and "." in a.split("=", 1)[0]] if argv[:1] == ["train"] else []
@@ -99,10 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         from agoq.plan.cli import run as plan_run
 
         return plan_run(args)
-    if args.command == "bench":
-        if getattr(args, "_bench_run", None) is None:
-            parser.parse_args(["bench", "--help"])
-        return int(args._bench_run(args) or 0)
     parser.print_help()
     return 0
 

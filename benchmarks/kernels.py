@@ -24,7 +24,7 @@ DEFAULT_FORMATS = "int4,int5,int6,int8,fp4,nf4,fp8,int8/256"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench kernels``."""
+    """Options of ``python -m benchmarks.kernels``."""
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--numel", type=int, default=64 * 2**20, help="elements of each activation-sized tensor (default 64M)")
     parser.add_argument("--hidden", type=int, default=4096, help="row length of the norm kernels (default 4096, llama3-8b)")
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from agoq.bench._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, write_result
     from agoq.quant import backend
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
     }
     command = (
-        f"agoq bench kernels --device {device.type} --numel {args.numel} --hidden {args.hidden} --world {args.world} "
+        f"python -m benchmarks.kernels --device {device.type} --numel {args.numel} --hidden {args.hidden} --world {args.world} "
         f"--formats {args.formats} --backends {args.backends}"
         + (f" --tiles {args.tiles}" if args.tiles else "")
         + (" --dry-run" if args.dry_run else "")
@@ -369,7 +369,11 @@ def _plot(rows: list[dict[str, Any]], path: Any, device_name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/kernels.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/kernels.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.kernels``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

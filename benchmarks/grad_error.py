@@ -53,7 +53,7 @@ INPUT_GROUPS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench grad-error``."""
+    """Options of ``python -m benchmarks.grad_error``."""
     parser.add_argument("--model", default="tiny", help="model preset (default tiny)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print a table (or JSON), write benchmarks/results/grad_error.json."""
     import json
 
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
 
     for name in ("batch", "seq", "batches"):
         if getattr(args, name) < 1:
@@ -283,7 +283,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/grad_error.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/grad_error.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.grad_error``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grad_error", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -55,7 +55,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench allreduce``."""
+    """Options of ``python -m benchmarks.allreduce``."""
     parser.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES), help=f"fp32 message sizes, local run (default {DEFAULT_SIZES})")
     parser.add_argument("--ranks", type=int, default=4, help="local ranks (default 4)")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per size and method; median reported (default 3)")
@@ -291,7 +291,7 @@ def run_netns(rate: str, sizes: list[int], reps: int, fmt: str, timeout_s: float
                 hosts.ns[host],
                 sys.executable,
                 "-m",
-                "agoq.bench.allreduce",
+                "benchmarks.allreduce",
                 "--worker",
                 str(rank),
                 "--world",
@@ -311,7 +311,10 @@ def run_netns(rate: str, sizes: list[int], reps: int, fmt: str, timeout_s: float
                 "--netns-sizes",
                 ",".join(str(s) for s in sizes),
             ]
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1")
+            # The rank imports this module as benchmarks.allreduce from whatever folder it starts in.
+            root = str(Path(__file__).resolve().parents[1])
+            path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1", PYTHONPATH=path)
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout_s
         logs = []
@@ -438,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; write benchmarks/results/allreduce.json (+ .png); print tables."""
     if args.worker is not None:
         return _netns_worker(args)
-    from agoq.bench._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, write_result
 
     if args.ranks < 2:
         raise SystemExit(f"--ranks must be at least 2, got {args.ranks}")
@@ -490,8 +493,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/allreduce.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/allreduce.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.allreduce``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.allreduce", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

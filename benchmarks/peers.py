@@ -259,7 +259,7 @@ def run_agoq(label: str, steps: int, out_dir: Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Train with each peer and with agoq train, then write the JSON and a markdown table."""
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
 
     rows = [run_peer("ddp", args.steps), run_peer("deepspeed_zero1", args.steps)]
     out = Path(args.out_dir)
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "rows": rows,
     }
-    write_result("peers", results, command=f"agoq bench peers --steps {args.steps}")
+    write_result("peers", results, command=f"python -m benchmarks.peers --steps {args.steps}")
     print(readme_markdown(results))
     return 0
 
@@ -316,7 +316,11 @@ def readme_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Script entry point."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.peers``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ PAPER_U = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench activation``."""
+    """Options of ``python -m benchmarks.activation``."""
     parser.add_argument("--model", default="tiny", help="model preset (agoq.models.PRESETS); default tiny")
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch (default 4)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print a table (or JSON), write benchmarks/results/activation.json and .png."""
     import json
 
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
 
     for name in ("batch", "seq", "layers"):
         if getattr(args, name) < 1:
@@ -210,7 +210,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/activation.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/activation.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.activation``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.activation", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

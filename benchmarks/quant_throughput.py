@@ -27,7 +27,7 @@ def parse_count(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench quant-throughput``."""
+    """Options of ``python -m benchmarks.quant_throughput``."""
     parser.add_argument("--numel", type=parse_count, default=parse_count("64M"), help="elements of the bf16 tensor (default 64M)")
     parser.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated formats (default {DEFAULT_FORMATS}; block 128 unless /BLOCK)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, after one warm-up; the median is reported")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from agoq.bench._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, write_result
     from agoq.quant import backend, parse_format
 
     if args.repeats < 1:
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
     }
     command = (
-        f"agoq bench quant-throughput --numel {n} --formats {','.join(f.name for f in formats)} "
+        f"python -m benchmarks.quant_throughput --numel {n} --formats {','.join(f.name for f in formats)} "
         f"--repeats {args.repeats} --threads {args.threads} --device {args.device} --backends {','.join(backends)}"
     )
     path = write_result("quant_throughput", results, command=command)
@@ -184,7 +184,11 @@ def _plot(rows: list[dict[str, Any]], n: int, path: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/quant_throughput.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/quant_throughput.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.quant_throughput``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quant_throughput", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ _DTYPES = ("bf16", "fp32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench loss``."""
+    """Options of ``python -m benchmarks.loss``."""
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (batch x seq)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size")
     parser.add_argument("--vocabs", default="4096,32000,128256", help="comma-separated vocab sizes")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         loss_saved_bytes,
         plain_lm_head_cross_entropy,
     )
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
 
     try:
         vocabs = [int(v) for v in args.vocabs.split(",") if v.strip()]
@@ -207,7 +207,11 @@ def _sweep_table(sweep: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/loss.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/loss.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.loss``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loss", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

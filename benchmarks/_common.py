@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -13,7 +14,18 @@ from typing import Any
 
 import torch
 
-RESULTS_DIR = Path(os.environ.get("AGOQ_RESULTS_DIR", "benchmarks/results"))
+# The committed results beside this file (whatever the working directory), or $AGOQ_RESULTS_DIR.
+RESULTS_DIR = Path(os.environ.get("AGOQ_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+
+
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """How to run this benchmark again from the repository root: ``python -m benchmarks.MODULE ARGS``.
+
+    ``argv`` defaults to this process's arguments (``python -m benchmarks NAME ...`` hands its
+    benchmark only the arguments after NAME, so these are the benchmark's own either way).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", "-m", f"benchmarks.{module}", *args])
 
 
 def machine_info() -> dict[str, Any]:
@@ -77,12 +89,15 @@ def git_revision() -> str:
 
 
 def write_result(name: str, results: Any, *, command: str | None = None, out_dir: Path | None = None) -> Path:
-    """Write ``results`` with command, revision, machine and date to <out_dir>/<name>.json."""
+    """Write ``results`` with command, revision, machine and date to <out_dir>/<name>.json.
+
+    ``out_dir`` defaults to RESULTS_DIR; ``command`` to :func:`command_line` of the module ``name``.
+    """
     out_dir = Path(out_dir or RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,
-        "command": command or " ".join(["agoq", *sys.argv[1:]]),
+        "command": command or command_line(name),
         "git_revision": git_revision(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

@@ -50,7 +50,7 @@ def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, A
 
 def run(args: argparse.Namespace) -> int:
     """Time the runs one after another and write run_time.json."""
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
     from agoq.train.compute_dtype import cpu_flags
 
     short = [f"--train.steps={args.short_steps}", "--checkpoint.every=0"]
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     results = {"rows": rows}
     flag = " --no-avx2-row" if args.no_avx2_row else ""
-    write_result("run_time", results, command=f"agoq bench run-time --steps {args.steps} --short-steps {args.short_steps}{flag}")
+    write_result("run_time", results, command=f"python -m benchmarks.run_time --steps {args.steps} --short-steps {args.short_steps}{flag}")
     print(readme_markdown(results))
     return 0
 
@@ -87,7 +87,11 @@ def readme_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Script entry point."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.run_time``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run_time", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,40 +15,42 @@ from typing import Any, Callable
 
 DESCRIPTION = "rewrite the README's result tables from benchmarks/results/*.json"
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _quant_throughput(r: dict[str, Any]) -> str:
-    from agoq.bench.quant_throughput import _markdown
+    from benchmarks.quant_throughput import _markdown
 
     return _markdown(r["rows"], r["numel"], r["device"], r["threads"])
 
 
 def _quant_block_size(r: dict[str, Any]) -> str:
-    from agoq.bench.quant_block_size import _markdown
+    from benchmarks.quant_block_size import _markdown
 
     blocks = sorted({row["block"] for row in r["rows"]})
     return _markdown(r["rows"], blocks, r["model"])
 
 
 def _activation(r: dict[str, Any]) -> str:
-    from agoq.bench.activation import _markdown
+    from benchmarks.activation import _markdown
 
     return _markdown(r["measured"], r.get("analytical", []))
 
 
 def _grad_error(r: dict[str, Any]) -> str:
-    from agoq.bench.grad_error import _markdown
+    from benchmarks.grad_error import _markdown
 
     return _markdown(r)
 
 
 def _loss(r: dict[str, Any]) -> str:
-    from agoq.bench.loss import _table
+    from benchmarks.loss import _table
 
     return _table(r["rows"])
 
 
 def _allreduce(r: dict[str, Any]) -> str:
-    from agoq.bench.allreduce import local_table, netns_table
+    from benchmarks.allreduce import local_table, netns_table
 
     parts = [local_table(r["local"]["rows"])]
     if r.get("netns"):
@@ -57,7 +59,7 @@ def _allreduce(r: dict[str, Any]) -> str:
 
 
 def _plan_vs_paper(r: dict[str, Any]) -> str:
-    from agoq.bench.plan_vs_paper import markdown
+    from benchmarks.plan_vs_paper import markdown
 
     return markdown(r)
 
@@ -92,7 +94,7 @@ def render(name: str, results_dir: Path) -> str:
 
         # convergence_<preset> and step_profile_<preset>_<dtype> come from one module each
         module = "convergence" if name.startswith("convergence_") else "step_profile" if name.startswith("step_profile_") else name
-        extra = getattr(import_module(f"agoq.bench.{module}"), "readme_markdown")
+        extra = getattr(import_module(f"benchmarks.{module}"), "readme_markdown")
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 
 
@@ -112,8 +114,10 @@ def update_readme(readme: Path, results_dir: Path) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Paths of the README and the results folder."""
-    parser.add_argument("--readme", default="README.md", help="the README to rewrite in place")
-    parser.add_argument("--results", default="benchmarks/results", help="folder of the JSON result files")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"), help="the README to rewrite in place (default: this checkout's)")
+    parser.add_argument(
+        "--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the JSON result files (default: the committed ones)"
+    )
     parser.add_argument("--check", action="store_true", help="fail if the README differs from what the files give (for CI)")
 
 
@@ -126,9 +130,20 @@ def run(args: argparse.Namespace) -> int:
         after = readme.read_text()
         readme.write_text(before)
         if after != before:
-            print("README result tables are stale: run `agoq bench readme`")
+            print("README result tables are stale: run `python -m benchmarks.readme`")
             return 1
         print(f"README result tables match {len(names)} result file(s)")
         return 0
     print(f"updated {len(names)} table(s): {', '.join(names)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and rewrite the tables (``python -m benchmarks.readme``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,7 +38,7 @@ THRESHOLD = 0.10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench plan-vs-paper``."""
+    """Options of ``python -m benchmarks.plan_vs_paper``."""
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size assumed for every case (default 8)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown")
 
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     """Compare, print, write benchmarks/results/plan_vs_paper.json."""
     import json
 
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
 
     res = compare(args.tp)
     write_result("plan_vs_paper", res)
@@ -214,7 +214,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the comparison (the ``benchmarks/plan_vs_paper.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/plan_vs_paper.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.plan_vs_paper``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.plan_vs_paper", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

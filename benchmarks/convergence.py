@@ -246,7 +246,7 @@ def plot(done: dict[tuple[str, int], dict[str, Any]], path: Path, entropy: float
 
 def run(args: argparse.Namespace) -> int:
     """Train every configuration (cached), then write the JSON, the PNG and a markdown table."""
-    from agoq.bench._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, write_result
 
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     entropy = unigram_entropy_nats()
     result_name = "convergence" if args.model == "tiny" else f"convergence_{args.model.replace('-', '_').replace('.', '_')}"
-    command = f"agoq bench convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
+    command = f"python -m benchmarks.convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
     if args.model != "tiny":
         command += f" --model {args.model} --runs {args.runs}"
     done: dict[tuple[str, int], dict[str, Any]] = {}
@@ -358,7 +358,11 @@ def _diff(results: dict[str, Any], name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Script entry point."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.convergence``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,7 @@ GRADIENT_FORMATS = "int8,fp8"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``agoq bench quant-block-size``."""
+    """Options of ``python -m benchmarks.quant_block_size``."""
     parser.add_argument("--blocks", default=DEFAULT_BLOCKS, help=f"comma-separated block sizes (default {DEFAULT_BLOCKS})")
     parser.add_argument("--activation-formats", default=ACTIVATION_FORMATS, help="formats tried on activations")
     parser.add_argument("--gradient-formats", default=GRADIENT_FORMATS, help="formats tried on weight gradients")
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from agoq.bench._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, write_result
     from agoq.quant import DEFAULT_ACTIVATION_BLOCK, DEFAULT_GRADIENT_BLOCK, parse_format
 
     if args.threads:
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         "defaults": {"activation_block": DEFAULT_ACTIVATION_BLOCK, "gradient_block": DEFAULT_GRADIENT_BLOCK},
         "rows": rows,
     }
-    command = "agoq bench quant-block-size " + " ".join(
+    command = "python -m benchmarks.quant_block_size " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k not in ("json", "_bench_run", "command", "bench")
     )
     path = write_result("quant_block_size", results, command=command)
@@ -246,7 +246,11 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the benchmark (the ``benchmarks/quant_block_size.py`` entry point)."""
-    parser = argparse.ArgumentParser(prog="benchmarks/quant_block_size.py", description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.quant_block_size``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quant_block_size", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -85,7 +85,7 @@ def _measure(label: str, policy: list[str], recompute: int, args: argparse.Names
 
 def run(args: argparse.Namespace) -> int:
     """Measure AGoQ without recompute and bf16 with every recompute depth; pick what fits the cap."""
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
     from agoq.train.config import load_config
 
     layers = load_config(None, []).model_config().n_layers // args.pp
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         results,
         out_dir=args.out_dir,
         command=(
-            f"agoq bench fixed-budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} "
+            f"python -m benchmarks.fixed_budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} "
             f"--pp {args.pp} --dp {args.dp} --microbatches {args.microbatches} --quant-backend {args.quant_backend}"
         ),
     )
@@ -158,7 +158,11 @@ def readme_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Script entry point."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.fixed_budget``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fixed_budget", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

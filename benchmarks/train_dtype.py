@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train the default configuration twice, once per compute dtype, and compare step times."""
-    from agoq.bench._common import write_result
+    from benchmarks._common import write_result
     from agoq.train.config import load_config
     from agoq.train.run import launch
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_flags": list(cpu_bf16_flags()),
     }
-    write_result("train_dtype", results, out_dir=args.out_dir, command=f"agoq bench train-dtype --steps {args.steps}")
+    write_result("train_dtype", results, out_dir=args.out_dir, command=f"python -m benchmarks.train_dtype --steps {args.steps}")
     print(readme_markdown(results))
     return 0
 
@@ -78,7 +78,11 @@ def readme_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Script entry point."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.train_dtype``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train_dtype", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from agoq.bench._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, write_result
     from agoq.quant import backend
     from agoq.train.compute_dtype import cpu_bf16_flags
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         "setup": "1 process (pp = dp = 1), 4 micro-batches of 4 x 128 tokens, AdamW; int8 gradients fold into the 8-bit buffer (no communication at dp = 1)",
         "rows": rows,
     }
-    cmd = f"agoq bench step-profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
+    cmd = f"python -m benchmarks.step_profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
     name = f"step_profile_{args.model}_{args.dtype}"
     results["history"] = history(Path(args.out_dir or RESULTS_DIR) / f"{name}.json")
     write_result(name, results, command=cmd, out_dir=args.out_dir)
@@ -227,7 +227,11 @@ def readme_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Script entry point."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    """Parse argv and run the benchmark (``python -m benchmarks.step_profile``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
