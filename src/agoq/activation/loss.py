@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from agoq.activation.ops import rms_norm
+
 # A chunk's fp32 logits take at most this many bytes; the chunk's working set is about three times
 # that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
 # the gradient cast back). Some work is paid once per chunk whatever its size, in proportion to the
@@ -108,6 +110,54 @@ def chunked_lm_head_cross_entropy(
     if recompute or reduction == "none":
         return _RecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
     return _PrecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
+
+
+def normed_lm_head_cross_entropy(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of RMSNorm(x) @ weight.T, keeping only x and the targets (the final norm is recomputed too).
+
+    The chunked loss alone keeps the normed hidden states, and the final norm keeps its input
+    beside them: two [tokens, hidden] tensors. Here backward recomputes the norm and the loss from
+    x, so what is kept outside the decoder layers is x and the targets, nothing vocab-sized, for one
+    more norm and the chunked loss's gradients computed in backward instead of forward (the same
+    number of LM-head GEMMs as the recompute path).
+    """
+    return _NormedLoss.apply(x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size)
+
+
+class _NormedLoss(torch.autograd.Function):
+    """RMSNorm + chunked loss; keeps the norm input and targets, recomputes both in backward."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size):
+        ctx.save_for_backward(x, norm_weight, weight, targets)
+        ctx.args = (eps, ignore_index, reduction, chunk_size)
+        with torch.no_grad():
+            return chunked_lm_head_cross_entropy(
+                rms_norm(x, norm_weight, eps), weight, targets, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size
+            )
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, norm_weight, weight, targets = ctx.saved_tensors
+        eps, ignore_index, reduction, chunk_size = ctx.args
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((x, norm_weight, weight), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            loss = chunked_lm_head_cross_entropy(
+                rms_norm(inputs[0], inputs[1], eps), inputs[2], targets, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size
+            )
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(loss, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None, None)
 
 
 def loss_saved_bytes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, fused: bool, *, recompute: bool = False) -> int:

@@ -1,0 +1,1 @@
+"""Where users already train: AGoQ inside other libraries' models and loops (Hugging Face transformers)."""

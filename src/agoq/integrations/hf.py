@@ -1,0 +1,267 @@
+"""AGoQ's saved-activation savings for Hugging Face ``transformers`` models, patched in place.
+
+``apply_agoq(model)`` gives a ``LlamaForCausalLM`` (and Mistral, Qwen2, Qwen3: their decoder layers
+are built the same way) what ``agoq train`` gives agoq's own model:
+
+- each decoder layer runs agoq's fused ops: RMSNorm + q/k/v and RMSNorm + gate/up keep only the
+  quantized norm input, SwiGLU + down keeps quantized gate and up, o_proj keeps its input
+  quantized. The attention core is the model's own (SDPA, eager, ...), unchanged, at full precision.
+  Which tensor is kept at which format comes from :func:`agoq.activation.make_policy`, the recipe
+  ``agoq train`` uses (``policy``, ``formats``, ``layer_bits``);
+- with labels and autograd on, the final norm, LM head and cross-entropy run as one chunked op
+  that keeps only the final norm's input and the labels, nothing vocab-sized
+  (``outputs.logits`` is then None; :func:`agoq.activation.loss.normed_lm_head_cross_entropy`).
+
+What does not change: the forward's values (fp32: equal to the unpatched model within float
+rounding; bf16: agoq's norm multiplies by its weight in fp32 before one rounding, HF rounds twice),
+the parameters and buffers (``save_pretrained`` writes the same files), and every call made without
+autograd (``generate``, evaluation): it runs the model's own code. :func:`remove_agoq` undoes the patch.
+
+Projections wrapped by adapters (PEFT/LoRA) are not fused: such a layer runs its own code, with a
+warning, since the adapter reads the normed input that the fused op never materialises.
+Biases on q/k/v/o (Qwen2) are added after the fused GEMMs; an MLP with biases or an activation other
+than SiLU is refused when patching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from agoq.activation.loss import normed_lm_head_cross_entropy
+from agoq.activation.ops import rms_norm, rms_norm_linear, saved_input_linear, swiglu_linear
+from agoq.activation.policy import ActivationPolicy, make_policy
+
+# Decoder layers whose structure the patch relies on (pre-norm attention + SwiGLU MLP, HF RMSNorm).
+SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+_PATCH = "_agoq_patch"  # the model attribute holding the applied patch
+_PENDING = "_agoq_pending"  # a projection's output (or its fused call) set by its layer for one call
+IGNORE_INDEX = -100  # transformers' label for "no loss here"
+_DEFERRED = "_agoq_deferred"  # set on the final norm while the fused loss applies it itself
+
+
+@dataclass
+class AgoqPatch:
+    """What :func:`apply_agoq` changed on one model; :meth:`remove` restores it."""
+
+    model: nn.Module
+    policy: ActivationPolicy
+    layers: dict[int, nn.Module]
+    patched: list[nn.Module] = field(default_factory=list)  # modules given an instance ``forward``
+
+    def remove(self) -> None:
+        """Drop every patched forward (the modules' own class methods apply again)."""
+        for module in self.patched:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop(_PENDING, None)
+        for layer in self.layers.values():
+            for name in ("_agoq_index", "_agoq_policy", "_agoq_warned"):
+                layer.__dict__.pop(name, None)
+        self.model.__dict__.pop(_PATCH, None)
+        self.patched.clear()
+
+
+def apply_agoq(
+    model: nn.Module,
+    policy: str | ActivationPolicy = "agoq",
+    *,
+    formats: dict[str, str | None] | None = None,
+    layer_bits: list[int] | tuple[int, ...] | None = None,
+    fused_loss: bool | None = None,
+) -> AgoqPatch:
+    """Patch a transformers causal LM (or its base model) in place; returns the patch (``.remove()`` undoes it).
+
+    ``policy``: 'agoq' (4-bit norm, SwiGLU and o_proj inputs), 'bf16' (the baseline's saved tensors
+    through the same code), 'uniform4', or an :class:`ActivationPolicy`. ``formats`` overrides a
+    kind's format (e.g. ``{"act_input": "fp4/128"}``); ``layer_bits`` gives each decoder layer its
+    integer bit width (16 keeps it unquantized), as ``agoq train``'s stage bits do.
+    """
+    if getattr(model, _PATCH, None) is not None:
+        raise ValueError("this model is already patched by agoq; call remove_agoq(model) first to change the policy")
+    layers = _decoder_layers(model)
+    if isinstance(policy, str):
+        policy = make_policy(policy, formats, layer_bits=layer_bits, fused_loss=fused_loss)
+    elif formats is not None or layer_bits is not None or fused_loss is not None:
+        raise ValueError("formats, layer_bits and fused_loss configure a policy by name; an ActivationPolicy already carries them")
+    if policy.layer_bits is not None and len(policy.layer_bits) != len(layers):
+        raise ValueError(f"layer_bits has {len(policy.layer_bits)} entries but the model has {len(layers)} decoder layers")
+    for index, layer in layers.items():
+        _check_layer(index, layer)
+    patch = AgoqPatch(model, policy, layers)
+    for index, layer in layers.items():
+        layer._agoq_index, layer._agoq_policy = index, policy
+        _set_forward(patch, layer, _layer_forward)
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            if type(proj) is nn.Linear:  # an adapter's wrapper keeps its own forward (the layer then runs unpatched)
+                _set_forward(patch, proj, _projection_forward)
+        for head_norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):  # Qwen3
+            if hasattr(head_norm, "variance_epsilon"):
+                _set_forward(patch, head_norm, _head_norm_forward)
+    norm = getattr(_base_model(model), "norm", None)
+    head = getattr(model, "lm_head", None)
+    if policy.fused_loss and hasattr(norm, "variance_epsilon") and isinstance(head, nn.Linear) and head.bias is None:
+        _set_forward(patch, norm, _final_norm_forward)
+        _set_forward(patch, model, _causal_lm_forward)
+    model.__dict__[_PATCH] = patch
+    return patch
+
+
+def remove_agoq(model: nn.Module) -> None:
+    """Undo :func:`apply_agoq` on ``model`` (nothing to do if it is not patched)."""
+    patch = getattr(model, _PATCH, None)
+    if patch is not None:
+        patch.remove()
+
+
+def agoq_patch(model: nn.Module) -> AgoqPatch | None:
+    """The patch applied to ``model`` (or to the model a wrapper such as DDP holds), or None."""
+    while model is not None:
+        patch = model.__dict__.get(_PATCH)
+        if patch is not None:
+            return patch
+        model = getattr(model, "module", None)
+    return None
+
+
+# ---- finding and checking the layers -------------------------------------------------------------
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack: ``model.model`` of a causal LM, or the model itself."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
+
+
+def _decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
+    layers = getattr(_base_model(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers; apply_agoq patches LLaMA-architecture causal LMs")
+    for layer in layers:
+        if type(layer).__name__ not in SUPPORTED_LAYERS:
+            raise ValueError(f"{type(layer).__name__} is not a supported decoder layer; apply_agoq supports {', '.join(SUPPORTED_LAYERS)}")
+    return dict(enumerate(layers))
+
+
+def _check_layer(index: int, layer: nn.Module) -> None:
+    """Refuse, naming what is unsupported, a layer the fused ops would compute differently."""
+    mlp = layer.mlp
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        proj = getattr(mlp, name)
+        if isinstance(proj, nn.Linear) and proj.bias is not None:
+            raise ValueError(f"layer {index}: mlp.{name} has a bias; agoq's fused SwiGLU has none (config.mlp_bias must be False)")
+    act = getattr(mlp, "act_fn", None)
+    if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        raise ValueError(f"layer {index}: the MLP activation is {type(act).__name__}; agoq's fused SwiGLU needs SiLU (hidden_act='silu')")
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if not hasattr(norm, "variance_epsilon"):
+            raise ValueError(f"layer {index}: {type(norm).__name__} is not an RMSNorm with variance_epsilon")
+
+
+def _set_forward(patch: AgoqPatch, module: nn.Module, fn: Callable[..., Any]) -> None:
+    module.__dict__["forward"] = types.MethodType(fn, module)
+    patch.patched.append(module)
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """Whether every projection of the layer is the plain Linear the patch fuses (not wrapped by an adapter)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return all(type(p) is nn.Linear for p in projections)
+
+
+# ---- patched forwards ----------------------------------------------------------------------------
+
+
+def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The decoder layer through agoq's fused ops; the model's own forward without autograd or with adapters."""
+    if not torch.is_grad_enabled() or args or not _fusable(self):
+        if torch.is_grad_enabled() and not _fusable(self) and not self.__dict__.get("_agoq_warned"):
+            self._agoq_warned = True
+            warnings.warn(f"agoq: decoder layer {self._agoq_index} has adapter-wrapped projections; it runs unpatched (no saving)", stacklevel=2)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    p = self._agoq_policy.layer(self._agoq_index)
+    attn, mlp = self.self_attn, self.mlp
+    x = hidden_states
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv = rms_norm_linear(x, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, [w.weight for w in projections], p.norm_input)
+    try:
+        # The attention module runs its own code (rope, cache, attention kernel, q/k norms) on
+        # projections it reads back from its q/k/v_proj, already computed from the fused norm.
+        for proj, out in zip(projections, qkv):
+            proj.__dict__[_PENDING] = out if proj.bias is None else out + proj.bias
+        attn.o_proj.__dict__[_PENDING] = lambda o: saved_input_linear(o, attn.o_proj.weight, p.out_proj_input)
+        attn_out = attn(hidden_states=x, **kwargs)[0]
+    finally:
+        for proj in (*projections, attn.o_proj):
+            proj.__dict__.pop(_PENDING, None)
+    x = x + attn_out
+    norm = self.post_attention_layernorm
+    gate, up = rms_norm_linear(x, norm.weight, norm.variance_epsilon, [mlp.gate_proj.weight, mlp.up_proj.weight], p.norm_input)
+    return x + swiglu_linear(gate, up, mlp.down_proj.weight, p.act_input)
+
+
+def _projection_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The output its layer computed (q/k/v), or the fused call it set (o_proj); else a plain Linear."""
+    pending = self.__dict__.pop(_PENDING, None)
+    if pending is None:
+        return F.linear(x, self.weight, self.bias)
+    if callable(pending):
+        out = pending(x)
+        return out if self.bias is None else out + self.bias
+    return pending
+
+
+def _head_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head q/k norm through agoq's RMSNorm under autograd: keeps x and an fp32 rstd per
+    head, where transformers' keeps an fp32 copy of x and its normed product as well."""
+    if not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _final_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x itself while the fused loss owns the final norm; the model's own norm otherwise."""
+    if self.__dict__.get(_DEFERRED):
+        return x
+    return type(self).forward(self, x)
+
+
+def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """The chunked LM head + loss when training with labels (no logits kept or returned); the model's own otherwise."""
+    plain = labels is None or not torch.is_grad_enabled() or args or kwargs.get("output_hidden_states")
+    norm = getattr(self.model, "norm", None)
+    if plain or kwargs.get("logits_to_keep", 0) not in (0, None) or not hasattr(norm, "variance_epsilon"):
+        return type(self).forward(self, input_ids, *args, labels=labels, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    kwargs.pop("logits_to_keep", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    num_items = kwargs.get("num_items_in_batch")
+    norm.__dict__[_DEFERRED] = True
+    try:
+        outputs = self.model(input_ids=input_ids, **kwargs)
+    finally:
+        norm.__dict__.pop(_DEFERRED, None)
+    hidden = outputs.last_hidden_state  # before the final norm, which the loss applies and recomputes
+    if shift_labels is None:
+        # transformers' causal-LM loss: token t predicts label t + 1, the last position predicts nothing.
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.to(hidden.device)
+    reduction = "sum" if num_items is not None else "mean"
+    loss = normed_lm_head_cross_entropy(
+        hidden, norm.weight, norm.variance_epsilon, self.lm_head.weight, targets, ignore_index=ignore_index, reduction=reduction
+    )
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    extra = {name: getattr(outputs, name, None) for name in ("cache", "past_key_values") if name in names}
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
