@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -12,10 +13,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-
 # The committed results beside this file (whatever the working directory), or $AGOQ_RESULTS_DIR.
 RESULTS_DIR = Path(os.environ.get("AGOQ_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+
+
+def add_out_dir(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """The --out-dir option: the folder of the result JSON (and PNG), and of ``what`` else the benchmark writes.
+
+    Without it results go to RESULTS_DIR. With it nothing is written anywhere else
+    (tests/test_benchmarks.py checks that the committed results stay as they are).
+    """
+    also = f" and {what}" if what else ""
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help=f"folder for the result JSON (and PNG){also}; nothing is written elsewhere (default: the result in benchmarks/results, or $AGOQ_RESULTS_DIR)",
+    )
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:
@@ -30,6 +43,8 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
 
 def machine_info() -> dict[str, Any]:
     """CPU/GPU, core count, memory and software versions of this machine."""
+    import torch
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": _cpu_model(),

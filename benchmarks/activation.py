@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "saved-for-backward bytes per decoder layer by kind: bf16 baseline vs agoq vs uniform4, measured and analytical"
 
 POLICIES = ("bf16", "agoq", "uniform4")
@@ -36,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown tables")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    add_out_dir(parser)
 
 
 def measure(model_name: str, batch: int, seq: int, dtype_name: str, layers: int, vocab: int | None) -> dict[str, Any]:
@@ -187,7 +190,7 @@ def _plot(res: dict[str, Any], path: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, print a table (or JSON), write benchmarks/results/activation.json and .png."""
+    """Measure, print a table (or JSON), write activation.json and .png (into --out-dir or benchmarks/results)."""
     import json
 
     from benchmarks._common import write_result
@@ -199,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     extra = analytical(presets, args.batch, args.seq) if presets else []
     results = {"measured": res, "analytical": extra}
-    path = write_result("activation", results)
+    path = write_result("activation", results, out_dir=args.out_dir)
     if not args.no_plot:
         _plot(res, path.with_suffix(".png"))
     print(json.dumps(results, indent=2) if args.json else _markdown(res, extra))

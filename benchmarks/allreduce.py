@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "8-bit vs fp32/bf16 all-reduce: wire bytes and time per phase, locally and over two tc-shaped network namespaces"
 
 METHODS = ("fp32", "bf16", "8bit")
@@ -70,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fmt", default="int8/256", help="8-bit wire format (default int8/256)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown tables")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    add_out_dir(parser)
     # Internal: one rank of the netns run, started by this module inside a namespace.
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
@@ -438,10 +441,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; write benchmarks/results/allreduce.json (+ .png); print tables."""
+    """Run the benchmark; write allreduce.json (+ .png) into --out-dir or benchmarks/results; print tables."""
     if args.worker is not None:
         return _netns_worker(args)
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import write_result
 
     if args.ranks < 2:
         raise SystemExit(f"--ranks must be at least 2, got {args.ranks}")
@@ -474,9 +477,9 @@ def run(args: argparse.Namespace) -> int:
         if reason:
             print(f"two-host run skipped: {reason}", file=sys.stderr)
     results["loadavg_after"] = os.getloadavg()
-    path = write_result("allreduce", results)
+    path = write_result("allreduce", results, out_dir=args.out_dir)
     if not args.no_plot:
-        _plot(results, Path(RESULTS_DIR) / "allreduce.png")
+        _plot(results, path.with_suffix(".png"))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

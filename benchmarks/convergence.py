@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "loss, validation loss, grad norm, memory and step time of bf16 vs AGoQ and its ablations (pp=2 x dp=2)"
 
 # name -> (what it is, config overrides). bf16 is the baseline: bf16 saved activations, fp32 all-reduce.
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds for the bf16 baseline and full AGoQ (the ablations use seed 0)")
     parser.add_argument("--eval-every", type=int, default=25, help="validation loss every N steps")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
-    parser.add_argument("--out-dir", default="runs/bench_convergence", help="folder for the runs and their cached summaries")
+    add_out_dir(parser, "the runs with their cached summaries (default: under runs/bench_convergence, runs/bench_convergence_MODEL for other models)")
     parser.add_argument("--cached-only", action="store_true", help="write the result from the runs already cached, training none")
     parser.add_argument("--model", default="tiny", help="model preset; other than tiny, results go to convergence_<preset>.json")
 
@@ -246,19 +248,24 @@ def plot(done: dict[tuple[str, int], dict[str, Any]], path: Path, entropy: float
 
 def run(args: argparse.Namespace) -> int:
     """Train every configuration (cached), then write the JSON, the PNG and a markdown table."""
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import write_result
 
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise SystemExit(f"--runs: unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
-    out_dir = Path(args.out_dir) if args.model == "tiny" else Path(f"{args.out_dir}_{args.model}")
+    if args.out_dir:
+        out_dir = Path(args.out_dir) if args.model == "tiny" else Path(args.out_dir) / args.model
+    else:
+        out_dir = Path("runs/bench_convergence" if args.model == "tiny" else f"runs/bench_convergence_{args.model}")
     out_dir.mkdir(parents=True, exist_ok=True)
     entropy = unigram_entropy_nats()
     result_name = "convergence" if args.model == "tiny" else f"convergence_{args.model.replace('-', '_').replace('.', '_')}"
     command = f"python -m benchmarks.convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
     if args.model != "tiny":
         command += f" --model {args.model} --runs {args.runs}"
+    if args.out_dir:
+        command += f" --out-dir {args.out_dir}"
     done: dict[tuple[str, int], dict[str, Any]] = {}
     for name, seed in _plan(names, args.seeds):
         got = run_one(name, seed, args.steps, args.eval_every, out_dir, train=not args.cached_only, model=args.model)
@@ -275,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
             "targets": targets(rows, entropy),
             "trajectories": {f"{n}_s{s}": {"loss": r["loss"], "grad_norm": r["grad_norm"], "val": r["val"]} for (n, s), r in done.items()},
         }
-        write_result(result_name, results, command=command)
-        plot(done, RESULTS_DIR / f"{result_name}.png", entropy)
+        path = write_result(result_name, results, command=command, out_dir=args.out_dir)
+        plot(done, path.with_suffix(".png"), entropy)
     print(readme_markdown(results))
     return 0
 

@@ -12,6 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "bf16 with activation recompute vs AGoQ without, under the same saved-activation cap: peaks and step times"
 
 BF16 = ["--precision.activations=bf16", "--precision.gradients=fp32"]
@@ -28,11 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step on each dp rank")
-    parser.add_argument(
-        "--out-dir",
-        default=None,
-        help="folder for the runs and the result JSON (default: runs under runs/bench_fixed_budget, the result in benchmarks/results)",
-    )
+    add_out_dir(parser, "the runs (default: under runs/bench_fixed_budget)")
     parser.add_argument(
         "--quant-backend",
         default="compiled",
@@ -115,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         command=(
             f"python -m benchmarks.fixed_budget --batch-size {args.batch_size} --seq-len {args.seq_len} --steps {args.steps} "
             f"--pp {args.pp} --dp {args.dp} --microbatches {args.microbatches} --quant-backend {args.quant_backend}"
+            + (f" --out-dir {args.out_dir}" if args.out_dir else "")
         ),
     )
     print(readme_markdown(results))

@@ -18,6 +18,8 @@ import argparse
 import contextlib
 from typing import Any, Iterator
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "relative L2 gradient error by layer kind under agoq / uniform4 / single-kind 4-bit, vs the unquantized baseline"
 
 # (column name, make_policy name, overrides) - the loss path is the plain one for every column.
@@ -62,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=2, help="measured batches, errors pooled over them (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
+    add_out_dir(parser)
 
 
 class _InputRecorder:
@@ -266,7 +269,7 @@ def _markdown(res: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, print a table (or JSON), write benchmarks/results/grad_error.json."""
+    """Measure, print a table (or JSON), write grad_error.json (into --out-dir or benchmarks/results)."""
     import json
 
     from benchmarks._common import write_result
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     if args.train_steps < 0:
         raise SystemExit(f"--train-steps must be >= 0, got {args.train_steps}")
     res = measure(args)
-    write_result("grad_error", res)
+    write_result("grad_error", res, out_dir=args.out_dir)
     print(json.dumps(res, indent=2) if args.json else _markdown(res))
     return 0
 

@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Any, Callable
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "GB/s of each quantize/dequantize and fused kernel (torch path vs Triton) as a share of a device-to-device copy of the same bytes"
 
 DEFAULT_FORMATS = "int4,int5,int6,int8,fp4,nf4,fp8,int8/256"
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per kernel; the median is reported")
     parser.add_argument("--inner", type=int, default=10, help="calls per timed round")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, one round: check the benchmark runs (times are meaningless)")
-    parser.add_argument("--out-dir", default=None, help="directory of kernels.json / kernels.png (default benchmarks/results)")
+    add_out_dir(parser)
 
 
 class _Timer:
@@ -237,11 +239,9 @@ def _cases(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """Time every kernel and a same-bytes copy, print a table, write kernels.json (and a PNG)."""
-    from pathlib import Path
-
     import torch
 
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import write_result
     from agoq.quant import backend
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -320,10 +320,10 @@ def run(args: argparse.Namespace) -> int:
         f"--formats {args.formats} --backends {args.backends}"
         + (f" --tiles {args.tiles}" if args.tiles else "")
         + (" --dry-run" if args.dry_run else "")
+        + (f" --out-dir {args.out_dir}" if args.out_dir else "")
     )
-    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
-    path = write_result("kernels", results, command=command, out_dir=out_dir)
-    _plot(rows, out_dir / "kernels.png", results["device_name"])
+    path = write_result("kernels", results, command=command, out_dir=args.out_dir)
+    _plot(rows, path.with_suffix(".png"), results["device_name"])
     print(_markdown(rows, results))
     print(f"\nwritten: {path}")
     return 0

@@ -7,6 +7,8 @@ import json
 import time
 from typing import Any, Callable, Iterable
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "LM head + cross-entropy: step time and bytes kept for backward, plain vs fused (chunked, no logits kept)"
 
 _DTYPES = ("bf16", "fp32")
@@ -21,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (fastest reported), after one warm-up round")
     parser.add_argument("--chunk-sweep", action="store_true", help="also time the fused loss over a range of chunk sizes")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
+    add_out_dir(parser)
 
 
 def saved_bytes(fn: Callable[[], Any], exclude: Iterable[Any] = ()) -> tuple[int, Any]:
@@ -43,7 +46,7 @@ def saved_bytes(fn: Callable[[], Any], exclude: Iterable[Any] = ()) -> tuple[int
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure both paths for each vocab size, print a table, write benchmarks/results/loss.json."""
+    """Measure both paths for each vocab size, print a table, write loss.json (into --out-dir or benchmarks/results)."""
     import torch
 
     from agoq.activation.loss import (
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         hidden = weight = targets = None  # free this vocabulary's tensors before the next one's
 
     results = {"rows": rows, "chunk_sweep": sweep}
-    write_result("loss", results)
+    write_result("loss", results, out_dir=args.out_dir)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

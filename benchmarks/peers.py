@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "plain torch DDP and DeepSpeed ZeRO-1 vs agoq train (pp=1 x dp=2) on the same model, data and tokens per step"
 
 DP = 2
@@ -27,7 +29,7 @@ DP = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length and where runs go."""
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (the first two are not timed)")
-    parser.add_argument("--out-dir", default="runs/bench_peers", help="folder for agoq train's outputs")
+    add_out_dir(parser, "agoq train's runs (default: under runs/bench_peers)")
 
 
 # agoq train at pp=1 x dp=2, one micro-batch per step (the peers' batch), per precision policy.
@@ -262,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     from benchmarks._common import write_result
 
     rows = [run_peer("ddp", args.steps), run_peer("deepspeed_zero1", args.steps)]
-    out = Path(args.out_dir)
+    out = Path(args.out_dir or "runs/bench_peers")
     rows += [run_agoq(label, args.steps, out) for label in AGOQ_RUNS]
     for r in rows:
         if "error" not in r:
@@ -279,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "rows": rows,
     }
-    write_result("peers", results, command=f"python -m benchmarks.peers --steps {args.steps}")
+    command = f"python -m benchmarks.peers --steps {args.steps}" + (f" --out-dir {args.out_dir}" if args.out_dir else "")
+    write_result("peers", results, command=command, out_dir=args.out_dir)
     print(readme_markdown(results))
     return 0
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "agoq plan's per-GPU peaks beside the paper's measurements (LLaMA2-13B 12K, LLaMA3-8B 32K/64K), differences explained"
 
 # Paper Table 1 per decoder layer, in U = batch x seq x hidden x 2 bytes.
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m benchmarks.plan_vs_paper``."""
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size assumed for every case (default 8)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown")
+    add_out_dir(parser)
 
 
 def compare(tp: int = 8) -> dict[str, Any]:
@@ -202,13 +205,13 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Compare, print, write benchmarks/results/plan_vs_paper.json."""
+    """Compare, print, write plan_vs_paper.json (into --out-dir or benchmarks/results)."""
     import json
 
     from benchmarks._common import write_result
 
     res = compare(args.tp)
-    write_result("plan_vs_paper", res)
+    write_result("plan_vs_paper", res, out_dir=args.out_dir)
     print(json.dumps(res, indent=2) if args.json else markdown(res))
     return 0
 

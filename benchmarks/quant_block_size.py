@@ -15,6 +15,8 @@ import math
 import time
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "relative L2 error vs bits per value by block size: 4-bit formats on real activations, int8 on real gradients"
 
 DEFAULT_BLOCKS = "32,64,128,256,512,1024"
@@ -36,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of markdown tables")
+    add_out_dir(parser)
 
 
 def _model_and_batches(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import write_result
     from agoq.quant import DEFAULT_ACTIVATION_BLOCK, DEFAULT_GRADIENT_BLOCK, parse_format
 
     if args.threads:
@@ -185,10 +188,10 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
     }
     command = "python -m benchmarks.quant_block_size " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k not in ("json", "_bench_run", "command", "bench")
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k != "json" and not (k == "out_dir" and v is None)
     )
-    path = write_result("quant_block_size", results, command=command)
-    _plot(rows, RESULTS_DIR / "quant_block_size.png")
+    path = write_result("quant_block_size", results, command=command, out_dir=args.out_dir)
+    _plot(rows, path.with_suffix(".png"))
     print(json.dumps(results, indent=2) if args.json else _markdown(rows, blocks, info))
     print(f"\nwritten: {path}")
     return 0

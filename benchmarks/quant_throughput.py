@@ -8,6 +8,8 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "quantize/dequantize throughput of every format on a large bf16 tensor, as GB/s and as a ratio to tensor.clone()"
 
 DEFAULT_FORMATS = "int2,int3,int4,int5,int6,int8,fp4,nf4,fp8,int8/256"
@@ -39,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends", default="torch,compiled", help="comma-separated quantization paths to time (agoq.quant.backend: torch, compiled, triton)"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a markdown table")
+    add_out_dir(parser)
 
 
 def _timer(device: Any) -> Any:
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import write_result
     from agoq.quant import backend, parse_format
 
     if args.repeats < 1:
@@ -96,9 +99,10 @@ def run(args: argparse.Namespace) -> int:
     command = (
         f"python -m benchmarks.quant_throughput --numel {n} --formats {','.join(f.name for f in formats)} "
         f"--repeats {args.repeats} --threads {args.threads} --device {args.device} --backends {','.join(backends)}"
+        + (f" --out-dir {args.out_dir}" if args.out_dir else "")
     )
-    path = write_result("quant_throughput", results, command=command)
-    _plot(rows, n, RESULTS_DIR / "quant_throughput.png")
+    path = write_result("quant_throughput", results, command=command, out_dir=args.out_dir)
+    _plot(rows, n, path.with_suffix(".png"))
     print(json.dumps(results, indent=2) if args.json else _markdown(rows, n, device, results["threads"]))
     print(f"\nwritten: {path}")
     return 0

@@ -14,6 +14,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "wall time of whole `agoq train` runs: the default, and a short run eager / compiled (warm and cold cache)"
 
 
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the default run held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) on a CPU with more than AVX2",
     )
+    add_out_dir(parser)  # the runs themselves go to temporary folders
 
 
 def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -68,8 +71,13 @@ def run(args: argparse.Namespace) -> int:
             ),
         ]
     results = {"rows": rows}
-    flag = " --no-avx2-row" if args.no_avx2_row else ""
-    write_result("run_time", results, command=f"python -m benchmarks.run_time --steps {args.steps} --short-steps {args.short_steps}{flag}")
+    flag = (" --no-avx2-row" if args.no_avx2_row else "") + (f" --out-dir {args.out_dir}" if args.out_dir else "")
+    write_result(
+        "run_time",
+        results,
+        command=f"python -m benchmarks.run_time --steps {args.steps} --short-steps {args.short_steps}{flag}",
+        out_dir=args.out_dir,
+    )
     print(readme_markdown(results))
     return 0
 

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "step time and a per-category profile of the bf16 policy vs AGoQ (eager and compiled quantization)"
 
 # (name, activations, gradients, quantization backend)
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: what each worker of the default 4-process run gets on 2 cores)")
-    parser.add_argument("--out-dir", default=None, help="folder of step_profile.json (default benchmarks/results)")
+    add_out_dir(parser, "the trainer's metrics, in OUT_DIR/run (default: runs/bench_step_profile)")
 
 
 def _category(name: str) -> str:
@@ -94,7 +96,7 @@ def _trainer(args: argparse.Namespace, activations: str, gradients: str, which: 
             "--parallel.dp=1",
             "--checkpoint.every=0",
             "--checkpoint.resume=false",
-            "--train.out_dir=runs/bench_step_profile",
+            f"--train.out_dir={Path(args.out_dir) / 'run' if args.out_dir else 'runs/bench_step_profile'}",
         ],
     )
     return Trainer(cfg)
@@ -173,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
     }
     cmd = f"python -m benchmarks.step_profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
+    if args.out_dir:
+        cmd += f" --out-dir {args.out_dir}"
     name = f"step_profile_{args.model}_{args.dtype}"
     results["history"] = history(Path(args.out_dir or RESULTS_DIR) / f"{name}.json")
     write_result(name, results, command=cmd, out_dir=args.out_dir)

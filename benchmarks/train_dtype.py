@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from benchmarks._common import add_out_dir
+
 DESCRIPTION = "step time of the default training run with bf16 vs fp32 compute, side by side"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length and where runs go."""
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (the first is not timed)")
-    parser.add_argument(
-        "--out-dir",
-        default=None,
-        help="folder for the runs and the result JSON (default: runs under runs/bench_train_dtype, the result in benchmarks/results)",
-    )
+    add_out_dir(parser, "the runs (default: under runs/bench_train_dtype)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_flags": list(cpu_bf16_flags()),
     }
-    write_result("train_dtype", results, out_dir=args.out_dir, command=f"python -m benchmarks.train_dtype --steps {args.steps}")
+    command = f"python -m benchmarks.train_dtype --steps {args.steps}" + (f" --out-dir {args.out_dir}" if args.out_dir else "")
+    write_result("train_dtype", results, out_dir=args.out_dir, command=command)
     print(readme_markdown(results))
     return 0
 

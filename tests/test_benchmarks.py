@@ -1,0 +1,139 @@
+"""The benchmarks package (benchmarks/, outside agoq): how it is run, and where its results go."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _committed() -> dict[str, bytes]:
+    """Every file of the committed results folder, by path, with its bytes."""
+    return {str(p.relative_to(RESULTS)): p.read_bytes() for p in sorted(RESULTS.rglob("*")) if p.is_file()}
+
+
+def _benchmarks() -> list[str]:
+    from benchmarks.__main__ import benchmark_names
+
+    return [n for n in benchmark_names() if n != "readme"]
+
+
+def _parser(name: str):
+    import argparse
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}")
+    module.add_arguments(parser)
+    return parser
+
+
+def test_every_benchmark_is_listed_and_runnable_as_a_module():
+    from benchmarks.__main__ import listing
+
+    names = _benchmarks()
+    assert {"allreduce", "train_dtype", "loss", "kernels"} <= set(names)
+    text = listing()
+    for name in [*names, "readme"]:
+        module = __import__(f"benchmarks.{name}", fromlist=["main"])
+        for attr in ("DESCRIPTION", "add_arguments", "run", "main"):
+            assert hasattr(module, attr), f"benchmarks.{name} has no {attr}"
+        assert f"  {name} " in text and module.DESCRIPTION in text
+        # `python -m benchmarks.NAME` must hand main()'s status to the shell.
+        source = Path(module.__file__).read_text()
+        assert source.rstrip().endswith('if __name__ == "__main__":\n    raise SystemExit(main())'), name
+
+
+def test_python_dash_m_benchmarks_lists_and_dispatches(capsys):
+    from benchmarks.__main__ import main
+
+    assert main([]) == 0
+    assert "train_dtype" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["train-dtype", "--help"])  # '-' or '_'
+    assert e.value.code == 0
+    assert "python -m benchmarks.train_dtype" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["no-such-benchmark"])
+    assert e.value.code == 2
+
+
+def test_agoq_bench_says_where_the_benchmarks_went(capsys):
+    from agoq.cli import main
+
+    assert main(["bench", "allreduce", "--only", "local"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "python -m benchmarks.NAME" in err
+
+
+def test_results_dir_is_beside_the_package_whatever_the_working_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "AGOQ_RESULTS_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    code = "from benchmarks._common import RESULTS_DIR; print(RESULTS_DIR)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert Path(out.strip()) == RESULTS
+    env["AGOQ_RESULTS_DIR"] = str(tmp_path / "elsewhere")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert Path(out.strip()) == tmp_path / "elsewhere"
+
+
+@pytest.mark.parametrize("name", _benchmarks())
+def test_every_benchmark_takes_out_dir(name):
+    assert _parser(name).parse_args(["--out-dir", "x"]).out_dir == "x"
+    assert _parser(name).parse_args([]).out_dir is None
+
+
+# Cheap settings of benchmarks that also draw a PNG; each writes only into --out-dir.
+CHEAP = {
+    "loss": (["--tokens", "16", "--hidden", "8", "--vocabs", "32", "--repeats", "1"], ["loss.json"]),
+    "activation": (["--batch", "1", "--seq", "8", "--presets="], ["activation.json", "activation.png"]),
+    "quant_throughput": (
+        ["--numel", "4K", "--formats", "int4,int8", "--repeats", "1", "--backends", "torch"],
+        ["quant_throughput.json", "quant_throughput.png"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHEAP))
+def test_out_dir_gets_the_results_and_the_committed_ones_stay(name, tmp_path, capsys):
+    import importlib
+
+    pytest.importorskip("matplotlib")
+    argv, files = CHEAP[name]
+    before = _committed()
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.main([*argv, "--out-dir", str(tmp_path)]) == 0
+    assert _committed() == before, "a benchmark given --out-dir wrote into benchmarks/results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
+    assert json.loads((tmp_path / files[0]).read_text())["benchmark"] == name
+
+
+def test_train_dtype_writes_runs_and_result_only_into_out_dir(tmp_path, monkeypatch, capsys):
+    # The two training runs are replaced by a stand-in (a real pair takes a minute on 2 cores): what
+    # is checked is where the runs and the result go, and that the tracked train_dtype.json stays.
+    import agoq.train.run
+    from benchmarks import train_dtype
+
+    out_dirs = []
+
+    def launch(cfg, **kw):
+        out_dirs.append(Path(cfg.train.out_dir))
+        return {"run": {"step_time_s": 1.0 + len(out_dirs), "tokens_per_s": 100.0, "final_loss": 5.0}}
+
+    monkeypatch.setattr(agoq.train.run, "launch", launch)
+    tracked = (RESULTS / "train_dtype.json").read_bytes()
+    before = _committed()
+    assert train_dtype.main(["--steps", "2", "--out-dir", str(tmp_path)]) == 0
+    assert (RESULTS / "train_dtype.json").read_bytes() == tracked
+    assert _committed() == before
+    assert out_dirs == [tmp_path / "bf16", tmp_path / "fp32"]
+    written = json.loads((tmp_path / "train_dtype.json").read_text())
+    assert written["command"] == f"python -m benchmarks.train_dtype --steps 2 --out-dir {tmp_path}"
+    assert [r["compute_dtype"] for r in written["results"]["rows"]] == ["bf16", "fp32"]
