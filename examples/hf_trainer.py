@@ -13,9 +13,12 @@ import argparse
 import json
 import os
 
+import statistics
+import time
+
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from agoq.integrations.hf_trainer import AgoqTrainer
 from agoq.train.data import prepare_data
@@ -35,6 +38,19 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step (the first ones include one-off compilation)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._t0)
+
+
 def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, Windows, Windows]:
     """The model (from a config, seeded) and the train and validation windows."""
     data = prepare_data(vocab_size=args.vocab_size, cache=args.cache_dir)
@@ -52,7 +68,7 @@ def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, Windows, Windows]
     return LlamaForCausalLM(config), Windows(data.train, args.seq_len), Windows(data.val[: args.seq_len * args.eval_windows + 1], args.seq_len)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seq-len", type=int, default=128)
@@ -66,8 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out-dir", default="hf_trainer_out")
     p.add_argument("--summary", default=None, help="also write the summary JSON to this file (rank 0)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     model, train, val = build(args)
     training = TrainingArguments(
         output_dir=args.out_dir,
@@ -95,12 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
         agoq_policy=None if args.plain else "agoq",  # AGoQ: 4-bit saved activations, the loss that keeps no logits
         agoq_gradients="fp32" if args.plain else "int8",  # AGoQ: 8-bit gradient reduction, summed in fp32
     )
+    timer = StepTimer()
+    trainer.add_callback(timer)
     result = trainer.train()
     summary = {
         "steps": args.steps,
         "train_loss": result.training_loss,
         "val_loss": trainer.evaluate()["eval_loss"],
-        "step_s": result.metrics["train_runtime"] / args.steps,
+        "step_s_median_after_3": statistics.median(timer.times[3:] or timer.times),
+        "train_runtime_s": result.metrics["train_runtime"],
         "wire_bytes_per_step": trainer.agoq_comm.bytes() / args.steps,
     }
     summary["parameters"] = sum(p.numel() for p in model.parameters())
