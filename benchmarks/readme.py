@@ -2,7 +2,8 @@
 
 Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in README.md and
 is rendered from ``benchmarks/results/NAME.json`` by the benchmark module that wrote it, followed
-by the command, revision, date and machine recorded in the file.
+by the command (as it is spelled today: :func:`current_command`), revision, date and machine
+recorded in the file.
 """
 
 from __future__ import annotations
@@ -75,12 +76,26 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 
 
+def current_command(command: str) -> str:
+    """``command`` as it is run today.
+
+    Result files written while the benchmarks were part of the agoq package record
+    ``agoq bench NAME args``; that is now ``python -m benchmarks.NAME args`` (NAME with '_' for '-').
+    The files keep what was run; the README shows what a reader can run. Any other command is
+    returned as it is.
+    """
+    m = re.fullmatch(r"agoq bench ([a-z][a-z0-9_-]*)(\s.*)?", command.strip(), flags=re.S)
+    if m is None:
+        return command
+    return f"python -m benchmarks.{m.group(1).replace('-', '_')}{m.group(2) or ''}"
+
+
 def _provenance(payload: dict[str, Any]) -> str:
     m = payload.get("machine", {})
     flags = f", flags {'/'.join(f.upper() for f in m['cpu_flags'])}" if m.get("cpu_flags") else ""
     where = f"{m.get('processor', '?')}, {m.get('cpu_count', '?')} cores{flags}" + (f", {m['gpu']}" if m.get("gpu") else "")
     return (
-        f"<sub>Source: `benchmarks/results/{payload['benchmark']}.json`, produced by `{payload['command']}` "
+        f"<sub>Source: `benchmarks/results/{payload['benchmark']}.json`, produced by `{current_command(payload['command'])}` "
         f"at revision {payload['git_revision']} on {payload['date'][:10]} ({where}, torch {m.get('torch', '?')}).</sub>"
     )
 

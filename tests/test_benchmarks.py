@@ -137,3 +137,29 @@ def test_train_dtype_writes_runs_and_result_only_into_out_dir(tmp_path, monkeypa
     written = json.loads((tmp_path / "train_dtype.json").read_text())
     assert written["command"] == f"python -m benchmarks.train_dtype --steps 2 --out-dir {tmp_path}"
     assert [r["compute_dtype"] for r in written["results"]["rows"]] == ["bf16", "fp32"]
+
+
+def test_old_agoq_bench_commands_render_as_the_module_that_runs_them():
+    from benchmarks.readme import current_command
+
+    assert current_command("agoq bench train-dtype --steps 12") == "python -m benchmarks.train_dtype --steps 12"
+    assert current_command("agoq bench plan-vs-paper") == "python -m benchmarks.plan_vs_paper"
+    assert (
+        current_command("agoq bench quant-throughput --formats int4/128,fp8/128")
+        == "python -m benchmarks.quant_throughput --formats int4/128,fp8/128"
+    )
+    # Today's spelling, and anything that is not an old benchmark command, stay as they are.
+    for command in (
+        "python -m benchmarks.loss --repeats 3",
+        "agoq train --train.steps=5",
+        "agoq benchmark x",
+        "python benchmarks/gpu/gpu_check.py --dry-run",
+    ):
+        assert current_command(command) == command
+    # Every committed result file's command, rendered, parses with the options of the benchmark it names.
+    import shlex
+
+    for path in sorted(RESULTS.glob("*.json")):
+        words = shlex.split(current_command(json.loads(path.read_text())["command"]))
+        assert words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."), (path.name, words)
+        _parser(words[2].removeprefix("benchmarks.")).parse_args(words[3:])

@@ -6,7 +6,7 @@ Kinds of saved tensors in a decoder layer (METHOD.md, part 1):
 - ``out_proj_input``: the input of the attention out-projection. When attention keeps its output at
   full precision and the out-projection input is a view of it (the LLaMA layer's layout), that view
   is saved instead: a quantized copy would add 0.25U + scales and save nothing (measured with
-  ``agoq bench activation``). The format applies when the input is a copy or attention is quantized;
+  ``python -m benchmarks.activation``). The format applies when the input is a copy or attention is quantized;
 - ``attention``: what the attention core keeps (q, k, v, output, softmax statistics).
 A kind mapped to ``None`` is kept as the bf16 baseline keeps it.
 """

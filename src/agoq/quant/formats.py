@@ -21,7 +21,7 @@ import torch
 KINDS = ("int", "fp4", "nf4", "fp8")
 INT_BITS = (2, 3, 4, 5, 6, 8)
 FP8_E4M3_MAX = 448.0
-# Chosen on a trained LLaMA's tensors (`agoq bench quant-block-size`, benchmarks/results/): for int4
+# Chosen on a trained LLaMA's tensors (`python -m benchmarks.quant_block_size`, benchmarks/results/): for int4
 # on the SwiGLU gate/up (the bulk of LAAQ's saved bytes) block 128 minimizes bits + log2(error),
 # and halving 256 -> 128 cuts their error 8-9% for 0.125 more bits per value. For int8 gradients
 # 256 is within 0.02 bit of the best (512) with 3% less error; at 1024 the error grows 31%.
