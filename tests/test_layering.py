@@ -1,9 +1,12 @@
-"""Lower layers never import higher ones (DESIGN.md: data flows config -> model -> parallel -> trainer)."""
+"""Lower layers never import higher ones (DESIGN.md: data flows config -> model -> parallel -> trainer), and
+nothing in the package imports the benchmarks (benchmarks/, outside it, above every layer)."""
 
 import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "agoq"
+# Outside the package, above every layer: the benchmarks may import any of agoq, agoq none of them.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ALLOWED = {
     "quant": set(),
     "activation": {"quant"},
@@ -27,6 +30,24 @@ def _agoq_imports(path: Path) -> set[str]:
     return found
 
 
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports, eagerly or inside functions (import_module("x.y") included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__"):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value.split(".")[0])
+            elif node.args and isinstance(node.args[0], ast.JoinedStr) and node.args[0].values:
+                head = node.args[0].values[0]
+                if isinstance(head, ast.Constant):
+                    found.add(str(head.value).split(".")[0])
+    return found
+
+
 def test_each_layer_imports_only_the_layers_below_it():
     violations = []
     for layer, allowed in ALLOWED.items():
@@ -34,6 +55,21 @@ def test_each_layer_imports_only_the_layers_below_it():
             for dep in _agoq_imports(path) - allowed - {layer}:
                 violations.append(f"{path.relative_to(SRC)} imports agoq.{dep}")
     assert not violations, "\n".join(violations)
+
+
+def test_nothing_in_the_package_imports_the_benchmarks():
+    offenders = [str(path.relative_to(SRC)) for path in SRC.rglob("*.py") if "benchmarks" in _top_level_imports(path)]
+    assert not offenders, f"agoq modules that import the benchmarks package: {offenders}"
+
+
+def test_the_benchmarks_import_agoq_layers_that_exist():
+    # The benchmarks sit above every layer and may use any of them (public or internal modules);
+    # what they import must be a real part of agoq, not a package that is no longer there.
+    layers = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {p.stem for p in SRC.glob("*.py")}
+    paths = sorted(BENCHMARKS.rglob("*.py"))
+    assert any(_agoq_imports(p) for p in paths), "no benchmark imports agoq"
+    missing = [f"{p.relative_to(BENCHMARKS)} imports agoq.{dep}" for p in paths for dep in sorted(_agoq_imports(p) - layers)]
+    assert not missing, "\n".join(missing)
 
 
 def _quant_modules(path: Path) -> set[str]:

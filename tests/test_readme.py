@@ -1,4 +1,5 @@
-"""The README's two commands are the ones CI runs, and the CLI they call exists."""
+"""The README's two commands are the ones CI runs, the CLI they call exists, its result tables are what
+the committed JSON gives, and every benchmark command it shows parses with that benchmark's options."""
 
 import re
 from pathlib import Path
@@ -51,6 +52,46 @@ def test_readme_result_tables_match_the_committed_json(tmp_path):
     copy.write_text((ROOT / "README.md").read_text())
     update_readme(copy, ROOT / "benchmarks" / "results")
     assert copy.read_text() == (ROOT / "README.md").read_text(), "README tables are stale: run `python -m benchmarks.readme`"
+
+
+def _benchmark_commands(text: str) -> list[str]:
+    """Every `python -m benchmarks.NAME ...` code span of the README (placeholders like NAME left out)."""
+    spans = re.findall(r"`(python -m benchmarks\.[^`]*)`", text)
+    return [s for s in spans if not re.match(r"python -m benchmarks\.[A-Z]", s)]
+
+
+def test_every_benchmark_command_in_the_readme_parses_with_that_benchmarks_options():
+    import argparse
+    import importlib
+    import shlex
+
+    from benchmarks.__main__ import benchmark_names
+
+    readme = (ROOT / "README.md").read_text()
+    commands = _benchmark_commands(readme)
+    # One per result table's source line at least, plus the ones in the prose.
+    assert len(commands) >= readme.count("<sub>Source: `benchmarks/results/"), commands
+    for command in commands:
+        words = shlex.split(command)
+        module = words[2].removeprefix("benchmarks.")
+        assert module in benchmark_names(), f"{command!r}: there is no benchmarks/{module}.py"
+        parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", exit_on_error=False)
+        importlib.import_module(f"benchmarks.{module}").add_arguments(parser)
+        try:
+            args, unknown = parser.parse_known_args(words[3:])
+        except (argparse.ArgumentError, SystemExit) as e:
+            raise AssertionError(f"README command {command!r} does not parse: {e}") from None
+        assert not unknown, f"README command {command!r}: {module} has no option {unknown}"
+
+
+def test_each_source_line_names_the_benchmark_that_writes_its_file():
+    readme = (ROOT / "README.md").read_text()
+    sources = re.findall(r"<sub>Source: `benchmarks/results/([a-z0-9_]+)\.json`, produced by `([^`]*)`", readme)
+    assert len(sources) == len(re.findall(r"<!-- results:", readme)), "a results block without its source line"
+    for name, command in sources:
+        module = command.split()[2].removeprefix("benchmarks.") if command.startswith("python -m benchmarks.") else None
+        assert module is not None, f"{name}: {command!r} is not a `python -m benchmarks.NAME` command"
+        assert name == module or name.startswith(f"{module}_"), f"{name}.json is said to come from benchmarks.{module}"
 
 
 def test_every_agoq_plan_command_in_the_readme_runs_as_written(capsys):
