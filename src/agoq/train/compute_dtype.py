@@ -123,7 +123,7 @@ def compute_dtype_for(cfg: "TrainConfig", device_type: str, threads: int) -> Dty
 
 # The compiled CPU path saves about 0.19 s per step of the default run (4 workers on a 2-core
 # Xeon) and costs 10-12 s of compiling per run with inductor's on-disk cache warm, about 50 s cold
-# (the first run on a machine): `agoq bench run-time`, benchmarks/results/run_time.json. Below this
+# (the first run on a machine): `python -m benchmarks.run_time`, benchmarks/results/run_time.json. Below this
 # many steps, eager wins.
 COMPILE_MIN_STEPS = 100
 
