@@ -1,0 +1,151 @@
+"""Where every gradient value of a bucketed buffer lives: the bucket plan, per-parameter segments, block padding.
+
+Parameters are placed in reverse registration order (the order backward produces their gradients)
+into buckets; every parameter starts on a quantization-block boundary, so folding one parameter
+never re-rounds another's values, and a parameter larger than what is left of a bucket continues in
+the next one (buckets end on block boundaries, so blocks never straddle buckets). Each bucket is
+padded to W x (whole blocks), the layout of the 8-bit collective, so a bucket's storage goes on the
+wire as it is. :func:`plan_buckets` is the one rule; the 8-bit buffer, ZeRO-1's fp32 path and the
+memory planner all call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from agoq.quant import QuantFormat
+from agoq.quant.formats import round_up
+
+from agoq.gradient.collectives import ChunkLayout, chunk_layout
+
+# DDP's default bucket_cap_mb, counted like DDP: full-precision (fp32) gradient bytes per bucket.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+# Values folded per quantize call (rounded to whole blocks): bounds the fp32
+# temporaries of a fold to a few hundred KiB whatever the parameter's size.
+FOLD_PIECE = 1 << 16
+
+Params = torch.nn.Module | Iterable[torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one parameter's flattened gradient that lives in one bucket."""
+
+    param: int
+    bucket: int
+    offset: int
+    param_offset: int
+    numel: int
+
+
+def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -> list[tuple[int, list[Segment]]]:
+    """(padded flat size, segments) of each gradient bucket: the one layout rule of every 8-bit or sharded buffer.
+
+    Parameters go in reverse order (the order backward produces them), each starting on a block
+    boundary; a parameter larger than what is left of a bucket continues in the next; a bucket is
+    padded to world x whole blocks (the layout of the 8-bit collectives).
+    """
+    cap = round_up(bucket_numel, block)
+    per_bucket: list[list[Segment]] = [[]]
+    fill = 0
+    for pi in reversed(range(len(numels))):
+        remaining, poff = numels[pi], 0
+        while remaining > 0:
+            if fill >= cap:
+                per_bucket.append([])
+                fill = 0
+            take = min(remaining, cap - fill)
+            per_bucket[-1].append(Segment(pi, len(per_bucket) - 1, fill, poff, take))
+            fill += round_up(take, block)
+            remaining -= take
+            poff += take
+    out = []
+    for segs in per_bucket:
+        used = max((s.offset + round_up(s.numel, block) for s in segs), default=block)
+        out.append((round_up(used, world * block), segs))
+    return out
+
+
+def bucket_numel_for(bucket_numel: int | None, bucket_bytes: int | None) -> int:
+    """Values per bucket from either size (fp32 bytes count 4 a value); DDP's default when neither is given."""
+    if bucket_numel is not None and bucket_bytes is not None:
+        raise ValueError("give bucket_numel or bucket_bytes, not both")
+    if bucket_numel is None:
+        bucket_numel = (DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // 4
+    if bucket_numel < 1:
+        raise ValueError(f"bucket size must be at least one element, got {bucket_numel}")
+    return bucket_numel
+
+
+class GradLayout:
+    """The layout of one buffer, fixed at construction: per bucket its collective layout and segments,
+    per parameter its segments (in parameter order), and the piece sizes of folds and reads."""
+
+    def __init__(self, numels: list[int], fmt: QuantFormat, bucket_numel: int, world_size: int) -> None:
+        self.fmt = fmt
+        self.numels = numels
+        self.bucket_numel = round_up(bucket_numel, fmt.block_size)
+        plan = plan_buckets(numels, fmt.block_size, self.bucket_numel, world_size)
+        self.chunks: list[ChunkLayout] = [chunk_layout(n_padded, world_size, fmt) for n_padded, _ in plan]
+        self.bucket_segments: list[list[Segment]] = [segs for _, segs in plan]
+        self.segments: list[list[Segment]] = [[] for _ in numels]
+        for segs in self.bucket_segments:
+            for seg in segs:
+                self.segments[seg.param].append(seg)
+        for segs in self.segments:
+            segs.sort(key=lambda seg: seg.param_offset)
+
+    @property
+    def numel(self) -> int:
+        """Gradient values held (sum of parameter sizes)."""
+        return sum(self.numels)
+
+    def params_ending_in(self, b: int) -> list[int]:
+        """The parameters whose last segment lies in bucket ``b``: complete once ``b`` is."""
+        return [s.param for s in self.bucket_segments[b] if self.segments[s.param][-1].bucket == b]
+
+    def bucket_order(self) -> list[int]:
+        """Parameter indices grouped by the bucket that holds their last segment."""
+        return [pi for b in range(len(self.bucket_segments)) for pi in self.params_ending_in(b)]
+
+    def whole_blocks(self, values: int) -> int:
+        """``values`` rounded down to whole blocks (at least one block): the size of a fold or read-back piece."""
+        return max(1, values // self.fmt.block_size) * self.fmt.block_size
+
+    @property
+    def piece(self) -> int:
+        """Values dequantized at once when folding or reading back: FOLD_PIECE in whole blocks."""
+        return self.whole_blocks(FOLD_PIECE)
+
+
+def named_params(params: Params) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """(names, parameters) of those that require grad, each once; unnamed ones are called param<i>."""
+    items = list(params.named_parameters()) if isinstance(params, torch.nn.Module) else list(params)
+    names, out, seen = [], [], set()
+    for i, item in enumerate(items):
+        name, p = item if isinstance(item, tuple) else (f"param{i}", item)
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"expected parameters or (name, parameter) pairs, got {type(p).__name__} at {i}")
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        names.append(name)
+        out.append(p)
+    return names, out
+
+
+def param_index(names: list[str], params: list[torch.nn.Parameter], param: int | str | torch.nn.Parameter) -> int:
+    """The index of ``param``, given as an index, a name or the parameter itself."""
+    if isinstance(param, int):
+        return param
+    if isinstance(param, str):
+        if param not in names:
+            raise KeyError(f"no parameter named {param!r} in this buffer")
+        return names.index(param)
+    for i, p in enumerate(params):
+        if p is param:
+            return i
+    raise KeyError(f"parameter of shape {tuple(param.shape)} is not in this buffer")

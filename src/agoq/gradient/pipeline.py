@@ -1,0 +1,191 @@
+"""The bucket pipeline of the 8-bit gradient buffer: counting folds, reducing buckets while backward runs.
+
+A bucket whose parameters have all received their last micro-batch's gradient starts its 8-bit
+all-to-all at once (async), while backward continues; buckets start strictly in index order, and
+the previous bucket's reduce and all-gather are issued right after, so every rank issues the same
+collectives in the same order. :meth:`BucketPipeline.finish` completes the rest, then agrees on
+non-finite gradients with one small all-reduce; a step that saw one anywhere is skipped on every
+rank and the buffer is emptied.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from agoq.gradient.bucket import Bucket
+from agoq.gradient.collectives import EightBitReduction, Group, agree_nonfinite, world_of
+from agoq.gradient.counter import CommCounter
+from agoq.gradient.fold import EightBitFolder
+
+
+class BucketPipeline:
+    """Per-step fold counts and bucket states; starts, progresses and completes each bucket's collective.
+
+    ``collective='reduce_scatter'`` leaves each bucket's fp32 shard in ``Bucket.shard`` (ZeRO-1)
+    instead of gathering the requantized sum back into the bucket.
+    """
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        folder: EightBitFolder,
+        names: list[str],
+        *,
+        group: Group,
+        op: str,
+        collective: str,
+        overlap: bool,
+        counter: CommCounter | None,
+        microbatches: int,
+    ) -> None:
+        self.buckets = buckets
+        self.folder = folder
+        self.segments = folder.layout.segments
+        self.numels = folder.layout.numels
+        self.names = names
+        self.group = group
+        self.op = op
+        self.collective = collective
+        self.overlap = overlap
+        self.counter = counter
+        self.world_size, self.rank = world_of(group)
+        self.microbatches = microbatches
+        self.peak_shard_bytes = 0
+        self.skipped_steps = 0
+        self.nonfinite: list[tuple[int, str]] = []
+        self.reset()
+
+    @property
+    def communicates(self) -> bool:
+        """Whether the buckets are reduced over more than one rank."""
+        return self.world_size > 1
+
+    def reset(self, microbatches: int | None = None) -> None:
+        """Empty every bucket for the next optimizer step (optionally with a new micro-batch count)."""
+        if microbatches is not None:
+            self.microbatches = microbatches
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        for b in self.buckets:
+            b.reset()
+        self.folder.reset()
+        self._folds = [0] * len(self.segments)
+        self._next = 0
+        self.finished = False
+        self.ok = True
+
+    def fold(self, pi: int, grad: torch.Tensor) -> None:
+        """Fold one micro-batch's gradient of parameter ``pi``; its buckets may then be ready (see launch_ready)."""
+        if grad.numel() != self.numels[pi]:
+            raise ValueError(f"gradient of {self.names[pi]!r} has {grad.numel()} values, the parameter {self.numels[pi]}")
+        if any(self.buckets[seg.bucket].state != "open" for seg in self.segments[pi]):
+            raise RuntimeError(
+                f"parameter {self.names[pi]!r} received a gradient after its bucket's reduction started "
+                f"(more backward passes than microbatches={self.microbatches}, or finish() already ran); "
+                "call zero_grad() before the next step, or zero_grad(microbatches=...) to change the count"
+            )
+        if self._folds[pi] >= self.microbatches:
+            raise RuntimeError(
+                f"parameter {self.names[pi]!r} received gradient {self._folds[pi] + 1} of a step configured "
+                f"for microbatches={self.microbatches}; call finish() and zero_grad() between steps, or "
+                "pass the right count to zero_grad(microbatches=...)"
+            )
+        self.folder.fold(pi, grad, first=self._folds[pi] == 0)
+        self._folds[pi] += 1
+        if self._folds[pi] == self.microbatches:
+            for seg in self.segments[pi]:
+                self.buckets[seg.bucket].pending -= 1
+
+    def launch_ready(self) -> None:
+        """Launch, in index order, every bucket whose parameters have all received their last gradient."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending <= 0:
+            self._launch(self._next)
+
+    def states(self) -> list[str]:
+        """Per bucket: 'open', 'launched' (all-to-all in flight), 'reducing' (all-gather) or 'done'."""
+        return [b.state for b in self.buckets]
+
+    def finish(self) -> bool:
+        """Complete every bucket's collective and agree on non-finite gradients; False = skip step."""
+        if self.finished:
+            return self.ok
+        self._complete_all()
+        flags = agree_nonfinite(self.folder.first_nonfinite(), self.group, device=self.folder.device, counter=self.counter)
+        self.finished = True
+        bad = [(r, i) for r, i in enumerate(flags) if i is not None]
+        if bad:
+            self._skip(bad)
+        return self.ok
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        bucket.state = "launched"
+        self._next = b + 1
+        if not self.overlap:
+            return
+        self._start(bucket)
+        # Keep at most three buckets' communication in flight (this one's all-to-all, the previous
+        # one's all-gather, and the one before it finishing): temporaries stay a few buckets' worth
+        # whatever the model size, and each collective had a whole bucket's time to complete.
+        if b > 0:
+            self._progress(self.buckets[b - 1])
+        if b > 1:
+            self._complete(self.buckets[b - 2])
+
+    def _start(self, bucket: Bucket) -> None:
+        if not self.communicates:
+            return
+        name = "grad_all_reduce_8bit" if self.collective == "all_reduce" else "grad_reduce_scatter_8bit"
+        # The bucket's own storage is sent (it takes no fold until reset, and is overwritten
+        # only by the all-gather that follows this all-to-all).
+        bucket.reduction = EightBitReduction(bucket.values, bucket.layout, self.op, self.group, counter=self.counter, name=name)
+
+    def _progress(self, bucket: Bucket) -> None:
+        if bucket.state != "launched":
+            return
+        bucket.state = "reducing"
+        if bucket.reduction is None:
+            return
+        if self.collective == "reduce_scatter":
+            bucket.shard = bucket.reduction.reduce()
+            self.peak_shard_bytes = max(self.peak_shard_bytes, 2 * bucket.shard.numel() * 4)
+        else:
+            bucket.reduction.reduce_and_gather()  # a piece of the chunk in fp32 at a time
+
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.reduction is not None and self.collective == "all_reduce":
+            # Row by row from the gathered bytes into the bucket (no flat copy of them first).
+            gathered, layout = bucket.reduction.gathered(), bucket.layout
+            pb = layout.row_payload_bytes
+            bucket.payload.view(layout.world_size, pb).copy_(gathered[:, :pb])
+            bucket.scales.view(layout.world_size, -1).copy_(gathered[:, pb:].view(torch.float32))
+        bucket.reduction = None
+        bucket.state = "done"
+
+    def _complete_all(self) -> None:
+        for b in range(self._next, len(self.buckets)):
+            self._launch(b)
+        for i, bucket in enumerate(self.buckets):
+            if not self.overlap and bucket.state == "launched":
+                self._start(bucket)
+            self._progress(bucket)
+            if i > 0:
+                self._complete(self.buckets[i - 1])  # one all-gather in flight while the next bucket reduces
+        if self.buckets:
+            self._complete(self.buckets[-1])
+
+    def _skip(self, bad: list[tuple[int, int]]) -> None:
+        """Every rank skips this step: ``bad`` names (rank, first non-finite parameter) of each rank that saw one."""
+        self.skipped_steps += 1
+        self.nonfinite = [(r, self.names[i]) for r, i in bad]
+        where = ", ".join(f"{name!r} on rank {r}" for r, name in self.nonfinite)
+        warnings.warn(
+            f"non-finite gradient in {where}; skipping this optimizer step and resetting the 8-bit "
+            "gradient buffer (lower the learning rate or check the loss if this repeats)",
+            RuntimeWarning,
+            stacklevel=4,  # past this, BucketPipeline.finish and QuantGradBuffer.finish: the code that finished the step
+        )
+        self.reset()
+        self.finished, self.ok = True, False
