@@ -419,7 +419,7 @@ def test_step_groups_bound_their_bytes_and_read_a_group_only_when_asked() -> Non
 
         def read(self, unit):
             self.reads.append(unit)
-            return torch.zeros(self.sizes[unit])
+            return torch.ones(self.sizes[unit])
 
     sync = Units()
     groups = sync.step_groups(4 * 1000)  # 1000 fp32 values per group
@@ -427,4 +427,21 @@ def test_step_groups_bound_their_bytes_and_read_a_group_only_when_asked() -> Non
     assert [u for u, _ in first] == [0, 1] and sync.reads == [0, 1]  # nothing else read yet
     rest = [[u for u, _ in g] for g in groups]
     assert rest == [[2], [3, 4]]  # the 2000-value unit alone, the rest together
-    assert [u for u, _ in sync.gradients()] == [0, 1, 2, 3, 4]
+
+    # step_optimizer hands over the same groups, reading each gradient only as it is handed over.
+    class Optimizer:
+        events: list[tuple] = []
+
+        def set_grad(self, unit, grad):
+            assert sync.reads[-1] == unit
+            self.events.append((unit, float(grad[0])))
+
+        def step(self):
+            self.events.append(("step",))
+
+    sync.reads.clear()
+    sync.step_optimizer(Optimizer(), scale=0.5, group_bytes=4 * 1000)
+    assert Optimizer.events == [(0, 0.5), (1, 0.5), ("step",), (2, 0.5), ("step",), (3, 0.5), (4, 0.5), ("step",)]
+    Optimizer.events.clear()
+    sync.step_optimizer(Optimizer())  # no bound: one group, one step
+    assert Optimizer.events == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), ("step",)]

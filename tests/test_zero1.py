@@ -104,9 +104,7 @@ def test_one_rank_zero1_steps_exactly_like_the_master_weight_optimizer(dtype):
             sync.start_step()
             _toy_loss(model, x).backward()
             assert sync.reduce()
-            for i, g in sync.gradients():
-                opt.set_grad(i, g * 0.5)
-            opt.step()
+            sync.step_optimizer(opt, 0.5)
             sync.finish_step()
     for (name, a), (_, b) in zip(ref.named_parameters(), z.named_parameters()):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
@@ -139,9 +137,7 @@ def _step(model: nn.Module, sync, opt, seed: int, clip: float = 1.0) -> bool:
     _toy_loss(model, x).backward()
     ok = sync.reduce()
     if ok:
-        for i, g in sync.gradients():
-            opt.set_grad(i, g * clip)
-        opt.step()
+        sync.step_optimizer(opt, clip)
     sync.finish_step()
     return ok
 

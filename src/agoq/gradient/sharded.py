@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, Segment, all_finite, plan_buckets, sum_of_squares
 from agoq.gradient.collectives import Group
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
+from agoq.gradient.fold import fold_on_accumulate
+from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
+from agoq.gradient.readback import all_finite, sum_of_squares
 from agoq.gradient.sync import GradientSync
 
 
@@ -71,7 +73,8 @@ def _shard_buckets(plan: Iterable[tuple[int, list[Segment]]], world: int, rank: 
 class ShardedGradientSync(GradientSync):
     """Gradients reduce-scattered over dp: after :meth:`reduce`, this rank holds one fp32 shard per bucket.
 
-    Its units are buckets: :meth:`read` gives a bucket's shard, which :class:`Zero1Optimizer` takes.
+    Its units are bucket indices: :meth:`read` gives a bucket's shard, which
+    agoq.train.zero1.Zero1Optimizer takes (:meth:`shards` lists them all).
     """
 
     sharded = True
@@ -130,16 +133,12 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
         for b in self.buckets:
             for s in b.segments:
                 self._where[s.param].append(s)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._fold(i)) for i, p in enumerate(self.params)]
+        self._hooks = fold_on_accumulate(self.params, self._fold)
 
-    def _fold(self, i: int):
-        def hook(p: torch.Tensor) -> None:
-            g = p.grad.detach().reshape(-1)
-            for s in self._where[i]:
-                self.flat[s.bucket][s.offset : s.offset + s.numel].add_(g[s.param_offset : s.param_offset + s.numel])
-            p.grad = None
-
-        return hook
+    def _fold(self, i: int, grad: torch.Tensor) -> None:
+        g = grad.detach().reshape(-1)
+        for s in self._where[i]:
+            self.flat[s.bucket][s.offset : s.offset + s.numel].add_(g[s.param_offset : s.param_offset + s.numel])
 
     def reduce(self) -> bool:
         ok = all(all_finite(f) for f in self.flat)

@@ -8,23 +8,32 @@ after the last micro-batch, and agree across every rank whether any gradient was
 from __future__ import annotations
 
 import warnings
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.buffer import all_finite, sum_of_squares
 from agoq.gradient.collectives import Group
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
+from agoq.gradient.fold import fold_on_accumulate
+from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
+
+
+class PairedOptimizer(Protocol):
+    """What a gradient sync hands its gradients to (agoq.train.optim and agoq.train.zero1 optimizers)."""
+
+    def set_grad(self, index: int, grad: torch.Tensor) -> None: ...
+
+    def step(self) -> None: ...
 
 
 class GradientSync:
     """Interface the trainer uses; see :class:`PlainGradientSync` and :class:`QuantizedGradientSync`."""
 
     wire_bytes_last_step: int = 0
-    # True when each dp rank holds only its shard of the reduced gradients (ZeRO-1): the units
-    # are then buckets (see units()), as agoq.train.zero1.Zero1Optimizer takes them.
+    # True when each dp rank holds only its shard of the reduced gradients (ZeRO-1): the ranks'
+    # squared norms then add up to the full norm instead of repeating it.
     sharded: bool = False
 
     def start_step(self) -> None:
@@ -39,36 +48,43 @@ class GradientSync:
         raise NotImplementedError
 
     def units(self) -> list[tuple[int, int]]:
-        """(unit, values) in reading order. A unit is what the paired optimizer's set_grad takes: a
-        parameter index (agoq.train.optim.MasterWeightOptimizer), or a bucket index when
-        :attr:`sharded` (agoq.train.zero1.Zero1Optimizer)."""
+        """(unit, values) in reading order. A unit is the index the paired optimizer's ``set_grad``
+        takes: a parameter index for a :class:`ParameterGradientSync` (paired with
+        agoq.train.optim.MasterWeightOptimizer), a bucket index for agoq.gradient.sharded's syncs
+        (paired with agoq.train.zero1.Zero1Optimizer)."""
         raise NotImplementedError
 
     def read(self, unit: int) -> torch.Tensor:
         """The reduced fp32 gradient of one unit; the caller may scale it in place."""
         raise NotImplementedError
 
-    def step_groups(self, group_bytes: int) -> Iterator[list[tuple[int, torch.Tensor]]]:
-        """Lists of (unit, gradient) to hand to the optimizer and step, each at most ``group_bytes``
-        of fp32 gradients (a larger unit alone). A group is read only when it is asked for, so
-        where gradients are read back from 8 bits only one group of them exists at a time, provided
-        the caller lets go of the previous list (e.g. clears it) before asking for the next.
-        """
+    def unit_groups(self, group_bytes: int | None = None) -> Iterator[list[int]]:
+        """The units in reading order, in groups of at most ``group_bytes`` of fp32 gradients (a larger
+        unit alone; None: one group of every unit)."""
         units: list[int] = []
         size = 0
         for unit, values in self.units():
-            if units and size + 4 * values > group_bytes:
-                yield [(u, self.read(u)) for u in units]
+            if units and group_bytes is not None and size + 4 * values > group_bytes:
+                yield units
                 units, size = [], 0
             units.append(unit)
             size += 4 * values
         if units:
+            yield units
+
+    def step_groups(self, group_bytes: int) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Lists of (unit, gradient) to hand to the optimizer and step, one per :meth:`unit_groups` group.
+        A group is read only when it is asked for, so where gradients are read back from 8 bits only
+        one group of them exists at a time, provided the caller lets go of the previous list (e.g.
+        clears it) before asking for the next.
+        """
+        for units in self.unit_groups(group_bytes):
             yield [(u, self.read(u)) for u in units]
 
-    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(unit, reduced fp32 gradient), one unit at a time (see :meth:`units`)."""
-        for group in self.step_groups(0):
-            yield from group
+    def step_optimizer(self, optimizer: PairedOptimizer, scale: float = 1.0, group_bytes: int | None = None) -> None:
+        """Hand the paired optimizer every reduced gradient times ``scale`` and step it after each group of
+        at most ``group_bytes`` of fp32 gradients (see :meth:`unit_groups`); every dp rank groups alike."""
+        step_in_groups(self.unit_groups(group_bytes), self.read, optimizer.set_grad, optimizer.step, scale)
 
     def finish_step(self) -> None:
         """Drop this step's gradients."""
@@ -82,7 +98,16 @@ class GradientSync:
         raise NotImplementedError
 
 
-class PlainGradientSync(GradientSync):
+class ParameterGradientSync(GradientSync):
+    """A gradient sync whose units are parameter indices, in the order of the parameters it was given."""
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(parameter index, reduced fp32 gradient), one parameter at a time in reading order."""
+        for unit, _ in self.units():
+            yield unit, self.read(unit)
+
+
+class PlainGradientSync(ParameterGradientSync):
     """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16, or along an 8-bit ring.
 
     ``ring=True`` is the FP8-LM-style ablation: one shared scale, partial sums re-rounded to 8 bits
@@ -106,14 +131,7 @@ class PlainGradientSync(GradientSync):
         for p in self.params:
             self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._fold(i)) for i, p in enumerate(self.params)]
-
-    def _fold(self, i: int):
-        def hook(p: torch.Tensor) -> None:
-            self.views[i].add_(p.grad)
-            p.grad = None
-
-        return hook
+        self._hooks = fold_on_accumulate(self.params, lambda i, grad: self.views[i].add_(grad))
 
     def reduce(self) -> bool:
         ok = all_finite(self.buffer)
@@ -164,7 +182,7 @@ class PlainGradientSync(GradientSync):
         return self.buffer.numel() * 4
 
 
-class QuantizedGradientSync(GradientSync):
+class QuantizedGradientSync(ParameterGradientSync):
     """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int) -> None:
