@@ -79,3 +79,28 @@ def test_quantization_compiles_only_for_runs_that_repay_it(monkeypatch):
 def test_a_bad_quant_backend_is_refused_before_launch():
     with pytest.raises(ConfigError, match="precision.quant_backend='fast' is unknown; use one of auto, torch, compiled, triton"):
         load_config(None, ["--precision.quant_backend=fast"])
+
+
+def test_the_launchers_choices_leave_the_config_as_validated(monkeypatch, capsys):
+    from agoq.quant import backend
+    from agoq.train.run import resolve_auto_choices
+
+    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cd, "probe_seconds", lambda dtype, *a, **k: 1.0 if dtype == torch.float32 else 0.5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(backend.ENV_VAR, "torch")
+    cfg = load_config(None, ["--train.out_dir=runs/x"])
+    asked = cfg.to_dict()
+    choices = resolve_auto_choices(cfg)
+    assert cfg.to_dict() == asked and asked["precision"]["compute_dtype"] == asked["precision"]["quant_backend"] == "auto"
+    assert (choices.compute_dtype, choices.quant_backend, choices.dtype) == ("bf16", "torch", torch.bfloat16)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("agoq train: compute dtype bf16 (") and out[1] == f"agoq train: quantization torch (set by {backend.ENV_VAR})"
+    # What the run records as its config: the one asked for, with the decided values in place of auto.
+    recorded = choices.config_dict(cfg)
+    assert recorded["precision"] == {**asked["precision"], "compute_dtype": "bf16", "quant_backend": "torch"}
+    assert {k: v for k, v in recorded.items() if k != "precision"} == {k: v for k, v in asked.items() if k != "precision"}
+    # A value set in the config is kept as it is, and said nothing about.
+    fixed = load_config(None, ["--precision.compute_dtype=fp32", "--precision.quant_backend=compiled", "--train.out_dir=runs/x"])
+    assert resolve_auto_choices(fixed) == cd.ResolvedChoices("fp32", "compiled") and capsys.readouterr().out == ""

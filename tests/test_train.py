@@ -51,10 +51,14 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
     torch.manual_seed(0)
     out = {}
     for name, cfg in cfgs.items():
-        model_section = cfg.to_dict()["model"]
+        asked = cfg.to_dict()
         res = train_worker(cfg)
-        # The tokenizer's vocabulary goes into the LlamaConfig the trainer builds, not into the config.
-        assert cfg.to_dict()["model"] == model_section, f"{name}: the run changed its model config"
+        # The tokenizer's vocabulary goes into the LlamaConfig the trainer builds, and the auto
+        # choices into the value beside the config: the config stays as validated.
+        assert cfg.to_dict() == asked, f"{name}: the run changed its config"
+        if "config" in res:  # what the summary records: the decided compute dtype in place of auto
+            dtype = res["config"]["precision"]["compute_dtype"]
+            assert dtype == asked["precision"]["compute_dtype"] or (asked["precision"]["compute_dtype"] == "auto" and dtype in ("bf16", "fp32"))
         out[name] = {"losses": _losses(res), "stats": res["ranks"][rank] if "ranks" in res else res["stats"]}
         if "config" in res:
             out[name]["vocab"] = res["model"]["vocab_size"]

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +147,30 @@ def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeC
     return DtypeChoice("compiled", "torch.compile'd kernels, cached on disk after the first run on this machine")
 
 
+@dataclass(frozen=True)
+class ResolvedChoices:
+    """What a run computes with: the config's compute_dtype and quant_backend with ``auto`` decided.
+
+    Decided once, by the local launcher before the workers start (agoq.train.run.resolve_auto_choices)
+    or, under torchrun, by the workers themselves, and passed beside the config, which keeps what
+    was asked for; what a run records as its config (summary.json, checkpoints) has these in place.
+    """
+
+    compute_dtype: str  # "bf16" | "fp32"
+    quant_backend: str  # a name of agoq.quant.backend.BACKENDS ("auto" on a GPU: Triton where installed)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype as a torch dtype."""
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.compute_dtype]
+
+    def config_dict(self, cfg: "TrainConfig") -> dict[str, Any]:
+        """``cfg.to_dict()`` with the decided compute_dtype and quant_backend: the config the run effectively trained with."""
+        out = cfg.to_dict()
+        out["precision"].update(compute_dtype=self.compute_dtype, quant_backend=self.quant_backend)
+        return out
+
+
 def worker_threads(world_size: int) -> int:
     """Threads each of ``world_size`` local CPU workers gets (the cores shared evenly)."""
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
@@ -156,6 +180,7 @@ __all__ = [
     "BF16_MIN_SPEEDUP",
     "COMPILE_MIN_STEPS",
     "DtypeChoice",
+    "ResolvedChoices",
     "choose_compute_dtype",
     "choose_quant_backend",
     "compute_dtype_for",

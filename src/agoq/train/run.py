@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agoq.train.compute_dtype import ResolvedChoices
 from agoq.train.config import TrainConfig
 from agoq.train.lock import run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
@@ -102,11 +103,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def train_worker(cfg: TrainConfig) -> dict[str, Any]:
-    """Entry point of every rank; rank 0 returns the run summary, the others their records and stats."""
+def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> dict[str, Any]:
+    """Entry point of every rank; rank 0 returns the run summary, the others their records and stats.
+
+    ``choices`` are the launcher's decisions for the config's ``auto`` values; without them (under
+    torchrun) the workers decide (agoq.train.trainer.worker_choices).
+    """
     from agoq.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, choices)
     ctx = trainer.ctx
     _resume(trainer, cfg)
     records = _train_loop(trainer, cfg)
@@ -117,7 +122,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     dist.all_gather_object(gathered, mine)
     summary = None
     if ctx.rank == 0 and records:
-        summary = summarize(cfg, trainer.model_cfg, records, gathered, baseline is not None)
+        summary = summarize(cfg, trainer.choices, trainer.model_cfg, records, gathered, baseline is not None)
         _write_summary(cfg, summary)
     trainer.metrics.close()
     dist.barrier()
@@ -187,7 +192,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
                 trainer.extra_state(),
                 keep=cfg.checkpoint.keep,
                 layout=trainer.layout(),
-                config=cfg.to_dict(),
+                config=trainer.choices.config_dict(cfg),
             )
     progress.close()
     return records
@@ -227,9 +232,12 @@ def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str,
     return mine
 
 
-def summarize(cfg: TrainConfig, model: Any, records: list[dict[str, Any]], ranks: list[dict[str, Any]], with_baseline: bool) -> dict[str, Any]:
-    """The run summary (summary.json): what ran (the config as given and ``model``, the LlamaConfig
-    trained, with the tokenizer's vocabulary), its figures, every rank's stats, the bf16 baseline, every step."""
+def summarize(
+    cfg: TrainConfig, choices: ResolvedChoices, model: Any, records: list[dict[str, Any]], ranks: list[dict[str, Any]], with_baseline: bool
+) -> dict[str, Any]:
+    """The run summary (summary.json): what ran (the config with its ``auto`` choices decided, and
+    ``model``, the LlamaConfig trained, with the tokenizer's vocabulary), its figures, every rank's
+    stats, the bf16 baseline, every step."""
     # The first step includes one-time setup; the memory probe step counts every allocation.
     timed = [r for r in records[1:] if not r.get("memory_probe")] or records
     base = None
@@ -238,7 +246,7 @@ def summarize(cfg: TrainConfig, model: Any, records: list[dict[str, Any]], ranks
     run = run_figures(records, timed, cfg.data.batch_size * cfg.data.seq_len)
     return {
         "description": _describe(cfg),
-        "config": cfg.to_dict(),
+        "config": choices.config_dict(cfg),
         "model": dataclasses.asdict(model),
         "run": run,
         "ranks": ranks,
@@ -286,9 +294,11 @@ def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int) -> None:
         )
 
 
-def announce(cfg: TrainConfig, processes: str) -> None:
-    """The run's opening lines: what will run, where, in which precision, and where its output goes."""
+def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None = None) -> None:
+    """The run's opening lines: what will run, where, in which precision (``choices`` where decided
+    already, else the config's values), and where its output goes."""
     p, pr, d = cfg.parallel, cfg.precision, cfg.data
+    dtype, quant = (choices.compute_dtype, choices.quant_backend) if choices else (pr.compute_dtype, pr.quant_backend)
     params = cfg.model_config().num_parameters()
     out = Path(cfg.train.out_dir)
     print(
@@ -296,7 +306,7 @@ def announce(cfg: TrainConfig, processes: str) -> None:
         f"({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')} per step)\n"
         f"agoq train: activations {pr.activations}"
         + (f" ({pr.activation_format}, stage bits {pr.stage_bits})" if pr.activations != "bf16" else "")
-        + f", gradients {pr.gradients}, optimizer {cfg.optim.name}, compute {pr.compute_dtype}, quantization {pr.quant_backend}\n"
+        + f", gradients {pr.gradients}, optimizer {cfg.optim.name}, compute {dtype}, quantization {quant}\n"
         f"agoq train: {cfg.train.steps} steps of {d.batch_size} x {d.seq_len} tokens"
         + (", then one bf16-policy step to measure the baseline" if cfg.train.baseline and pr.activations != "bf16" else "")
         + f"; output in {out}/ (summary.json, summary.md, loss.png, metrics/"
@@ -338,7 +348,7 @@ def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     return summary
 
 
-def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
+def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> dict[str, Any] | None:
     """What the local launcher runs in each worker: train_worker, with any error logged instead of printed.
 
     The full traceback goes to ``out_dir/logs/rank<R>.log`` and its last line to ``rank<R>.error``;
@@ -347,7 +357,7 @@ def worker_entry(cfg: TrainConfig) -> dict[str, Any] | None:
     """
     _DeferredInterrupt.install()
     try:
-        return train_worker(cfg)
+        return train_worker(cfg, choices)
     except BaseException as e:
         import signal
         import traceback
@@ -390,20 +400,20 @@ def failure_line(out_dir: str | os.PathLike[str], ranks: list[int]) -> str:
     return f"rank {rank} failed: {line} (full traceback: {logs / f'rank{rank}.log'})"
 
 
-def resolve_auto_choices(cfg: TrainConfig) -> None:
-    """Replace compute_dtype and quant_backend 'auto' by what suits this machine and run, and say which and why."""
+def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
+    """The compute dtype and quantization backend of the run: the config's, with 'auto' decided for this
+    machine and run (saying which and why); the config itself is left as validated."""
     from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
 
     pr = cfg.precision
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    choice = compute_dtype_for(cfg, device, worker_threads(cfg.world_size))
     if pr.compute_dtype == "auto":
-        choice = compute_dtype_for(cfg, device, worker_threads(cfg.world_size))
-        pr.compute_dtype = choice.name
         print(f"agoq train: compute dtype {choice.name} ({choice.reason})", flush=True)
+    quant = choose_quant_backend(pr.quant_backend, device, cfg.train.steps)
     if pr.quant_backend == "auto":
-        quant = choose_quant_backend("auto", device, cfg.train.steps)
-        pr.quant_backend = quant.name
         print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
+    return ResolvedChoices(choice.name, quant.name)
 
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
@@ -434,8 +444,8 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     d = cfg.data
     data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
     check_data(cfg, len(data.train), len(data.val))
-    resolve_auto_choices(cfg)
-    announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}")
+    choices = resolve_auto_choices(cfg)
+    announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}", choices)
     # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store
     # is hosted here on 127.0.0.1, rank 0's store likewise, and gloo connects over loopback.
     from agoq.train.loopback import LOOPBACK_ENV, loopback_interface, loopback_store
@@ -468,7 +478,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     saved = {k: os.environ.get(k) for k in worker_env}
     os.environ.update(worker_env)  # the spawned workers inherit it; this process gets its own back after
     try:
-        results = elastic_launch(config, worker_entry)(cfg)
+        results = elastic_launch(config, worker_entry)(cfg, choices)
     finally:
         del rdzv_store  # closes its socket
         for k, v in saved.items():

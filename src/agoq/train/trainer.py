@@ -1,7 +1,8 @@
 """The training loop of one rank: pipeline x data parallel, AGoQ activations and gradients.
 
-Reads top to bottom: set up the process groups and data, build this rank's pipeline stage(s) under
-the activation policy, then for each step run the pipeline schedule, reduce gradients over the
+Reads top to bottom: set up the process groups, the run's decided ``auto`` choices (compute dtype,
+quantization backend) and data, build this rank's pipeline stage(s) under the activation policy and
+its gradient path, then for each step run the pipeline schedule, reduce gradients over the
 data-parallel group (8-bit or plain), clip by the global norm, and step AdamW on fp32 masters.
 """
 
@@ -22,14 +23,12 @@ import torch.nn as nn
 from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
 from agoq.parallel.layout import PipelineLayout
-from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
+from agoq.train.compute_dtype import ResolvedChoices, choose_quant_backend, compute_dtype_for, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.gradient.sync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, peak_rss_bytes
 from agoq.train.optim import STEP_GROUP_BYTES, MasterWeightOptimizer, lr_at
 from agoq.train.saved import SavedActivationTracker, StepAllocations
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class StageForward(nn.Module):
@@ -58,8 +57,10 @@ class RankContext:
     owns_group: bool = False  # this run created the process group (and destroys it at the end)
 
 
-def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -> tuple[int, ...] | None:
-    """Per-layer bit widths: uniform, or stage-aware (DBCA) from the schedule's in-flight counts."""
+def layer_bits_for(
+    cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int, policy: ActivationPolicy, layout: PipelineLayout, dtype: torch.dtype
+) -> tuple[int, ...] | None:
+    """Per-layer bit widths: uniform, or stage-aware (DBCA) from the schedule's in-flight counts under ``policy``."""
     pr, p = cfg.precision, cfg.parallel
     if pr.activations == "bf16":
         return None
@@ -70,17 +71,7 @@ def layer_bits_for(cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int) -
         return None
     from agoq.parallel.dbca import stage_layer_bits
 
-    return tuple(
-        stage_layer_bits(
-            model_cfg,
-            pipeline_layout(cfg),
-            micro_batch,
-            cfg.data.seq_len,
-            make_policy_for(cfg),
-            fmt.bits,
-            dtype=DTYPES[pr.compute_dtype],
-        )
-    )
+    return tuple(stage_layer_bits(model_cfg, layout, micro_batch, cfg.data.seq_len, policy, fmt.bits, dtype=dtype))
 
 
 def pipeline_layout(cfg: TrainConfig) -> PipelineLayout:
@@ -102,6 +93,16 @@ def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None)
 
     recompute = loss_recompute_needed(cfg.parallel.pp)
     return make_policy(pr.activations, overrides=overrides, layer_bits=layer_bits, fused_loss=pr.fused_loss, loss_recompute=recompute)
+
+
+def rank_policy(
+    cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int, layout: PipelineLayout, dtype: torch.dtype
+) -> tuple[tuple[int, ...] | None, ActivationPolicy]:
+    """The run's layer bits and activation policy, built once: the config's policy, and the same
+    policy with the DBCA bits it sizes (None: every layer keeps the config's format)."""
+    policy = make_policy_for(cfg)
+    layer_bits = layer_bits_for(cfg, model_cfg, micro_batch, policy, layout, dtype)
+    return layer_bits, policy if layer_bits is None else replace(policy, layer_bits=layer_bits)
 
 
 def _setup_distributed(cfg: TrainConfig) -> RankContext:
@@ -127,20 +128,6 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
             dist.init_process_group(backend, store=process_group_store(), rank=rank, world_size=world)
         else:
             dist.init_process_group(backend)
-    # Under torchrun nothing chose before launch (agoq.train.run.resolve_auto_choices): decide here.
-    if cfg.precision.quant_backend == "auto":  # deterministic: the same on every rank
-        cfg.precision.quant_backend = choose_quant_backend("auto", device.type, cfg.train.steps).name
-    # Process-wide: every quantize, fold and reduction of this worker takes this path.
-    from agoq.quant import backend as quant_backend
-
-    quant_backend.set_backend(cfg.precision.quant_backend)
-    if cfg.precision.compute_dtype == "auto":
-        # A timed probe: rank 0 decides, so every rank computes alike.
-        choice = [compute_dtype_for(cfg, device.type, torch.get_num_threads()) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(choice, src=0)
-        cfg.precision.compute_dtype = choice[0].name
-        if dist.get_rank() == 0:
-            print(f"agoq train: compute dtype {choice[0].name} ({choice[0].reason})", flush=True)
     world = dist.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(
@@ -163,6 +150,32 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
     )
 
 
+def worker_choices(cfg: TrainConfig, device: torch.device, choices: ResolvedChoices | None) -> ResolvedChoices:
+    """The run's decided compute dtype and quantization backend, with this process's backend set to it.
+
+    The local launcher decides before the workers start and passes its choices; under torchrun
+    nothing decided before launch (agoq.train.run.resolve_auto_choices), so the workers do, alike
+    on every rank. The config is left as validated.
+    """
+    if choices is None:
+        pr = cfg.precision
+        quant = choose_quant_backend(pr.quant_backend, device.type, cfg.train.steps).name  # deterministic: the same on every rank
+        dtype = pr.compute_dtype
+        if dtype == "auto":
+            # A timed probe: rank 0 decides, so every rank computes alike.
+            choice = [compute_dtype_for(cfg, device.type, torch.get_num_threads()) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(choice, src=0)
+            dtype = choice[0].name
+            if dist.get_rank() == 0:
+                print(f"agoq train: compute dtype {choice[0].name} ({choice[0].reason})", flush=True)
+        choices = ResolvedChoices(dtype, quant)
+    # Process-wide: every quantize, fold and reduction of this worker takes this path.
+    from agoq.quant import backend as quant_backend
+
+    quant_backend.set_backend(choices.quant_backend)
+    return choices
+
+
 def _prepare_data(cfg: TrainConfig, ctx: RankContext):
     """Tokenizer and packed tokens; rank 0 builds the cache, the others then read it."""
     from agoq.train.data import prepare_data
@@ -181,15 +194,61 @@ def _prepare_data(cfg: TrainConfig, ctx: RankContext):
     return data
 
 
+def build_stage_modules(
+    cfg: TrainConfig, ctx: RankContext, model_cfg: LlamaConfig, policy: ActivationPolicy, layout: PipelineLayout, dtype: torch.dtype
+) -> list[Llama]:
+    """This rank's Llama slices, one per pipeline stage it runs, initialised from the run's seed."""
+    ranges = layout.stage_ranges(model_cfg.n_layers)
+    modules = []
+    for s in ctx.stages:
+        m = Llama(model_cfg, policy, layers=ranges[s], embed=s == 0, head=s == layout.num_stages - 1)
+        m.reset_parameters(cfg.train.seed)
+        m.recompute = set(list(ranges[s])[: cfg.precision.recompute_layers])
+        modules.append(m.to(device=ctx.device, dtype=dtype))
+    return modules
+
+
+def build_gradient_path(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]], ctx: RankContext) -> tuple[GradientSync, Any]:
+    """The gradient sync over the dp group and the optimizer that reads it: ZeRO-1's sharded pair, or
+    the full buffer (8-bit, fp32 or bf16 all-reduce) with AdamW on fp32 masters."""
+    p, pr = cfg.parallel, cfg.precision
+    if p.zero1:
+        from agoq.gradient.sharded import make_sharded_sync
+        from agoq.train.zero1 import Zero1Optimizer
+
+        sync: GradientSync = make_sharded_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
+        return sync, Zero1Optimizer(params, cfg.optim, sync)
+    sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
+    return sync, MasterWeightOptimizer(params, cfg.optim)
+
+
+def build_pipeline(cfg: TrainConfig, ctx: RankContext, modules: list[Llama], num_stages: int, loss: Any) -> tuple[list[Any], Any]:
+    """This rank's torch pipeline stages and the schedule that runs them, with ``loss`` on the last stage."""
+    from agoq.parallel.pipeline import build_schedule, build_stages
+
+    p = cfg.parallel
+    stages = build_stages([StageForward(m) for m in modules], ctx.stages, num_stages, group=ctx.pp_group, device=ctx.device)
+    # Every rank passes the loss: torch enables the backward passes only where one is given.
+    # Gradients leave p.grad as soon as they accumulate (into the fp32 or 8-bit buffer), so
+    # torch's post-step division by the micro-batch count would find nothing: the loss is
+    # divided instead, and the recorded losses are summed back.
+    return stages, build_schedule(p.schedule, stages, p.microbatches, loss, scale_grads=False)
+
+
+def _loss_terms(loss: float | None) -> list[float]:
+    """[loss sum, count] of this rank: the loss lives on the last pipeline stage only."""
+    return [0.0, 0.0] if loss is None else [loss, 1.0]
+
+
 class Trainer:
     """One rank's share of a training run."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        from agoq.parallel.pipeline import build_schedule, build_stages
+    def __init__(self, cfg: TrainConfig, choices: ResolvedChoices | None = None) -> None:
         from agoq.train.data import TrainSampler, validation_batches
 
         self.cfg = cfg
         self.ctx = ctx = _setup_distributed(cfg)
+        self.choices = worker_choices(cfg, ctx.device, choices)
         torch.manual_seed(cfg.train.seed)
         self.data = _prepare_data(cfg, ctx)
         p = cfg.parallel
@@ -198,38 +257,16 @@ class Trainer:
         self.model_cfg = replace(cfg.model_config(), vocab_size=self.data.tokenizer.vocab_size)
         self.local_batch = cfg.data.batch_size // p.dp
         self.micro_batch = self.local_batch // p.microbatches
-        self.layer_bits = layer_bits_for(cfg, self.model_cfg, self.micro_batch)
-        self.policy = make_policy_for(cfg, self.layer_bits)
-        dtype = DTYPES[cfg.precision.compute_dtype]
         layout = pipeline_layout(cfg)
-        ranges = layout.stage_ranges(self.model_cfg.n_layers)
+        self.layer_bits, self.policy = rank_policy(cfg, self.model_cfg, self.micro_batch, layout, self.choices.dtype)
+        self.modules = build_stage_modules(cfg, ctx, self.model_cfg, self.policy, layout, self.choices.dtype)
         num_stages = layout.num_stages
-        self.modules = []
-        for s in ctx.stages:
-            m = Llama(self.model_cfg, self.policy, layers=ranges[s], embed=s == 0, head=s == num_stages - 1)
-            m.reset_parameters(cfg.train.seed)
-            m.recompute = set(list(ranges[s])[: cfg.precision.recompute_layers])
-            self.modules.append(m.to(device=ctx.device, dtype=dtype))
         self.last = self.modules[-1] if ctx.stages[-1] == num_stages - 1 else None
         self.params = [(n, prm) for m in self.modules for n, prm in m.named_parameters()]
         self.pipelined = p.pp > 1
         if self.pipelined:
-            self.stages = build_stages([StageForward(m) for m in self.modules], ctx.stages, num_stages, group=ctx.pp_group, device=ctx.device)
-            # Every rank passes the loss: torch enables the backward passes only where one is given.
-            # Gradients leave p.grad as soon as they accumulate (into the fp32 or 8-bit buffer), so
-            # torch's post-step division by the micro-batch count would find nothing: the loss is
-            # divided instead, and the recorded losses are summed back.
-            self.schedule = build_schedule(p.schedule, self.stages, p.microbatches, self._stage_loss, scale_grads=False)
-        pr = cfg.precision
-        if p.zero1:
-            from agoq.gradient.sharded import make_sharded_sync
-            from agoq.train.zero1 import Zero1Optimizer
-
-            self.sync: GradientSync = make_sharded_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
-            self.optimizer = Zero1Optimizer(self.params, cfg.optim, self.sync)
-        else:
-            self.sync = make_gradient_sync(pr.gradients, self.params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
-            self.optimizer = MasterWeightOptimizer(self.params, cfg.optim)
+            self.stages, self.schedule = build_pipeline(cfg, ctx, self.modules, num_stages, self._stage_loss)
+        self.sync, self.optimizer = build_gradient_path(cfg, self.params, ctx)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = (
             validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
@@ -268,14 +305,9 @@ class Trainer:
             total += float(loss.detach()) / p.microbatches
         return total
 
-    @staticmethod
-    def _loss_terms(loss: float | None) -> list[float]:
-        """[loss sum, count] of this rank: the loss lives on the last pipeline stage only."""
-        return [0.0, 0.0] if loss is None else [loss, 1.0]
-
     def _global_loss(self, loss: float | None) -> float:
         """The mean over dp replicas of a loss known on the last stage, on every rank."""
-        t = torch.tensor(self._loss_terms(loss), device=self.ctx.device, dtype=torch.float64)
+        t = torch.tensor(_loss_terms(loss), device=self.ctx.device, dtype=torch.float64)
         dist.all_reduce(t)
         return float(t[0] / t[1])
 
@@ -321,7 +353,7 @@ class Trainer:
         # the step's loss. dp replicas hold identical reduced gradients, so their squares are
         # divided out; ZeRO-1 shards are disjoint, so theirs add up to the full norm.
         sq = grad_sq if self.sync.sharded else grad_sq / cfg.parallel.dp
-        agree = torch.tensor([sq, 0.0 if reduced else 1.0, *self._loss_terms(local_loss)], device=self.ctx.device, dtype=torch.float64)
+        agree = torch.tensor([sq, 0.0 if reduced else 1.0, *_loss_terms(local_loss)], device=self.ctx.device, dtype=torch.float64)
         dist.all_reduce(agree)
         loss = float(agree[2] / agree[3])
         grad_norm = math.sqrt(agree[0].item()) if agree[1].item() == 0 and math.isfinite(agree[0].item()) else float("nan")
@@ -329,17 +361,7 @@ class Trainer:
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         phase("optimizer")
         if not skipped:
-            clip = cfg.optim.grad_clip
-            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.optimizer.set_lr(lr)
-            # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor alone), so
-            # fp32 gradients read back from 8 bits never all exist at once.
-            for group in self.sync.step_groups(STEP_GROUP_BYTES):
-                for i, grad in group:
-                    self.optimizer.set_grad(i, grad.mul_(coef) if coef != 1.0 else grad)
-                group.clear()
-                del grad
-                self.optimizer.step()  # drops the gradients it was handed
+            self._update(grad_norm, lr)
         self.sync.finish_step()
         dt = time.perf_counter() - t0
         self.step += 1
@@ -359,6 +381,20 @@ class Trainer:
             "pp_rank": self.ctx.pp_rank,
             "dp_rank": self.ctx.dp_rank,
         }
+
+    def _update(self, grad_norm: float, lr: float) -> None:
+        """Clip by the global gradient norm and step AdamW."""
+        clip = self.cfg.optim.grad_clip
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        self.optimizer.set_lr(lr)
+        # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor alone), so
+        # fp32 gradients read back from 8 bits never all exist at once.
+        for group in self.sync.step_groups(STEP_GROUP_BYTES):
+            for i, grad in group:
+                self.optimizer.set_grad(i, grad.mul_(coef) if coef != 1.0 else grad)
+            group.clear()
+            del grad
+            self.optimizer.step()  # drops the gradients it was handed
 
     def measure_baseline(self) -> dict[str, Any]:
         """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
