@@ -387,6 +387,24 @@ class PendingAllReduce:
         return self._tensor
 
 
+def _start_8bit(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp,
+    group: Group,
+    fmt: QuantFormat | str | None,
+    counter: CommCounter | None,
+    timings: dict[str, float] | None,
+    name: str,
+) -> EightBitReduction:
+    """Quantize ``tensor`` into rank chunks and start their all-to-all: steps 1-2 of both 8-bit collectives."""
+    _check_float(tensor, name)
+    world_size, _ = world_of(group)
+    layout = chunk_layout(tensor.numel(), world_size, fmt)
+    with _timed(timings, "quantize"):
+        rows = quantize_rows(tensor, layout)
+    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings)
+
+
 def all_reduce_8bit(
     tensor: torch.Tensor,
     op: str | dist.ReduceOp = "sum",
@@ -402,12 +420,7 @@ def all_reduce_8bit(
     ``timings``, if given, receives seconds per phase (quantize, all_to_all, reduce, all_gather,
     dequantize); each phase is then waited for, so it disables overlap.
     """
-    _check_float(tensor, "all_reduce_8bit")
-    world_size, _ = world_of(group)
-    layout = chunk_layout(tensor.numel(), world_size, fmt)
-    with _timed(timings, "quantize"):
-        rows = quantize_rows(tensor, layout)
-    reduction = EightBitReduction(rows, layout, op, group, counter=counter, name="all_reduce_8bit", timings=timings)
+    reduction = _start_8bit(tensor, op, group, fmt, counter, timings, "all_reduce_8bit")
     pending = PendingAllReduce(reduction, tensor)
     if async_op:
         return pending
@@ -430,13 +443,8 @@ def reduce_scatter_8bit(
     The shard covers flat elements [rank * c, (rank + 1) * c) with c = ceil(numel / W); when W
     divides numel that is torch's reduce-scatter split.
     """
-    _check_float(tensor, "reduce_scatter_8bit")
-    world_size, rank = world_of(group)
-    layout = chunk_layout(tensor.numel(), world_size, fmt)
-    with _timed(timings, "quantize"):
-        rows = quantize_rows(tensor, layout)
-    reduction = EightBitReduction(rows, layout, op, group, counter=counter, name="reduce_scatter_8bit", timings=timings)
-    start, end = layout.shard_range(rank)
+    reduction = _start_8bit(tensor, op, group, fmt, counter, timings, "reduce_scatter_8bit")
+    start, end = reduction.layout.shard_range(reduction.rank)
     return reduction.reduce()[: end - start].to(out_dtype)
 
 

@@ -38,6 +38,15 @@ def fused_adamw(groups: list[dict], cfg: OptimSection) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group of ``optimizer``."""
+    for g in optimizer.param_groups:
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)  # torchao keeps lr as a tensor so its compiled step never recompiles
+        else:
+            g["lr"] = lr
+
+
 class MasterWeightOptimizer:
     """AdamW on fp32 copies of the model's parameters; the model's (bf16) weights follow each step.
 
@@ -78,11 +87,7 @@ class MasterWeightOptimizer:
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every group."""
-        for g in self.optimizer.param_groups:
-            if isinstance(g["lr"], torch.Tensor):
-                g["lr"].fill_(lr)  # torchao keeps lr as a tensor so its compiled step never recompiles
-            else:
-                g["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         """Give parameter ``index`` its (reduced, clipped) gradient, as fp32."""

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from agoq.gradient.sharded import ShardedBucket, ShardedGradientSync
 from agoq.train.config import OptimSection
-from agoq.train.optim import fused_adamw, no_weight_decay, tensor_bytes
+from agoq.train.optim import fused_adamw, no_weight_decay, set_lr, tensor_bytes
 
 
 class Zero1Optimizer:
@@ -95,8 +95,7 @@ class Zero1Optimizer:
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every group."""
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         """Give bucket ``index`` this rank's (reduced, clipped) fp32 gradient shard."""
