@@ -16,6 +16,8 @@ ALLOWED = {
     "train": {"models", "activation", "gradient", "parallel", "quant"},
     # The planner models what the trainer allocates for a given training config.
     "plan": {"models", "activation", "gradient", "parallel", "quant", "train"},
+    # Other libraries' models and loops (transformers) get the activation ops and the 8-bit gradients.
+    "integrations": {"models", "activation", "gradient", "quant"},
 }
 
 
@@ -46,6 +48,11 @@ def _top_level_imports(path: Path) -> set[str]:
                 if isinstance(head, ast.Constant):
                     found.add(str(head.value).split(".")[0])
     return found
+
+
+def test_every_package_has_a_place_in_the_layers():
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(ALLOWED), f"unplaced: {sorted(packages - set(ALLOWED))}, gone: {sorted(set(ALLOWED) - packages)}"
 
 
 def test_each_layer_imports_only_the_layers_below_it():
