@@ -133,12 +133,12 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     path = write_result("hf_trainer", results, out_dir=args.out_dir)
-    print(markdown(results))
+    print(readme_markdown(results))
     print(f"\nwritten: {path}")
     return 0
 
 
-def markdown(results: dict[str, Any]) -> str:
+def readme_markdown(results: dict[str, Any]) -> str:
     """The README table: one row per mode, and the ratio row."""
     rows, ratio = results["rows"], results["agoq_vs_unpatched"]
     lines = [
