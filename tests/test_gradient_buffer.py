@@ -407,7 +407,7 @@ def test_all_finite_and_sum_of_squares_need_no_tensor_sized_temporaries(dtype):
         assert not all_finite(t)
 
 
-def test_step_groups_bound_their_bytes_and_read_a_group_only_when_asked() -> None:
+def test_step_optimizer_steps_after_groups_of_bounded_bytes_and_reads_each_gradient_only_when_handed_over() -> None:
     from agoq.gradient.sync import GradientSync
 
     class Units(GradientSync):
@@ -421,27 +421,21 @@ def test_step_groups_bound_their_bytes_and_read_a_group_only_when_asked() -> Non
             self.reads.append(unit)
             return torch.ones(self.sizes[unit])
 
-    sync = Units()
-    groups = sync.step_groups(4 * 1000)  # 1000 fp32 values per group
-    first = next(groups)
-    assert [u for u, _ in first] == [0, 1] and sync.reads == [0, 1]  # nothing else read yet
-    rest = [[u for u, _ in g] for g in groups]
-    assert rest == [[2], [3, 4]]  # the 2000-value unit alone, the rest together
-
-    # step_optimizer hands over the same groups, reading each gradient only as it is handed over.
     class Optimizer:
         events: list[tuple] = []
 
         def set_grad(self, unit, grad):
-            assert sync.reads[-1] == unit
+            assert sync.reads == list(range(unit + 1))  # nothing read ahead of what is handed over
             self.events.append((unit, float(grad[0])))
 
         def step(self):
             self.events.append(("step",))
 
-    sync.reads.clear()
-    sync.step_optimizer(Optimizer(), scale=0.5, group_bytes=4 * 1000)
+    sync = Units()
+    assert list(sync.unit_groups(4 * 1000)) == [[0, 1], [2], [3, 4]]  # the 2000-value unit alone, the rest together
+    sync.step_optimizer(Optimizer(), scale=0.5, group_bytes=4 * 1000)  # 1000 fp32 values per group
     assert Optimizer.events == [(0, 0.5), (1, 0.5), ("step",), (2, 0.5), ("step",), (3, 0.5), (4, 0.5), ("step",)]
+    sync.reads.clear()
     Optimizer.events.clear()
     sync.step_optimizer(Optimizer())  # no bound: one group, one step
     assert Optimizer.events == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), ("step",)]

@@ -72,18 +72,13 @@ class GradientSync:
         if units:
             yield units
 
-    def step_groups(self, group_bytes: int) -> Iterator[list[tuple[int, torch.Tensor]]]:
-        """Lists of (unit, gradient) to hand to the optimizer and step, one per :meth:`unit_groups` group.
-        A group is read only when it is asked for, so where gradients are read back from 8 bits only
-        one group of them exists at a time, provided the caller lets go of the previous list (e.g.
-        clears it) before asking for the next.
-        """
-        for units in self.unit_groups(group_bytes):
-            yield [(u, self.read(u)) for u in units]
-
     def step_optimizer(self, optimizer: PairedOptimizer, scale: float = 1.0, group_bytes: int | None = None) -> None:
         """Hand the paired optimizer every reduced gradient times ``scale`` and step it after each group of
-        at most ``group_bytes`` of fp32 gradients (see :meth:`unit_groups`); every dp rank groups alike."""
+        at most ``group_bytes`` of fp32 gradients (see :meth:`unit_groups`); every dp rank groups alike.
+
+        A gradient is read only as it is handed over, so where gradients are read back from 8 bits
+        only one group of them exists at a time (the optimizer's step drops what it was handed).
+        """
         step_in_groups(self.unit_groups(group_bytes), self.read, optimizer.set_grad, optimizer.step, scale)
 
     def finish_step(self) -> None:

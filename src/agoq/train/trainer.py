@@ -389,12 +389,7 @@ class Trainer:
         self.optimizer.set_lr(lr)
         # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor alone), so
         # fp32 gradients read back from 8 bits never all exist at once.
-        for group in self.sync.step_groups(STEP_GROUP_BYTES):
-            for i, grad in group:
-                self.optimizer.set_grad(i, grad.mul_(coef) if coef != 1.0 else grad)
-            group.clear()
-            del grad
-            self.optimizer.step()  # drops the gradients it was handed
+        self.sync.step_optimizer(self.optimizer, coef, STEP_GROUP_BYTES)  # each step drops the gradients it was handed
 
     def measure_baseline(self) -> dict[str, Any]:
         """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
