@@ -58,6 +58,11 @@ __all__ = [
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 
 
+def _pipeline_attribute(name: str, doc: str) -> property:
+    # The pipeline holds the reduction settings and the step's outcome; the buffer only shows them.
+    return property(lambda self: getattr(self.pipeline, name), doc=doc)
+
+
 class QuantGradBuffer:
     """8-bit block-wise gradient storage for a set of parameters, with bucketed 8-bit collectives.
 
@@ -66,6 +71,18 @@ class QuantGradBuffer:
     parameters and its dp group. ``microbatches`` backward passes make one optimizer step.
     ``collective='reduce_scatter'`` leaves each rank its fp32 shard of every bucket (ZeRO-1).
     """
+
+    group = _pipeline_attribute("group", "The data-parallel group the buckets are reduced over.")
+    op = _pipeline_attribute("op", "'sum' or 'avg'.")
+    collective = _pipeline_attribute("collective", "'all_reduce' or 'reduce_scatter' (ZeRO-1 shards).")
+    overlap = _pipeline_attribute("overlap", "Whether buckets start their reduction while backward runs.")
+    counter = _pipeline_attribute("counter", "The CommCounter the collectives record into, if any.")
+    world_size = _pipeline_attribute("world_size", "Ranks in the group (1 without torch.distributed).")
+    rank = _pipeline_attribute("rank", "This process's rank in the group.")
+    communicates = _pipeline_attribute("communicates", "Whether this buffer reduces over more than one rank.")
+    microbatches = _pipeline_attribute("microbatches", "Backward passes per optimizer step (change it with zero_grad(microbatches=...)).")
+    skipped_steps = _pipeline_attribute("skipped_steps", "Steps skipped because some rank saw a non-finite gradient.")
+    nonfinite = _pipeline_attribute("nonfinite", "(rank, first non-finite parameter's name) of each rank that saw one in the last skipped step.")
 
     def __init__(
         self,
@@ -82,14 +99,9 @@ class QuantGradBuffer:
         counter: CommCounter | None = None,
     ) -> None:
         self.fmt = gradient_format(fmt)
-        self.group = group
-        self.op = parse_op(op)
+        op = parse_op(op)
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-        self.collective = collective
-        self.overlap = overlap
-        self.counter = counter
-        self.world_size, self.rank = world_of(group)
         self.names, self.params = named_params(params)
         if not self.params:
             raise ValueError("QuantGradBuffer got no parameters that require grad")
@@ -97,7 +109,7 @@ class QuantGradBuffer:
         if len(devices) > 1:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; build one buffer per device")
         self.device = devices.pop()
-        self.layout = GradLayout([p.numel() for p in self.params], self.fmt, bucket_numel_for(bucket_numel, bucket_bytes), self.world_size)
+        self.layout = GradLayout([p.numel() for p in self.params], self.fmt, bucket_numel_for(bucket_numel, bucket_bytes), world_of(group)[0])
         self.buckets = allocate_buckets(self.layout)
         self.folder = EightBitFolder(self.layout, self.buckets, self.device)
         self.pipeline = BucketPipeline(
@@ -105,7 +117,7 @@ class QuantGradBuffer:
             self.folder,
             self.names,
             group=group,
-            op=self.op,
+            op=op,
             collective=collective,
             overlap=overlap,
             counter=counter,
@@ -156,26 +168,6 @@ class QuantGradBuffer:
         return self.layout.bucket_order()
 
     # ---- accumulation and communication -------------------------------------------------------
-
-    @property
-    def microbatches(self) -> int:
-        """Backward passes per optimizer step (change it with zero_grad(microbatches=...))."""
-        return self.pipeline.microbatches
-
-    @property
-    def communicates(self) -> bool:
-        """Whether this buffer reduces over more than one rank."""
-        return self.pipeline.communicates
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because some rank saw a non-finite gradient."""
-        return self.pipeline.skipped_steps
-
-    @property
-    def nonfinite(self) -> list[tuple[int, str]]:
-        """(rank, first non-finite parameter's name) of each rank that saw one in the last skipped step."""
-        return self.pipeline.nonfinite
 
     def bucket_states(self) -> list[str]:
         """Per bucket: 'open', 'launched' (all-to-all in flight), 'reducing' (all-gather) or 'done'."""
