@@ -439,3 +439,10 @@ def test_step_optimizer_steps_after_groups_of_bounded_bytes_and_reads_each_gradi
     Optimizer.events.clear()
     sync.step_optimizer(Optimizer())  # no bound: one group, one step
     assert Optimizer.events == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), ("step",)]
+
+
+def test_bucket_storage_lives_on_the_parameters_device():
+    # Buckets were allocated on the CPU whatever the parameters' device: on a GPU the 8-bit
+    # buffer then sat in host memory and the collective got CPU tensors. The meta device stands in.
+    buf = QuantGradBuffer(torch.nn.Linear(300, 70, device="meta"), microbatches=1)
+    assert buf.buckets and all(b.payload.device.type == "meta" and b.scales.device.type == "meta" for b in buf.buckets)

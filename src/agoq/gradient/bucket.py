@@ -49,16 +49,16 @@ class Bucket:
         self.shard = None
 
 
-def allocate_buckets(layout: GradLayout) -> list[Bucket]:
-    """The storage of every bucket of ``layout``, each code the code of 0.0."""
+def allocate_buckets(layout: GradLayout, device: torch.device | str = "cpu") -> list[Bucket]:
+    """The storage of every bucket of ``layout`` on ``device`` (the parameters'), each code the code of 0.0."""
     fmt = layout.fmt
     # The code of 0.0, from the reference quantizer: one block through a compiled one would
     # compile (or load) a one-block variant in every process before the first step.
-    zero = reference_quantize(torch.zeros(fmt.block_size), fmt).payload[:1]
+    zero = reference_quantize(torch.zeros(fmt.block_size), fmt).payload[:1].to(device)
     buckets = []
     for b, (chunks, segs) in enumerate(zip(layout.chunks, layout.bucket_segments)):
         n = chunks.world_size * chunks.padded_chunk
         payload = zero.expand(fmt.payload_bytes(n)).clone()
-        scales = torch.zeros(fmt.num_blocks(n), dtype=torch.float32)
+        scales = torch.zeros(fmt.num_blocks(n), dtype=torch.float32, device=device)
         buckets.append(Bucket(b, chunks, payload, scales, segs))
     return buckets

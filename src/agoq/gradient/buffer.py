@@ -110,7 +110,7 @@ class QuantGradBuffer:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; build one buffer per device")
         self.device = devices.pop()
         self.layout = GradLayout([p.numel() for p in self.params], self.fmt, bucket_numel_for(bucket_numel, bucket_bytes), world_of(group)[0])
-        self.buckets = allocate_buckets(self.layout)
+        self.buckets = allocate_buckets(self.layout, self.device)
         self.folder = EightBitFolder(self.layout, self.buckets, self.device)
         self.pipeline = BucketPipeline(
             self.buckets,
