@@ -82,6 +82,11 @@ def gradient_format(fmt: QuantFormat | str | None) -> QuantFormat:
     return fmt
 
 
+def int8_gradient_format(block: int) -> QuantFormat:
+    """The 8-bit wire format of ``precision.gradient_block`` (blocks of ``block`` values, one fp32 scale each)."""
+    return gradient_format(QuantFormat("int", 8, block))
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """How ``numel`` values are cut into ``world_size`` chunks of ``chunk`` values, padded to blocks."""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import Group
+from agoq.gradient.collectives import Group, int8_gradient_format
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
@@ -180,7 +180,7 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
         counter = CommCounter()
         self.buffer = QuantGradBuffer(
             params,
-            fmt=f"int8/{block}",
+            fmt=int8_gradient_format(block),
             group=group,
             op="avg",
             microbatches=microbatches,

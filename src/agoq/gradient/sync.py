@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import Group
+from agoq.gradient.collectives import Group, int8_gradient_format
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
@@ -185,7 +185,7 @@ class QuantizedGradientSync(ParameterGradientSync):
 
         self.counter = CommCounter()
         self.index = {name: i for i, (name, _) in enumerate(params)}
-        self.buffer = QuantGradBuffer(params, fmt=f"int8/{block}", group=group, op="avg", microbatches=microbatches, counter=self.counter)
+        self.buffer = QuantGradBuffer(params, fmt=int8_gradient_format(block), group=group, op="avg", microbatches=microbatches, counter=self.counter)
         self._buffer_index = {self.index[name]: pi for pi, name in enumerate(self.buffer.names)}
         self.world = self.buffer.world_size
 

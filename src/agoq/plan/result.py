@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agoq.gradient.collectives import int8_gradient_format
 from agoq.parallel.pipeline import schedule_name
 from agoq.plan.config import PlanConfig, Setup, parse_setup
 from agoq.quant import parse_format
@@ -148,7 +149,7 @@ class Plan:
             "precision": {
                 "dtype": c.dtype,
                 "activation_format": parse_format(c.activation_format).name,
-                "gradient_format": f"int8/{c.gradient_block}",
+                "gradient_format": int8_gradient_format(c.gradient_block).name,
                 "optimizer_block": c.optimizer_block,
             },
             "memory": {

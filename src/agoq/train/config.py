@@ -367,12 +367,16 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
         raise ConfigError(f"precision.quant_backend={pr.quant_backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if pr.compute_dtype not in DTYPES:
         raise ConfigError(f"precision.compute_dtype={pr.compute_dtype!r} is unknown; use auto, bf16 or fp32")
+    from agoq.gradient.collectives import int8_gradient_format
     from agoq.quant import parse_format
 
-    for key, spec in (("activation_format", pr.activation_format), ("gradient_block", f"int8/{pr.gradient_block}")):
+    for key, check in (
+        ("activation_format", lambda: parse_format(pr.activation_format)),
+        ("gradient_block", lambda: int8_gradient_format(pr.gradient_block)),
+    ):
         try:
-            parse_format(spec)
-        except ValueError as e:
+            check()
+        except (ValueError, TypeError) as e:
             raise ConfigError(f"precision.{key}={getattr(pr, key)!r} is invalid: {e}") from None
     if p.zero1 and o.name == "adamw8bit":
         raise ConfigError("parallel.zero1=true shards AdamW's fp32 state; it does not support optim.name='adamw8bit' (use one or the other)")
