@@ -142,7 +142,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
     """The README table: one row per mode, and the ratio row."""
     rows, ratio = results["rows"], results["agoq_vs_unpatched"]
     lines = [
-        "| model | saved / layer (KiB) | saved outside layers (KiB) | peak tensors (MiB) | wire bytes / step (MiB) | step (s) | train loss | val loss (3 seeds) |",
+        "| model | saved / layer (KiB) | saved outside layers (KiB) | peak tensors (MiB) | wire bytes / step (MiB) | step (s, 3 seeds) | train loss | val loss (3 seeds) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in MODES:
@@ -150,7 +150,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
         per_layer = statistics.mean(r["saved_bytes_per_layer"].values()) / 1024
         lines.append(
             f"| {mode} | {per_layer:.0f} | {r['saved_bytes_outside_layers'] / 1024:.0f} | {r['peak_tensor_bytes'] / 2**20:.1f} "
-            f"| {r['wire_bytes_per_step'] / 2**20:.2f} | {r['step_s_median_after_3']:.3f} | {r['train_loss']:.3f} "
+            f"| {r['wire_bytes_per_step'] / 2**20:.2f} | {r['step_s_median_after_3']:.3f} ± {r['step_s_median_after_3_std']:.3f} | {r['train_loss']:.3f} "
             f"| {r['val_loss']:.3f} ± {r['val_loss_std']:.3f} |"
         )
     layer = max(ratio["saved_bytes_per_layer"].values())
