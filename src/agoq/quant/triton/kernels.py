@@ -154,6 +154,34 @@ def _store_codes(
 
 
 @triton.jit
+def _quantize_store(
+    x,
+    valid,
+    blk,
+    blk_ok,
+    pay_ptr,
+    sc_ptr,
+    bnd_ptr,
+    code_ptr,
+    nbytes,
+    NB: tl.constexpr,
+    BP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
+    """Quantize a tile [NB, BP] of blocks ``blk``: packed codes into the payload, scales where ``blk_ok``."""
+    codes, s = _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
+    _store_codes(pay_ptr, codes, blk, nbytes, NB, BP, BLOCK, BITS, G, GB, GBP)
+    tl.store(sc_ptr + blk, s, mask=blk_ok)
+
+
+@triton.jit
 def _load_codes(
     pay_ptr,
     blk,
@@ -203,6 +231,19 @@ def _dequantize_tile(
 
 # ---- quantize / dequantize -------------------------------------------------------------------------
 
+# The kernels' signatures repeat on purpose: Triton specializes on constexprs declared by name, and the
+# launchers (ops._Spec.constants / unpacking) pass the same set as keywords to every kernel.
+
+
+@triton.jit
+def _flat_tile(n, BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
+    """This program's R blocks of a flat tensor of n values: block indices [R], element offsets and validity [R, BP]."""
+    blk = tl.program_id(0) * R + tl.arange(0, R)
+    col = tl.arange(0, BP)
+    e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
+    valid = (col < BLOCK)[None, :] & (e < n)
+    return blk, e, valid
+
 
 @triton.jit
 def quantize_kernel(
@@ -227,14 +268,9 @@ def quantize_kernel(
     GBP: tl.constexpr,
 ):
     """Quantize n values into packed codes and one fp32 scale per block (NaN for non-finite blocks)."""
-    blk = tl.program_id(0) * R + tl.arange(0, R)
-    col = tl.arange(0, BP)
-    e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
-    valid = (col < BLOCK)[None, :] & (e < n)
+    blk, e, valid = _flat_tile(n, BLOCK, BP, R)
     x = _load_f32(x_ptr, e, valid, IN_BF16)
-    codes, s = _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
-    tl.store(sc_ptr + blk, s, mask=blk < nblocks)
+    _quantize_store(x, valid, blk, blk < nblocks, pay_ptr, sc_ptr, bnd_ptr, code_ptr, nbytes, R, BP, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
 
 
 @triton.jit
@@ -257,10 +293,7 @@ def dequantize_kernel(
     GBP: tl.constexpr,
 ):
     """Dequantize n values into a float tensor."""
-    blk = tl.program_id(0) * R + tl.arange(0, R)
-    col = tl.arange(0, BP)
-    e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
-    valid = (col < BLOCK)[None, :] & (e < n)
+    blk, e, valid = _flat_tile(n, BLOCK, BP, R)
     v = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk < nblocks, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
     _store_f(out_ptr, e, v, valid, OUT_BF16)
 
@@ -282,6 +315,15 @@ def _rstd(x, eps, H: tl.constexpr):
     """fp32 1 / sqrt(mean(x^2) + eps) per row, both steps correctly rounded."""
     ms = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full([x.shape[0]], H, tl.float32))
     return tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def _norm_store(x, w_ptr, col, h_ptr, e, valid, eps, H: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Store h = RMSNorm(x) * w for the fp32 rows x [RT, HP]; returns their rstd [RT]."""
+    w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
+    rstd = _rstd(x, eps, H)
+    _store_f(h_ptr, e, x * rstd[:, None] * w[None, :], valid, OUT_BF16)
+    return rstd
 
 
 @triton.jit
@@ -322,14 +364,12 @@ def rms_norm_quantize_kernel(
     t0 = tl.program_id(0) * RT
     rows, col, e, valid = _row_tile(t0, T, H, HP, RT)
     x = _load_f32(x_ptr, e, valid, IN_BF16)
-    w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
-    rstd = _rstd(x, eps, H)
-    _store_f(h_ptr, e, x * rstd[:, None] * w[None, :], valid, IN_BF16)
+    _norm_store(x, w_ptr, col, h_ptr, e, valid, eps, H, IN_BF16)
     blk, blk_ok = _row_blocks(t0, T, H, HP, RT, BLOCK)
-    xb = tl.reshape(x, [RT * (HP // BLOCK), BLOCK])
-    codes, s = _quantize_tile(xb, tl.reshape(valid, [RT * (HP // BLOCK), BLOCK]), bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(pay_ptr, codes, blk, nbytes, RT * (HP // BLOCK), BLOCK, BLOCK, BITS, G, GB, GBP)
-    tl.store(sc_ptr + blk, s, mask=blk_ok)
+    NB: tl.constexpr = RT * (HP // BLOCK)
+    xb = tl.reshape(x, [NB, BLOCK])
+    vb = tl.reshape(valid, [NB, BLOCK])
+    _quantize_store(xb, vb, blk, blk_ok, pay_ptr, sc_ptr, bnd_ptr, code_ptr, nbytes, NB, BLOCK, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
 
 
 @triton.jit
@@ -383,9 +423,7 @@ def rms_norm_recompute_kernel(
     t0 = tl.program_id(0) * RT
     rows, col, e, valid = _row_tile(t0, T, H, HP, RT)
     x = _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H, HP, RT, BLOCK, KIND, BITS, G, GB, GBP)
-    w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
-    rstd = _rstd(x, eps, H)
-    _store_f(h_ptr, e, x * rstd[:, None] * w[None, :], valid, OUT_BF16)
+    rstd = _norm_store(x, w_ptr, col, h_ptr, e, valid, eps, H, OUT_BF16)
     tl.store(rstd_ptr + rows, rstd, mask=rows < T)
 
 
@@ -442,15 +480,6 @@ def rms_norm_backward_kernel(
 
 
 @triton.jit
-def _flat_tile(n, BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
-    blk = tl.program_id(0) * R + tl.arange(0, R)
-    col = tl.arange(0, BP)
-    e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
-    valid = (col < BLOCK)[None, :] & (e < n)
-    return blk, e, valid
-
-
-@triton.jit
 def _sigmoid(z):
     return tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + tl.exp(-z))
 
@@ -489,12 +518,9 @@ def swiglu_quantize_kernel(
     # then the product rounded.
     silu = _round_to(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), IN_BF16)
     _store_f(act_ptr, e, silu * up, valid, IN_BF16)
-    codes, s = _quantize_tile(gate, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(gpay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
-    tl.store(gsc_ptr + blk, s, mask=blk < nblocks)
-    codes, s = _quantize_tile(up, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(upay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
-    tl.store(usc_ptr + blk, s, mask=blk < nblocks)
+    ok = blk < nblocks
+    _quantize_store(gate, valid, blk, ok, gpay_ptr, gsc_ptr, bnd_ptr, code_ptr, nbytes, R, BP, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
+    _quantize_store(up, valid, blk, ok, upay_ptr, usc_ptr, bnd_ptr, code_ptr, nbytes, R, BP, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
 
 
 @triton.jit
@@ -576,9 +602,7 @@ def accumulate_kernel(
         x = g
     else:
         x = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, blk < nblocks, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP) + g
-    codes, s = _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-    _store_codes(pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
-    tl.store(sc_ptr + blk, s, mask=blk < nblocks)
+    _quantize_store(x, valid, blk, blk < nblocks, pay_ptr, sc_ptr, bnd_ptr, code_ptr, nbytes, R, BP, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
 
 
 @triton.jit
@@ -623,6 +647,4 @@ def reduce_rows_kernel(
     if STORE_SUM:
         tl.store(acc_ptr + e, acc, mask=valid)
     if REQUANT:
-        codes, s = _quantize_tile(acc, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
-        _store_codes(out_pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
-        tl.store(out_sc_ptr + blk, s, mask=ok)
+        _quantize_store(acc, valid, blk, ok, out_pay_ptr, out_sc_ptr, bnd_ptr, code_ptr, nbytes, R, BP, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
