@@ -12,7 +12,8 @@ ALLOWED = {
     "activation": {"quant"},
     "gradient": {"quant"},
     "models": {"activation", "quant"},
-    "parallel": {"models", "activation", "quant"},
+    # Tensor parallelism's collectives record their bytes in gradient.counter's CommCounter.
+    "parallel": {"models", "activation", "gradient", "quant"},
     "train": {"models", "activation", "gradient", "parallel", "quant"},
     # The planner models what the trainer allocates for a given training config.
     "plan": {"models", "activation", "gradient", "parallel", "quant", "train"},

@@ -1,0 +1,205 @@
+"""Tensor + sequence parallelism at tp = 2 (real gloo ranks) against the tp = 1 model in this process.
+
+One spawned group runs every check (module fixture) and returns losses, gathered gradients, the
+saved bytes per rank and the bytes counted on the wire; the references are the full
+:class:`agoq.models.llama.Llama`, in fp32, computed here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agoq.activation import SavedBytesMeter, make_policy
+from agoq.gradient.counter import CommCounter
+from agoq.models.config import LlamaConfig
+from agoq.models.llama import Llama
+from agoq.parallel.tensor_model import check_tp_shapes, gather_gradients, gather_state_dict, shard_llama
+from agoq.parallel.tensor_ops import NORM_INPUT_ALL_GATHER, all_gather_seq, reduce_scatter_seq
+from tests._dist import run_distributed
+
+TP = 2
+CFG = LlamaConfig(vocab_size=128, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=256, max_seq_len=64)
+BATCH = 2
+# 16 tokens: a rank's shard of a norm input is [2, 8, 64] = 8 whole int4/128 blocks of two tokens
+# each, the same token pairs tp = 1 puts in a block. 10 tokens: shards of 5 tokens, so one block
+# holds a token of each sequence, a pairing tp = 1 never makes.
+SEQ_ALIGNED, SEQ_MISALIGNED = 16, 10
+BLOCK = 128
+
+
+def _batch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seq)
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH, seq + 1), generator=g)
+    targets = tokens[:, 1:].clone()
+    targets[0, :3] = -100  # ignored tokens, on rank 0's shard only
+    return tokens[:, :-1].contiguous(), targets
+
+
+def _full_model(policy: str) -> Llama:
+    torch.manual_seed(0)
+    return Llama(CFG, make_policy(policy))
+
+
+def _tp_run(policy: str, seq: int, group: object) -> dict:
+    counter = CommCounter()
+    tp_model = shard_llama(_full_model(policy), group, counter)
+    tokens, targets = _batch(seq)
+    with SavedBytesMeter(tp_model, layers={int(i): m for i, m in tp_model.layers.items()}) as meter:
+        loss = tp_model(tokens, targets)
+    saved = {i: meter.layer_bytes(i) for i in range(CFG.n_layers)}
+    forward_bytes = counter.as_dict()
+    loss.backward()
+    return {
+        "loss": loss.item(),
+        # numpy: pickled by value (a tensor would travel as shared memory of an exiting process).
+        "grads": {n: g.numpy() for n, g in gather_gradients(tp_model).items()},
+        "saved": saved,
+        "forward_comm": forward_bytes,
+        "comm": counter.as_dict(),
+        "state_equal": all(torch.equal(t, dict(_full_model(policy).named_parameters())[n]) for n, t in gather_state_dict(tp_model).items()),
+    }
+
+
+def _collectives_check(rank: int, world: int) -> dict:
+    """all_gather_seq and reduce_scatter_seq (gloo's own reduce_scatter_single) against their definitions."""
+    counter = CommCounter()
+    xs = [torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    gathered = all_gather_seq(xs[rank], dist.group.WORLD, counter)
+    full = [torch.randn(2, 3 * world, 5, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    scattered = reduce_scatter_seq(full[rank], dist.group.WORLD, counter)
+    want = sum(full)[:, 3 * rank : 3 * (rank + 1)]
+    return {"gather": torch.equal(gathered, torch.cat(xs, dim=1)), "scatter_err": (scattered - want).abs().max().item(), "comm": counter.as_dict()}
+
+
+def _worker(rank: int, world: int) -> dict:
+    torch.manual_seed(1234 + rank)  # nothing may depend on the rank's own random state
+    group = dist.group.WORLD
+    out = {"collectives": _collectives_check(rank, world)}
+    for policy in ("bf16", "agoq"):
+        out[policy] = _tp_run(policy, SEQ_ALIGNED, group)
+    out["agoq_misaligned"] = _tp_run("agoq", SEQ_MISALIGNED, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_worker, TP)
+
+
+def _reference(policy: str, seq: int) -> dict:
+    model = _full_model(policy)
+    tokens, targets = _batch(seq)
+    with SavedBytesMeter(model, layers={int(i): m for i, m in model.layers.items()}) as m:
+        loss = model(tokens, targets)
+    loss.backward()
+    return {
+        "loss": loss.item(),
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "saved": {i: m.layer_bytes(i) for i in range(CFG.n_layers)},
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _grad_errors(grads: dict, ref: dict) -> dict[str, float]:
+    assert grads.keys() == ref.keys()
+    return {n: _rel(torch.as_tensor(grads[n]), ref[n]) for n in ref}
+
+
+def _int4_bytes(numel: int) -> int:
+    """Payload (two codes a byte) and fp32 scales of an int4/128 tensor."""
+    return numel // 2 + -(-numel // BLOCK) * 4
+
+
+def test_sequence_collectives_equal_their_definitions(ranks):
+    for r, out in enumerate(ranks):
+        c = out["collectives"]
+        assert c["gather"] and c["scatter_err"] < 1e-6
+        # Each rank sends its [2, 3, 5] fp32 piece once to one peer, in each direction.
+        assert c["comm"]["tp_seq_all_gather"]["total"] == c["comm"]["tp_seq_reduce_scatter"]["total"] == 2 * 3 * 5 * 4
+
+
+def test_bf16_loss_and_every_gradient_equal_tp1(ranks):
+    ref = _reference("bf16", SEQ_ALIGNED)
+    for out in (r["bf16"] for r in ranks):
+        assert abs(out["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+        errors = _grad_errors(out["grads"], ref["grads"])
+        assert max(errors.values()) <= 1e-5, errors
+        assert out["state_equal"]
+
+
+def test_agoq_loss_equals_tp1_and_gradients_within_the_quantization_bound(ranks):
+    ref_bf16 = _reference("bf16", SEQ_ALIGNED)
+    ref = _reference("agoq", SEQ_ALIGNED)
+    tp1_quant_err = _grad_errors(ref["grads"], ref_bf16["grads"])
+    for out in (r["agoq"] for r in ranks):
+        # Forward outputs do not depend on the quantization.
+        assert abs(out["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+        assert abs(out["loss"] - ref_bf16["loss"]) <= 1e-5 * abs(ref["loss"])
+        # Block-aligned shards put the same tokens in each int4 block as tp = 1 and every value is
+        # equal within fp32 reduction order, so the codes are tp = 1's (a code could flip only for a
+        # value within ~1e-7 of a rounding boundary): the gradients equal tp = 1 agoq's to fp32 sums.
+        errors = _grad_errors(out["grads"], ref["grads"])
+        assert max(errors.values()) <= 1e-5, errors
+        vs_bf16 = _grad_errors(out["grads"], ref_bf16["grads"])
+        assert all(vs_bf16[n] <= 1.01 * tp1_quant_err[n] + 1e-6 for n in vs_bf16), (vs_bf16, tp1_quant_err)
+
+
+def test_agoq_misaligned_blocks_stay_within_the_tp1_quantization_error(ranks):
+    ref_bf16 = _reference("bf16", SEQ_MISALIGNED)
+    ref = _reference("agoq", SEQ_MISALIGNED)
+    tp1_quant_err = _grad_errors(ref["grads"], ref_bf16["grads"])
+    for out in (r["agoq_misaligned"] for r in ranks):
+        assert abs(out["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+        # Here blocks pair other tokens than tp = 1's, so each quantization error is a different
+        # draw of the same size (at most half a step of its block's scale): tp = 2's gradient error
+        # against bf16 is of tp = 1's size, not larger. Factor 2 leaves room for the draw; two
+        # independent errors of one size differ by about sqrt(2) of one.
+        vs_bf16 = _grad_errors(out["grads"], ref_bf16["grads"])
+        vs_agoq = _grad_errors(out["grads"], ref["grads"])
+        for n in vs_bf16:
+            assert vs_bf16[n] <= 2.0 * tp1_quant_err[n] + 1e-6, (n, vs_bf16[n], tp1_quant_err[n])
+            assert vs_agoq[n] <= 2.0 * tp1_quant_err[n] + 1e-6, (n, vs_agoq[n], tp1_quant_err[n])
+
+
+def test_saved_bytes_per_rank_are_one_tp_th_of_tp1(ranks):
+    ref = _reference("agoq", SEQ_ALIGNED)["saved"]
+    tokens = BATCH * SEQ_ALIGNED
+    for out in (r["agoq"] for r in ranks):
+        for i in range(CFG.n_layers):
+            got, full = out["saved"][i], ref[i]
+            # Two norm inputs per layer: the 4-bit copy of this rank's seq / tp tokens.
+            assert full["norm_input"] == 2 * _int4_bytes(tokens * CFG.hidden)
+            assert got["norm_input"] == 2 * _int4_bytes(tokens // TP * CFG.hidden)
+            # Gate and up of this rank's intermediate / tp columns, every token.
+            assert full["act_input"] == 2 * _int4_bytes(tokens * CFG.intermediate)
+            assert got["act_input"] == 2 * _int4_bytes(tokens * CFG.intermediate // TP)
+            # The attention core of this rank's heads (q, k, v, output, statistics), unquantized.
+            assert full["attention"] > 0 and got["attention"] * TP == full["attention"]
+            assert got["out_proj_input"] == full["out_proj_input"] == 0  # a view attention keeps
+            assert got["gemm_input"] == full["gemm_input"] == 0
+
+
+def test_backward_gathers_the_norm_input_as_4bit_codes_and_scales(ranks):
+    shard = BATCH * SEQ_ALIGNED // TP * CFG.hidden
+    gathers = 2 * CFG.n_layers  # two norms a layer
+    for r in ranks:
+        assert NORM_INPUT_ALL_GATHER not in r["bf16"]["comm"]  # the baseline gathers the norm output in forward
+        out = r["agoq"]
+        assert NORM_INPUT_ALL_GATHER not in out["forward_comm"]
+        sent = out["comm"][NORM_INPUT_ALL_GATHER]
+        assert sent["calls"] == gathers
+        assert sent["payload"] == gathers * (TP - 1) * (shard // 2)
+        assert sent["scales"] == gathers * (TP - 1) * (shard // BLOCK) * 4
+
+
+def test_shapes_that_do_not_split_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"n_heads=4 and n_kv_heads=2 must both be divisible by tp=4"):
+        check_tp_shapes(CFG, 4)
+    with pytest.raises(ValueError, match=r"vocab_size=127 must be divisible by tp=2"):
+        check_tp_shapes(LlamaConfig(vocab_size=127, hidden=64, n_heads=4, n_kv_heads=2), 2)
+    check_tp_shapes(CFG, 2)
