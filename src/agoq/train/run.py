@@ -348,13 +348,15 @@ def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     return summary
 
 
-def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> dict[str, Any] | None:
+def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launcher_env: dict[str, str] | None = None) -> dict[str, Any] | None:
     """What the local launcher runs in each worker: train_worker, with any error logged instead of printed.
 
     The full traceback goes to ``out_dir/logs/rank<R>.log`` and its last line to ``rank<R>.error``;
     the worker then exits with status 1 (130 for Ctrl-C) without printing a traceback, and the
     launcher prints one line from the first rank that failed (:func:`failure_line`).
     """
+    if launcher_env is not None:
+        _adopt_launcher_env(launcher_env)
     _DeferredInterrupt.install()
     try:
         return train_worker(cfg, choices)
@@ -433,6 +435,49 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
         return _launch_local(cfg, max_restarts)
 
 
+# The environment this module was imported with: in a worker forked from the fork server, the
+# server's; the launcher's per-rank variables are what differs from it (_adopt_launcher_env).
+_ENV_AT_IMPORT = dict(os.environ)
+# What the fork server imports once, so that every worker starts with torch, its compiler and
+# agoq loaded instead of importing them itself: four workers on two cores spent about 8 s of the
+# start importing (4 s of CPU each).
+FORKSERVER_PRELOAD = ("agoq.train.run", "agoq.train.trainer", "agoq.quant.compiled", "torch._dynamo", "torch._inductor.compile_fx")
+# Variables that libraries read when they are imported (thread pools, CPU capability, compiler
+# and cache settings): a fork server started with other values cannot serve this launch.
+_IMPORT_TIME_ENV = ("TORCH", "ATEN_", "ONEDNN", "DNNL", "OMP_", "GOMP", "KMP_", "MKL", "CUDA", "NCCL", "GLOO", "TRITON", "PYTHON", "LD_", "AGOQ")
+_forkserver_env: dict[str, str] | None = None
+
+
+def _import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+def _start_method() -> str:
+    """'forkserver' (workers fork from a process that has torch and agoq imported) when this
+    process's fork server was, or is about to be, started with the variables read at import that
+    this launch has; 'spawn' otherwise (a long-lived process launching with a changed environment)."""
+    global _forkserver_env
+    import multiprocessing
+
+    if _forkserver_env is None:
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        _forkserver_env = _import_time_env()
+    return "forkserver" if _forkserver_env == _import_time_env() else "spawn"
+
+
+def _adopt_launcher_env(launcher_env: dict[str, str]) -> None:
+    """Make this worker's environment the launcher's, plus the per-rank variables the elastic agent set.
+
+    A worker forked from the fork server inherits the server's environment, which is the one of the
+    first launch in this process; later launches (tests, notebooks) may differ in what is read at
+    run time (AGOQ_QUANT_BACKEND, ...).
+    """
+    per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(per_rank)
+
+
 def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     """Spawn pp x dp local worker processes with torch's elastic launcher and return rank 0's summary."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -469,7 +514,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         rdzv_configs={"is_host": False},  # connect to the store above instead of hosting one on every interface
         local_addr="127.0.0.1",
         max_restarts=max_restarts,
-        start_method="spawn",
+        start_method="spawn",  # decided below, once the workers' environment is set
         monitor_interval=0.5,
     )
     # Earlier failures' logs would be mistaken for this run's.
@@ -477,8 +522,9 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         stale.unlink(missing_ok=True)
     saved = {k: os.environ.get(k) for k in worker_env}
     os.environ.update(worker_env)  # the spawned workers inherit it; this process gets its own back after
+    config.start_method = _start_method()
     try:
-        results = elastic_launch(config, worker_entry)(cfg, choices)
+        results = elastic_launch(config, worker_entry)(cfg, choices, dict(os.environ))
     finally:
         del rdzv_store  # closes its socket
         for k, v in saved.items():
