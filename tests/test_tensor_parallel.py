@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from agoq.activation import SavedBytesMeter, make_policy
 from agoq.gradient.counter import CommCounter
 from agoq.models.config import LlamaConfig
 from agoq.models.llama import Llama
 from agoq.parallel.tensor_model import check_tp_shapes, gather_gradients, gather_state_dict, shard_llama
-from agoq.parallel.tensor_ops import NORM_INPUT_ALL_GATHER, all_gather_seq, reduce_scatter_seq
+from agoq.parallel.tensor_ops import NORM_INPUT_ALL_GATHER, all_gather_seq, reduce_scatter_seq, vocab_parallel_cross_entropy
 from tests._dist import run_distributed
 
 TP = 2
@@ -73,10 +74,37 @@ def _collectives_check(rank: int, world: int) -> dict:
     return {"gather": torch.equal(gathered, torch.cat(xs, dim=1)), "scatter_err": (scattered - want).abs().max().item(), "comm": counter.as_dict()}
 
 
+LOSS_SHAPE, LOSS_VOCAB, LOSS_CHUNK = (3, 7, 16), 24, 5  # 21 tokens: chunks of 5, the last one short
+
+
+def _loss_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(LOSS_SHAPE, generator=g)
+    weight = torch.randn(LOSS_VOCAB, LOSS_SHAPE[-1], generator=g)
+    targets = torch.randint(0, LOSS_VOCAB, LOSS_SHAPE[:-1], generator=g)
+    targets[1, 2:5] = -100
+    return hidden, weight, targets
+
+
+def _vocab_loss_check(rank: int, world: int) -> dict:
+    """The vocab-parallel loss over several chunks; the hidden gradient's shares summed over tp."""
+    hidden, weight, targets = _loss_inputs()
+    rows = LOSS_VOCAB // world
+    hidden.requires_grad_(True)
+    shard = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(hidden, shard, targets, rank * rows, dist.group.WORLD, CommCounter(), chunk_size=LOSS_CHUNK)
+    loss.backward()
+    grad_h = hidden.grad.clone()
+    dist.all_reduce(grad_h)
+    parts = [torch.empty_like(shard) for _ in range(world)]
+    dist.all_gather(parts, shard.grad)
+    return {"loss": loss.item(), "grad_hidden": grad_h.numpy(), "grad_weight": torch.cat(parts).numpy()}
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(1234 + rank)  # nothing may depend on the rank's own random state
     group = dist.group.WORLD
-    out = {"collectives": _collectives_check(rank, world)}
+    out = {"collectives": _collectives_check(rank, world), "vocab_loss": _vocab_loss_check(rank, world)}
     for policy in ("bf16", "agoq"):
         out[policy] = _tp_run(policy, SEQ_ALIGNED, group)
     out["agoq_misaligned"] = _tp_run("agoq", SEQ_MISALIGNED, group)
@@ -123,6 +151,18 @@ def test_sequence_collectives_equal_their_definitions(ranks):
         assert c["comm"]["tp_seq_all_gather"]["total"] == c["comm"]["tp_seq_reduce_scatter"]["total"] == 2 * 3 * 5 * 4
 
 
+def test_vocab_parallel_loss_equals_cross_entropy_of_full_logits(ranks):
+    hidden, weight, targets = _loss_inputs()
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    ref = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref.backward()
+    for out in (r["vocab_loss"] for r in ranks):
+        assert abs(out["loss"] - ref.item()) <= 1e-6 * ref.item()
+        assert _rel(torch.as_tensor(out["grad_hidden"]), hidden.grad) <= 1e-6
+        assert _rel(torch.as_tensor(out["grad_weight"]), weight.grad) <= 1e-6
+
+
 def test_bf16_loss_and_every_gradient_equal_tp1(ranks):
     ref = _reference("bf16", SEQ_ALIGNED)
     for out in (r["bf16"] for r in ranks):
@@ -157,12 +197,14 @@ def test_agoq_misaligned_blocks_stay_within_the_tp1_quantization_error(ranks):
         assert abs(out["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
         # Here blocks pair other tokens than tp = 1's, so each quantization error is a different
         # draw of the same size (at most half a step of its block's scale): tp = 2's gradient error
-        # against bf16 is of tp = 1's size, not larger. Factor 2 leaves room for the draw; two
-        # independent errors of one size differ by about sqrt(2) of one.
+        # against bf16 is of tp = 1's size, not larger. Factor 1.5 leaves room for the draw (2 for
+        # the distance between tp = 1's and tp = 2's quantized gradients); two
+        # independent errors of one size differ by about sqrt(2) of one (measured: tp = 2's error is
+        # 0.91x to 1.11x tp = 1's wherever that is above fp32 noise, and at most 0.90x of it away from tp = 1's quantized gradients).
         vs_bf16 = _grad_errors(out["grads"], ref_bf16["grads"])
         vs_agoq = _grad_errors(out["grads"], ref["grads"])
         for n in vs_bf16:
-            assert vs_bf16[n] <= 2.0 * tp1_quant_err[n] + 1e-6, (n, vs_bf16[n], tp1_quant_err[n])
+            assert vs_bf16[n] <= 1.5 * tp1_quant_err[n] + 1e-6, (n, vs_bf16[n], tp1_quant_err[n])
             assert vs_agoq[n] <= 2.0 * tp1_quant_err[n] + 1e-6, (n, vs_agoq[n], tp1_quant_err[n])
 
 
