@@ -38,14 +38,14 @@ def _batch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), targets
 
 
-def _full_model(policy: str) -> Llama:
+def _full_model(policy: str, dtype: torch.dtype = torch.float32) -> Llama:
     torch.manual_seed(0)
-    return Llama(CFG, make_policy(policy))
+    return Llama(CFG, make_policy(policy)).to(dtype)
 
 
-def _tp_run(policy: str, seq: int, group: object) -> dict:
+def _tp_run(policy: str, seq: int, group: object, dtype: torch.dtype = torch.float32) -> dict:
     counter = CommCounter()
-    tp_model = shard_llama(_full_model(policy), group, counter)
+    tp_model = shard_llama(_full_model(policy, dtype), group, counter)
     tokens, targets = _batch(seq)
     with SavedBytesMeter(tp_model, layers={int(i): m for i, m in tp_model.layers.items()}) as meter:
         loss = tp_model(tokens, targets)
@@ -55,11 +55,11 @@ def _tp_run(policy: str, seq: int, group: object) -> dict:
     return {
         "loss": loss.item(),
         # numpy: pickled by value (a tensor would travel as shared memory of an exiting process).
-        "grads": {n: g.numpy() for n, g in gather_gradients(tp_model).items()},
+        "grads": {n: g.float().numpy() for n, g in gather_gradients(tp_model).items()},
         "saved": saved,
         "forward_comm": forward_bytes,
         "comm": counter.as_dict(),
-        "state_equal": all(torch.equal(t, dict(_full_model(policy).named_parameters())[n]) for n, t in gather_state_dict(tp_model).items()),
+        "state_equal": all(torch.equal(t, dict(_full_model(policy, dtype).named_parameters())[n]) for n, t in gather_state_dict(tp_model).items()),
     }
 
 
@@ -108,6 +108,7 @@ def _worker(rank: int, world: int) -> dict:
     for policy in ("bf16", "agoq"):
         out[policy] = _tp_run(policy, SEQ_ALIGNED, group)
     out["agoq_misaligned"] = _tp_run("agoq", SEQ_MISALIGNED, group)
+    out["agoq_bf16_dtype"] = _tp_run("agoq", SEQ_ALIGNED, group, torch.bfloat16)
     return out
 
 
@@ -116,15 +117,15 @@ def ranks() -> list[dict]:
     return run_distributed(_worker, TP)
 
 
-def _reference(policy: str, seq: int) -> dict:
-    model = _full_model(policy)
+def _reference(policy: str, seq: int, dtype: torch.dtype = torch.float32) -> dict:
+    model = _full_model(policy, dtype)
     tokens, targets = _batch(seq)
     with SavedBytesMeter(model, layers={int(i): m for i, m in model.layers.items()}) as m:
         loss = model(tokens, targets)
     loss.backward()
     return {
         "loss": loss.item(),
-        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "grads": {n: p.grad.float() for n, p in model.named_parameters()},
         "saved": {i: m.layer_bytes(i) for i in range(CFG.n_layers)},
     }
 
@@ -208,6 +209,22 @@ def test_agoq_misaligned_blocks_stay_within_the_tp1_quantization_error(ranks):
             assert vs_agoq[n] <= 2.0 * tp1_quant_err[n] + 1e-6, (n, vs_agoq[n], tp1_quant_err[n])
 
 
+def test_agoq_in_bf16_compute_is_as_close_to_fp32_as_tp1_is(ranks):
+    ref = _reference("agoq", SEQ_ALIGNED, torch.bfloat16)
+    ref32 = _reference("agoq", SEQ_ALIGNED)
+    tp1_err = _grad_errors(ref["grads"], ref32["grads"])
+    for out in (r["agoq_bf16_dtype"] for r in ranks):
+        # bf16 partial sums are rounded before the reduce-scatter adds them (tp = 1 rounds the whole
+        # sum once): the losses agree to bf16 rounding (measured 2e-5 relative).
+        assert abs(out["loss"] - ref["loss"]) <= 1e-3 * ref["loss"]
+        # Those roundings move some values across 4-bit code boundaries, so tp = 2 and tp = 1 in
+        # bf16 are two equally good draws (4.6% apart at most, measured): against the fp32 run,
+        # tp = 2's error is tp = 1's size (measured at most 1.38x it, on a small one).
+        err = _grad_errors(out["grads"], ref32["grads"])
+        for n in err:
+            assert err[n] <= 1.5 * tp1_err[n] + 2e-3, (n, err[n], tp1_err[n])
+
+
 def test_saved_bytes_per_rank_are_one_tp_th_of_tp1(ranks):
     ref = _reference("agoq", SEQ_ALIGNED)["saved"]
     tokens = BATCH * SEQ_ALIGNED
@@ -237,6 +254,12 @@ def test_backward_gathers_the_norm_input_as_4bit_codes_and_scales(ranks):
         assert sent["calls"] == gathers
         assert sent["payload"] == gathers * (TP - 1) * (shard // 2)
         assert sent["scales"] == gathers * (TP - 1) * (shard // BLOCK) * 4
+        # The fp32 sequence collectives move one [batch, seq / tp, hidden] shard per call: forward
+        # gathers before the 4 column-parallel norms and the head, scatters after the 4 row-parallel
+        # GEMMs and the embedding; backward the same number the other way round.
+        for name in ("tp_seq_all_gather", "tp_seq_reduce_scatter"):
+            assert out["comm"][name]["calls"] == 2 * (2 * CFG.n_layers + 1)
+            assert out["comm"][name]["total"] == out["comm"][name]["calls"] * (TP - 1) * shard * 4
 
 
 def test_shapes_that_do_not_split_are_refused_in_one_line():
