@@ -205,19 +205,3 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
 
     def buffer_bytes(self) -> int:
         return self.buffer.storage_bytes
-
-
-def make_sharded_sync(
-    mode: str,
-    params: list[tuple[str, nn.Parameter]],
-    group: Group,
-    device: torch.device,
-    microbatches: int,
-    block: int,
-) -> ShardedGradientSync:
-    """The ZeRO-1 gradient path for ``precision.gradients`` = ``mode`` (int8 or fp32)."""
-    if mode == "int8":
-        return QuantizedShardedGradientSync(params, group, microbatches, block)
-    if mode == "fp32":
-        return Fp32ShardedGradientSync(params, group, device, block)
-    raise ValueError(f"parallel.zero1=true needs precision.gradients = int8 or fp32, got {mode!r}")

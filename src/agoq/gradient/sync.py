@@ -225,8 +225,18 @@ def make_gradient_sync(
     device: torch.device,
     microbatches: int,
     block: int,
+    sharded: bool = False,
 ) -> GradientSync:
-    """The gradient path for ``precision.gradients`` = ``mode`` (int8, ring8, fp32 or bf16)."""
+    """The gradient path for ``precision.gradients`` = ``mode`` (int8, ring8, fp32 or bf16); with
+    ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8 or fp32)."""
+    if sharded:
+        from agoq.gradient.sharded import Fp32ShardedGradientSync, QuantizedShardedGradientSync
+
+        if mode == "int8":
+            return QuantizedShardedGradientSync(params, group, microbatches, block)
+        if mode == "fp32":
+            return Fp32ShardedGradientSync(params, group, device, block)
+        raise ValueError(f"parallel.zero1=true needs precision.gradients = int8 or fp32, got {mode!r}")
     if mode == "int8":
         return QuantizedGradientSync(params, group, microbatches, block)
     if mode == "ring8":

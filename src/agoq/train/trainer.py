@@ -212,13 +212,11 @@ def build_gradient_path(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]]
     """The gradient sync over the dp group and the optimizer that reads it: ZeRO-1's sharded pair, or
     the full buffer (8-bit, fp32 or bf16 all-reduce) with AdamW on fp32 masters."""
     p, pr = cfg.parallel, cfg.precision
+    sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block, sharded=p.zero1)
     if p.zero1:
-        from agoq.gradient.sharded import make_sharded_sync
         from agoq.train.zero1 import Zero1Optimizer
 
-        sync: GradientSync = make_sharded_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
         return sync, Zero1Optimizer(params, cfg.optim, sync)
-    sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block)
     return sync, MasterWeightOptimizer(params, cfg.optim)
 
 
