@@ -140,6 +140,12 @@ def _launch_options() -> dict:
     return {} if INTERPRETED else dict(enable_fp_fusion=False, num_warps=8)
 
 
+def _launch_blocks(kernel: triton.JITFunction, constants: dict, nblocks: int, bp: int, *args, **flags) -> None:
+    """Launch a kernel over ``nblocks`` blocks (tile rows of ``bp`` lanes), as many a program as a tile holds."""
+    r = _rows_per_program(bp)
+    kernel[(triton.cdiv(nblocks, r),)](*args, BP=bp, R=r, **flags, **constants, **_launch_options())
+
+
 # ---- quantize / dequantize -------------------------------------------------------------------------
 
 
@@ -153,8 +159,11 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     payload = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     scales = torch.empty(nblocks, dtype=SCALE_DTYPE, device=x.device)
     if n:
-        r = _rows_per_program(spec.bp)
-        K.quantize_kernel[(triton.cdiv(nblocks, r),)](
+        _launch_blocks(
+            K.quantize_kernel,
+            spec.constants(),
+            nblocks,
+            spec.bp,
             flat,
             payload,
             scales,
@@ -164,10 +173,6 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
             nblocks,
             nbytes,
             IN_BF16=bf16,
-            BP=spec.bp,
-            R=r,
-            **spec.constants(),
-            **_launch_options(),
         )
     return QTensor(payload, scales, x.shape, x.dtype, fmt)
 
@@ -182,8 +187,11 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     out, target, bf16 = _out(n, dtype or q.dtype, q.device)
     if n:
         nblocks = q.scales.numel()
-        r = _rows_per_program(spec.bp)
-        K.dequantize_kernel[(triton.cdiv(nblocks, r),)](
+        _launch_blocks(
+            K.dequantize_kernel,
+            spec.unpacking(),
+            nblocks,
+            spec.bp,
             q.payload,
             q.scales,
             spec.values,
@@ -192,10 +200,6 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
             nblocks,
             q.payload.numel(),
             OUT_BF16=bf16,
-            BP=spec.bp,
-            R=r,
-            **spec.unpacking(),
-            **_launch_options(),
         )
     return out.view(q.shape)
 
@@ -350,8 +354,11 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
         for i in range(4)
     ]
     if n:
-        r = _rows_per_program(spec.bp)
-        K.swiglu_quantize_kernel[(triton.cdiv(nblocks, r),)](
+        _launch_blocks(
+            K.swiglu_quantize_kernel,
+            spec.constants(),
+            nblocks,
+            spec.bp,
             g,
             u,
             target,
@@ -362,10 +369,6 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
             nblocks,
             nbytes,
             IN_BF16=bf16,
-            BP=spec.bp,
-            R=r,
-            **spec.constants(),
-            **_launch_options(),
         )
     qg = QTensor(parts[0], parts[1], gate.shape, gate.dtype, fmt)
     qu = QTensor(parts[2], parts[3], up.shape, up.dtype, fmt)
@@ -389,8 +392,11 @@ def swiglu_backward(
     act, act_t = (None, gg_t) if act_dtype is None else _out(n, act_dtype, qg.device)[:2]
     nblocks = qg.scales.numel()
     if n:
-        r = _rows_per_program(spec.bp)
-        K.swiglu_backward_kernel[(triton.cdiv(nblocks, r),)](
+        _launch_blocks(
+            K.swiglu_backward_kernel,
+            spec.unpacking(),
+            nblocks,
+            spec.bp,
             ga,
             qg.payload,
             qg.scales,
@@ -406,10 +412,6 @@ def swiglu_backward(
             GA_BF16=gabf16,
             OUT_BF16=bf16,
             NEED_ACT=act is not None,
-            BP=spec.bp,
-            R=r,
-            **spec.unpacking(),
-            **_launch_options(),
         )
     return (None if act is None else act.view(qg.shape)), gg.view(qg.shape), gu.view(qg.shape)
 
@@ -434,8 +436,11 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
             f"for {n} values of {fmt.name}, and at most {n} gradient values (got {g.numel()})"
         )
     if nblocks:
-        r = _rows_per_program(spec.bp)
-        K.accumulate_kernel[(triton.cdiv(nblocks, r),)](
+        _launch_blocks(
+            K.accumulate_kernel,
+            spec.constants(),
+            nblocks,
+            spec.bp,
             payload,
             scales,
             g,
@@ -448,10 +453,6 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
             payload.numel(),
             FIRST=first,
             IN_BF16=bf16,
-            BP=spec.bp,
-            R=r,
-            **spec.constants(),
-            **_launch_options(),
         )
 
 
@@ -479,8 +480,11 @@ def reduce_rows(
     out_sc = torch.empty(nblocks, dtype=SCALE_DTYPE, device=dev) if requantize else None
     dummy = scale_rows
     if nblocks:
-        r = _rows_per_program(spec.bp)
-        K.reduce_rows_kernel[(triton.cdiv(nblocks, r),)](
+        _launch_blocks(
+            K.reduce_rows_kernel,
+            spec.constants(),
+            nblocks,
+            spec.bp,
             payload_rows,
             payload_rows.stride(0),
             scale_rows,
@@ -496,10 +500,6 @@ def reduce_rows(
             AVG=average,
             STORE_SUM=keep_sum,
             REQUANT=requantize,
-            BP=spec.bp,
-            R=r,
-            **spec.constants(),
-            **_launch_options(),
         )
     q = QTensor(out_pay, out_sc, torch.Size([n]), torch.float32, fmt) if requantize else None
     return acc, q
