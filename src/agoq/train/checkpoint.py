@@ -40,7 +40,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,15 +228,21 @@ def _prepare_save(
 
 def _write_state(state: dict[str, Any], tmp: Path, process_group: dist.ProcessGroup | None) -> None:
     """dcp.save of every rank's state into the step's temporary folder."""
+    _run_dcp(
+        lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, no_dist=not _distributed()),
+        f"writing checkpoint {tmp}",
+        "the previous checkpoint is untouched, fix the cause (disk space, permissions) and save again",
+    )
+
+
+def _run_dcp(call: Callable[[], Any], what: str, fix: str) -> None:
+    """Run a dcp.save / dcp.load ``call``; any failure but an interrupt raises CheckpointError "``what`` failed (cause); ``fix``"."""
     try:
         with _quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, no_dist=not _distributed())
+            call()
     except (Exception, CheckpointException) as e:
         _reraise_interrupts(e)
-        raise CheckpointError(
-            f"writing checkpoint {tmp} failed ({_short(e)}); the previous checkpoint is untouched, "
-            "fix the cause (disk space, permissions) and save again"
-        ) from None
+        raise CheckpointError(f"{what} failed ({_short(e)}); {fix}") from None
 
 
 def load_checkpoint(
@@ -279,14 +285,11 @@ def load_checkpoint(
     state: dict[str, Any] = {"model": msd, "extra": {_extra_key(rank): b""}}
     if optimizer is not None and stepped:
         state["optim"] = osd
-    try:
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), process_group=process_group, no_dist=not _distributed())
-    except (Exception, CheckpointException) as e:
-        _reraise_interrupts(e)
-        raise CheckpointError(
-            f"reading checkpoint {step_dir} failed ({_short(e)}); its files are damaged: delete that folder and load an earlier checkpoint"
-        ) from None
+    _run_dcp(
+        lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), process_group=process_group, no_dist=not _distributed()),
+        f"reading checkpoint {step_dir}",
+        "its files are damaged: delete that folder and load an earlier checkpoint",
+    )
     parts.load(msd, osd if stepped else None)
     return int(manifest["step"]), _read_extra(state["extra"][_extra_key(rank)], rank, step_dir)
 
