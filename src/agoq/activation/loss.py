@@ -88,6 +88,7 @@ def plain_lm_head_cross_entropy(
     return loss.view(targets.shape) if reduction == "none" else loss
 
 
+# The public signature repeats plain_lm_head_cross_entropy's on purpose: each stands in for the other.
 def chunked_lm_head_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

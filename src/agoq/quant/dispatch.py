@@ -16,6 +16,7 @@ from agoq.quant.formats import QuantFormat
 from agoq.quant.qtensor import QTensor, check_dequantize_out, check_quantize_args
 
 
+# The reference's public signature, repeated: this is the entry point that routes to it or to a backend.
 def quantize(
     x: torch.Tensor,
     fmt: QuantFormat | str = "int4",
