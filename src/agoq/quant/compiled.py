@@ -279,20 +279,10 @@ def _accumulate(
     return new_codes, torch.where(torch.isfinite(new_scales), new_scales, math.nan)
 
 
-def _fold(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    first: bool,
-    block: int,
-    kind: str,
-    bits: int,
-    max_value: float,
-    book: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_accumulate for the gradient buffer: (codes, scales with 0 for non-finite blocks, whether there was one)."""
-    new_codes, new_scales = _accumulate(codes, scales, grad, first=first, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+def _fold(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, **constants: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_accumulate (``constants``: its keywords) for the gradient buffer: (codes, scales with 0 for
+    non-finite blocks, whether there was one)."""
+    new_codes, new_scales = _accumulate(codes, scales, grad, **constants)
     bad = torch.isnan(new_scales)
     return new_codes, torch.where(bad, 0.0, new_scales), bad.any()
 
