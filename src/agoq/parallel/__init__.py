@@ -1,4 +1,5 @@
-"""Pipeline parallelism on torch.distributed and pipeline-stage-aware activation bits (DBCA-PP)."""
+"""Pipeline parallelism on torch.distributed, pipeline-stage-aware activation bits (DBCA-PP), and the
+building blocks of tensor + sequence parallelism (``tensor_ops``, ``tensor_model``)."""
 
 from agoq.parallel.dbca import (
     BIT_CANDIDATES,
@@ -24,18 +25,44 @@ from agoq.parallel.pipeline import (
     split_layers,
     stage_to_rank,
 )
+from agoq.parallel.tensor_model import (
+    TensorParallelDecoderLayer,
+    TensorParallelLlama,
+    check_tp_shapes,
+    gather_gradients,
+    gather_state_dict,
+    shard_llama,
+    split_dim,
+)
+from agoq.parallel.tensor_ops import (
+    all_gather_seq,
+    gather_seq,
+    reduce_scatter_seq,
+    scatter_seq,
+    seq_shard,
+    sp_rms_norm_linear,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 
 __all__ = [
     "BIT_CANDIDATES",
     "SCHEDULES",
     "InFlight",
     "PipelineLayout",
+    "TensorParallelDecoderLayer",
+    "TensorParallelLlama",
     "allocate_rank_bits",
     "allocate_stage_bits",
+    "all_gather_seq",
     "build_schedule",
     "build_stages",
     "check_schedule",
+    "check_tp_shapes",
     "count_inflight",
+    "gather_gradients",
+    "gather_seq",
+    "gather_state_dict",
     "inflight_microbatches",
     "loss_recompute_needed",
     "is_multi_stage",
@@ -44,11 +71,19 @@ __all__ = [
     "peak_bytes",
     "peak_inflight_bytes",
     "rank_stages",
+    "reduce_scatter_seq",
     "schedule_class",
     "schedule_name",
+    "scatter_seq",
     "schedule_order",
+    "seq_shard",
+    "shard_llama",
+    "sp_rms_norm_linear",
+    "split_dim",
     "split_layers",
     "stage_layer_bits",
     "stage_saved_bytes",
     "stage_to_rank",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
 ]
