@@ -57,7 +57,7 @@ def test_every_byte_value_decodes_as_the_reference_decodes_it(spec: str) -> None
         assert torch.equal(C.dequantize(q, dtype), _reference(dequantize, q, dtype)), (spec, dtype)
 
 
-@pytest.mark.parametrize("spec", ["int4/128", "fp4/128"])
+@pytest.mark.parametrize("spec", ["int4/128", "fp4/128", "nf4/128"])
 def test_packed_codes_slab_by_slab_equal_the_reference(spec: str) -> None:
     fmt = parse_format(spec)
     n = 2 * C.SLAB_VALUES + 3 * 128 + 77  # two whole slabs, a partial one, a partial block
@@ -65,6 +65,9 @@ def test_packed_codes_slab_by_slab_equal_the_reference(spec: str) -> None:
     ref, got = _reference(quantize, x, fmt), C.quantize(x, fmt)
     assert torch.equal(got.payload, ref.payload) and torch.equal(got.scales, ref.scales)
     assert torch.equal(C.dequantize(ref), _reference(dequantize, ref))
+    # fp4/nf4 write a narrower dtype through an fp32 scratch a slab at a time: the same single rounding.
+    for dtype in (torch.float16, torch.float32):
+        assert torch.equal(C.dequantize(ref, dtype), _reference(dequantize, ref, dtype)), dtype
 
 
 def test_dequantize_rounds_once_into_another_dtype() -> None:

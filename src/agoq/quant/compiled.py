@@ -456,7 +456,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         payload = F.pad(payload, (0, whole - payload.numel()))
     values = torch.empty(blocks, fmt.block_size, dtype=dtype or q.dtype, device=q.device) if out is None else out.view(blocks, fmt.block_size)
     if fmt.kind in ("fp4", "nf4"):  # int codes decode by arithmetic, which vectorizes: the unpack pass is faster there
-        _byte_table_kernel(fmt)(payload, q.scales, values)
+        _dequantize_by_table(payload, q.scales, values, fmt)
     else:
         _dequantize_codes(payload, q.scales, values, fmt)
     if out is not None:
@@ -465,6 +465,28 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     if flat.numel() != n:  # the last block's padding: less than one block of spare values
         flat = flat[:n]
     return flat.view(q.shape)
+
+
+def _dequantize_by_table(payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, fmt: QuantFormat) -> None:
+    """Writes the values of whole blocks of a codebook format into ``values`` [blocks, block] through the byte table.
+
+    The table load makes inductor's loop scalar, and a scalar loop also rounds each value to
+    bf16/fp16 in scalar code: into a bf16 ``values`` that took most of the time. So a narrower
+    output is written a slab at a time through an fp32 scratch that stays in cache, and cast by
+    torch's vectorized copy (the same single rounding of the fp32 product, so the same bits).
+    Measured fp4 at 64M bf16 values, one thread: 0.41-0.44x of a copy directly, 0.52-0.54x this way.
+    """
+    kernel = _byte_table_kernel(fmt)
+    if values.dtype == torch.float32:
+        kernel(payload, scales, values)
+        return
+    blocks, per_slab = scales.numel(), max(1, SLAB_VALUES // fmt.block_size)
+    scratch = torch.empty(min(blocks, per_slab), fmt.block_size, dtype=torch.float32, device=values.device)
+    for b0 in range(0, blocks, per_slab):
+        b1 = min(blocks, b0 + per_slab)
+        lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
+        kernel(payload[lo:hi], scales[b0:b1], scratch[: b1 - b0])
+        values[b0:b1].copy_(scratch[: b1 - b0])
 
 
 def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, fmt: QuantFormat) -> None:
