@@ -243,6 +243,17 @@ def test_saved_bytes_per_rank_are_one_tp_th_of_tp1(ranks):
             assert got["gemm_input"] == full["gemm_input"] == 0
 
 
+def test_bf16_baseline_saves_one_tp_th_of_every_kind(ranks):
+    # Megatron-LM's sequence-parallel layer: the norm keeps its token shard, the column-parallel
+    # GEMMs the sharded norm output (gathered again in backward), attention its heads, the MLP its
+    # intermediate columns: every kind is exactly 1/tp of tp = 1's.
+    ref = _reference("bf16", SEQ_ALIGNED)["saved"]
+    for out in (r["bf16"] for r in ranks):
+        for i in range(CFG.n_layers):
+            assert ref[i]["norm_input"] > 0 and ref[i]["gemm_input"] > 0 and ref[i]["act_input"] > 0
+            assert {k: v * TP for k, v in out["saved"][i].items()} == ref[i]
+
+
 def test_backward_gathers_the_norm_input_as_4bit_codes_and_scales(ranks):
     shard = BATCH * SEQ_ALIGNED // TP * CFG.hidden
     gathers = 2 * CFG.n_layers  # two norms a layer

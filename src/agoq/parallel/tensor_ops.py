@@ -183,6 +183,33 @@ class _SPNormLinear(torch.autograd.Function):
         return (gx, gw, None, None, None, None, *weight_grads)
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """Sequence all-gather of h then column-parallel GEMMs, keeping only the sharded h (1/tp of the
+    tokens) and gathering it again in backward, as Megatron-LM's sequence-parallel linear does."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, group: Group, counter: CommCounter, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h_full = all_gather_seq(h, group, counter)
+        ctx.save_for_backward(h, *weights)
+        ctx.meta = (group, counter)
+        return tuple(F.linear(h_full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        h, *weights = ctx.saved_tensors
+        group, counter = ctx.meta
+        h_rows = all_gather_seq(h, group, counter).reshape(-1, h.shape[-1])
+        grad_h = torch.zeros((*h.shape[:1], h.shape[1] * tp_size(group), h.shape[2]), dtype=torch.float32, device=h.device)
+        weight_grads: list[torch.Tensor | None] = [None] * len(weights)
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None:
+                continue
+            grad_h += F.linear(g, w.t())
+            if ctx.needs_input_grad[3 + i]:
+                weight_grads[i] = g.reshape(-1, g.shape[-1]).t().mm(h_rows).to(w.dtype)
+        return (reduce_scatter_seq(grad_h.to(h.dtype), group, counter), None, None, *weight_grads)
+
+
 def sp_rms_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -194,12 +221,13 @@ def sp_rms_norm_linear(
 ) -> tuple[torch.Tensor, ...]:
     """RMSNorm of sequence-sharded x [batch, s / tp, hidden], gathered to [batch, s, hidden], times
     each column-parallel weight shard. With fmt only quantized x is saved (LAAQ); without, the
-    baseline: the norm keeps its sharded input and rstd, the GEMMs the gathered norm output."""
+    baseline (Megatron-LM's): the norm keeps its sharded input and rstd, the GEMMs the sharded norm
+    output, all-gathered again in backward."""
     counter = COMM_COUNTER if counter is None else counter
     if fmt is None:
-        h = gather_seq(rms_norm(x, norm_weight, eps), group, counter)
+        h = rms_norm(x, norm_weight, eps)
         with meter_scope(kind="gemm_input"):
-            return tuple(F.linear(h, w) for w in weights)
+            return _GatheredLinear.apply(h, group, counter, *weights)
     with meter_scope(kind="norm_input"):
         return _SPNormLinear.apply(x, norm_weight, eps, fmt, group, counter, *weights)
 
