@@ -16,12 +16,19 @@ The norm weights' gradients are partial per rank (each rank normalises its own t
 over tp is the full gradient (:func:`gather_gradients` sums them; a trainer must all-reduce them over
 tp before the optimizer, as Megatron does for sequence-parallel parameters).
 
+The loss is always the vocab-parallel chunked one, which keeps no logits, whatever
+``policy.fused_loss`` says: there is no plain-logits vocab-parallel path (it would keep
+[tokens, vocab / tp] fp32 log-probs per rank).
+
 Integration that remains (issue R2-E): a (pp, dp, tp) mesh in ``parallel.pipeline.make_mesh``, the
 trainer building these modules per stage (pipeline slices: layers without embed or head) with the
 tp all-reduce of the norm gradients, QuanGrad and ZeRO-1 over the dp group only (tp shards are
 distinct parameters), checkpoints saving shards or gathering them (:func:`gather_state_dict`), the
 planner's per-rank bytes at tp > 1, activation checkpointing (``Llama.recompute``), tied embeddings
 under a trainer, and the tp bytes of :class:`~agoq.gradient.counter.CommCounter` in the run summary.
+Performance work left: the collectives are synchronous (no overlap with the GEMMs), the fused
+norm's backward is not row-chunked as ``activation.ops._NormLinear``'s is, and the sequence-parallel
+norm uses the eager formulas (not the compiled or Triton ones of :mod:`agoq.quant.backend`).
 """
 
 from __future__ import annotations

@@ -81,13 +81,6 @@ def reduce_scatter_seq(x: torch.Tensor, group: Group, counter: CommCounter, name
     return out
 
 
-def seq_shard(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's seq / tp tokens of a replicated [batch, seq, ...] tensor."""
-    w, r = tp_size(group), dist.get_rank(group)
-    s = x.shape[1] // w
-    return x[:, r * s : (r + 1) * s]
-
-
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, counter: CommCounter) -> torch.Tensor:
