@@ -2,7 +2,7 @@
 
 One spawned group runs every check (module fixture) and returns losses, gathered gradients, the
 saved bytes per rank and the bytes counted on the wire; the references are the full
-:class:`agoq.models.llama.Llama`, in fp32, computed here.
+:class:`agoq.models.llama.Llama` computed here, in fp32 (and once in bf16 compute).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ TP = 2
 CFG = LlamaConfig(vocab_size=128, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=256, max_seq_len=64)
 BATCH = 2
 # 16 tokens: a rank's shard of a norm input is [2, 8, 64] = 8 whole int4/128 blocks of two tokens
-# each, the same token pairs tp = 1 puts in a block. 10 tokens: shards of 5 tokens, so one block
-# holds a token of each sequence, a pairing tp = 1 never makes.
+# each, the same token pairs tp = 1 puts in a block. 10 tokens: shards of 5 tokens, so blocks pair
+# other tokens than tp = 1's (and one block spans both sequences).
 SEQ_ALIGNED, SEQ_MISALIGNED = 16, 10
 BLOCK = 128
 
