@@ -279,3 +279,19 @@ def test_shapes_that_do_not_split_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"vocab_size=127 must be divisible by tp=2"):
         check_tp_shapes(LlamaConfig(vocab_size=127, hidden=64, n_heads=4, n_kv_heads=2), 2)
     check_tp_shapes(CFG, 2)
+
+
+@pytest.mark.parametrize("policy", ["agoq", "bf16"])
+def test_saved_bytes_per_rank_at_tp2_equal_the_planners_prediction(ranks, policy):
+    # agoq plan models TP + SP as the layer accounting at seq / tp tokens; here it meets a real
+    # tp = 2 forward of the same configuration (same model, micro-batch, sequence, dtype).
+    from agoq.plan.accounting import PlanAccounting
+    from agoq.plan.config import PlanConfig, Setup
+
+    plan = PlanAccounting(PlanConfig(model=CFG, seq_len=SEQ_ALIGNED, tp=TP, micro_batch=BATCH, dtype="fp32", device="cpu"))
+    predicted = plan.activations.layer_bytes(plan.policy(Setup(activations=policy == "agoq")), 4 if policy == "agoq" else 16)
+    for r in ranks:
+        for i in range(CFG.n_layers):
+            measured = sum(r[policy]["saved"][i].values())
+            # Equal to the byte (agoq 17984, bf16 94592 per layer and rank); 5% would be the target.
+            assert measured == predicted, (i, measured, predicted)
