@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from agoq.quant import QuantFormat, parse_format
 
 KINDS = ("norm_input", "act_input", "out_proj_input", "attention")
+DEFAULT_ACTIVATION_FORMAT = "int4/128"
 POLICIES = ("bf16", "agoq", "uniform4")
 
 
@@ -70,17 +71,23 @@ def make_policy(
     layer_bits: list[int] | tuple[int, ...] | None = None,
     fused_loss: bool | None = None,
     loss_recompute: bool = True,
+    fmt: str | QuantFormat = DEFAULT_ACTIVATION_FORMAT,
 ) -> ActivationPolicy:
-    """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits."""
+    """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits.
+
+    This is the one place that says which saved tensors a policy quantizes: 'agoq' the norm inputs,
+    SwiGLU's gate and up and the out-projection input, 'uniform4' attention's as well, each at
+    ``fmt``; ``overrides`` then sets single kinds.
+    """
     if name not in POLICIES:
         raise ValueError(f"unknown activation policy {name!r}; use one of {', '.join(POLICIES)}")
-    int4 = parse_format("int4/128")
+    base = parse_format(fmt)
     if name == "bf16":
         formats = LayerPrecision()
     elif name == "agoq":
-        formats = LayerPrecision(norm_input=int4, act_input=int4, out_proj_input=int4)
+        formats = LayerPrecision(norm_input=base, act_input=base, out_proj_input=base)
     else:
-        formats = LayerPrecision(norm_input=int4, act_input=int4, out_proj_input=int4, attention=int4)
+        formats = LayerPrecision(norm_input=base, act_input=base, out_proj_input=base, attention=base)
     for kind, spec in (overrides or {}).items():
         if kind not in KINDS:
             raise ValueError(f"unknown saved-tensor kind {kind!r}; use one of {', '.join(KINDS)}")

@@ -197,7 +197,7 @@ class ActivationBytes:
             return make_policy("bf16")
         spec = self.shape.fmt.name
         recompute = loss_recompute_needed(self.cfg.pp)
-        return make_policy("agoq", overrides={k: spec for k in ("norm_input", "act_input", "out_proj_input")}, loss_recompute=recompute)
+        return make_policy("agoq", fmt=spec, loss_recompute=recompute)
 
     def layer_bytes(self, policy: ActivationPolicy, bits: int) -> int:
         """What one decoder layer keeps for one micro-batch on one tp rank at ``bits``."""

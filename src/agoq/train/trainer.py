@@ -83,16 +83,10 @@ def pipeline_layout(cfg: TrainConfig) -> PipelineLayout:
 def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None) -> ActivationPolicy:
     """The activation policy a config asks for."""
     pr = cfg.precision
-    overrides = {}
-    if pr.activations != "bf16":
-        for kind in ("norm_input", "act_input", "out_proj_input"):
-            overrides[kind] = pr.activation_format
-        if pr.activations == "uniform4":
-            overrides["attention"] = pr.activation_format
     from agoq.parallel.inflight import loss_recompute_needed
 
     recompute = loss_recompute_needed(cfg.parallel.pp)
-    return make_policy(pr.activations, overrides=overrides, layer_bits=layer_bits, fused_loss=pr.fused_loss, loss_recompute=recompute)
+    return make_policy(pr.activations, fmt=pr.activation_format, layer_bits=layer_bits, fused_loss=pr.fused_loss, loss_recompute=recompute)
 
 
 def rank_policy(
