@@ -163,3 +163,10 @@ def test_old_agoq_bench_commands_render_as_the_module_that_runs_them():
         words = shlex.split(current_command(json.loads(path.read_text())["command"]))
         assert words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."), (path.name, words)
         _parser(words[2].removeprefix("benchmarks.")).parse_args(words[3:])
+
+
+def test_the_installed_package_carries_no_benchmarks():
+    import importlib
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("agoq.bench")
