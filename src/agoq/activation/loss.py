@@ -142,10 +142,10 @@ class _NormedLoss(torch.autograd.Function):
     def forward(ctx, x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size):
         ctx.save_for_backward(x, norm_weight, weight, targets)
         ctx.args = (eps, ignore_index, reduction, chunk_size)
-        with torch.no_grad():
-            return chunked_lm_head_cross_entropy(
-                rms_norm(x, norm_weight, eps), weight, targets, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size
-            )
+        # Function.forward runs without autograd: nothing of the norm or the loss is kept here.
+        return chunked_lm_head_cross_entropy(
+            rms_norm(x, norm_weight, eps), weight, targets, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size
+        )
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.quant import QuantFormat
+from agoq.quant.formats import round_up
 
 from agoq.gradient.collectives import PendingAllReduce, all_reduce_8bit, gradient_format
 from agoq.gradient.counter import CommCounter
@@ -54,7 +55,7 @@ class _AlignedBucket:
         self.starts, total = [], 0
         for g in self.gradients:
             self.starts.append(total)
-            total += -(-g.numel() // block) * block
+            total += round_up(g.numel(), block)
         self.padded = self.buffer.new_zeros(total)
         for g, start in zip(self.gradients, self.starts):
             self.padded[start : start + g.numel()].copy_(g)

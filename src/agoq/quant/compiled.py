@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -482,11 +482,16 @@ def _dequantize_by_table(payload: torch.Tensor, scales: torch.Tensor, values: to
         return
     blocks, per_slab = scales.numel(), max(1, SLAB_VALUES // fmt.block_size)
     scratch = torch.empty(min(blocks, per_slab), fmt.block_size, dtype=torch.float32, device=values.device)
-    for b0 in range(0, blocks, per_slab):
-        b1 = min(blocks, b0 + per_slab)
-        lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
+    for b0, b1, lo, hi in _slabs(fmt, blocks, per_slab):
         kernel(payload[lo:hi], scales[b0:b1], scratch[: b1 - b0])
         values[b0:b1].copy_(scratch[: b1 - b0])
+
+
+def _slabs(fmt: QuantFormat, blocks: int, per_slab: int) -> Iterator[tuple[int, int, int, int]]:
+    """(first block, end block, first payload byte, end payload byte) of each slab of ``per_slab`` blocks."""
+    for b0 in range(0, blocks, per_slab):
+        b1 = min(blocks, b0 + per_slab)
+        yield b0, b1, fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
 
 
 def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, fmt: QuantFormat) -> None:
@@ -497,9 +502,7 @@ def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch
     # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4 at
     # 64M values, slabs of 1M 2x faster).
     per_slab = blocks if fmt.bits == 8 else max(1, SLAB_VALUES // fmt.block_size)
-    for b0 in range(0, blocks, per_slab):
-        b1 = min(blocks, b0 + per_slab)
-        lo, hi = fmt.payload_bytes(b0 * fmt.block_size), fmt.payload_bytes(b1 * fmt.block_size)
+    for b0, b1, lo, hi in _slabs(fmt, blocks, per_slab):
         # Codes, scales and out all carry the block count as their first size, so the compiled
         # graph sees one size (duck-shaped) and fuses everything into one loop over out.
         kernel(_codes(payload[lo:hi], fmt.bits).view(-1, fmt.block_size), scales[b0:b1], values[b0:b1])
