@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m benchmarks.allreduce``."""
     parser.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES), help=f"fp32 message sizes, local run (default {DEFAULT_SIZES})")
     parser.add_argument("--ranks", type=int, default=4, help="local ranks (default 4)")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per size and method; median reported (default 3)")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per size, the methods taking turns; median reported (default 7)")
     parser.add_argument(
         "--netns-sizes",
         type=_sizes,
@@ -108,50 +108,57 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
         x = torch.randn(n, generator=gen)
         exact = x.double()
         dist.all_reduce(exact)
+        counters = {method: CommCounter() for method in METHODS}
+
+        def op(method: str, t: torch.Tensor, timings: dict[str, float] | None = None) -> None:
+            if method == "8bit":
+                all_reduce_8bit(t, fmt=fmt, counter=counters[method], timings=timings)
+            else:
+                all_reduce_fp(t, counter=counters[method])
+
+        bases = {method: x.bfloat16() if method == "bf16" else x for method in METHODS}
+        errors = {}
         for method in METHODS:
-            base = x.bfloat16() if method == "bf16" else x
-            counter = CommCounter()
-
-            def op(t: torch.Tensor, timings: dict[str, float] | None = None) -> None:
-                if method == "8bit":
-                    all_reduce_8bit(t, fmt=fmt, counter=counter, timings=timings)
-                else:
-                    all_reduce_fp(t, counter=counter)
-
-            y = base.clone()
-            op(y)  # warm-up, and the result whose error is reported
-            err = float((y.double() - exact).norm() / exact.norm())
-            counter.reset()
-            times = []
-            dist.barrier()
-            tx0 = _tx_bytes(link)
-            for _ in range(reps):
-                y = base.clone()
+            y = bases[method].clone()
+            op(method, y)  # warm-up, and the result whose error is reported
+            errors[method] = float((y.double() - exact).norm() / exact.norm())
+            counters[method].reset()
+        # The methods take turns within each repetition, so a change in the machine's load
+        # (4 ranks share the cores) falls on all of them alike instead of on whichever ran then.
+        times: dict[str, list[float]] = {method: [] for method in METHODS}
+        tx: dict[str, float] = dict.fromkeys(METHODS, 0.0)
+        for _ in range(reps):
+            for method in METHODS:
+                y = bases[method].clone()
                 dist.barrier()
+                tx0 = _tx_bytes(link)
                 t0 = time.perf_counter()
-                op(y)
-                times.append(slowest(time.perf_counter() - t0))
-            dist.barrier()
-            tx = (_tx_bytes(link) - tx0) / reps
+                op(method, y)
+                elapsed = time.perf_counter() - t0
+                dist.barrier()
+                tx[method] += _tx_bytes(link) - tx0
+                times[method].append(slowest(elapsed))
+        for method in METHODS:
+            counter = counters[method]
             row: dict[str, Any] = {
                 "size_bytes": size,
                 "numel": n,
                 "method": method,
-                "time_s": statistics.median(times),
-                "times_s": times,
+                "time_s": statistics.median(times[method]),
+                "times_s": times[method],
                 "wire_bytes_per_rank": counter.bytes() // reps,
                 "payload_bytes_per_rank": sum(counter.payload.values()) // reps,
                 "scale_bytes_per_rank": sum(counter.scales.values()) // reps,
-                "rel_l2_error": err,
+                "rel_l2_error": errors[method],
             }
             if link:
-                row["link_tx_bytes_per_op"] = tx
+                row["link_tx_bytes_per_op"] = tx[method] / reps
             if method == "8bit":
                 parts: dict[str, list[float]] = {p: [] for p in PARTS}
                 for _ in range(reps):
                     timings: dict[str, float] = {}
                     dist.barrier()
-                    op(x.clone(), timings)
+                    op(method, x.clone(), timings)
                     for p in PARTS:
                         parts[p].append(slowest(timings.get(p, 0.0)))
                 row["parts_s"] = {p: statistics.median(v) for p, v in parts.items()}
@@ -317,7 +324,8 @@ def run_netns(rate: str, sizes: list[int], reps: int, fmt: str, timeout_s: float
             # The rank imports this module as benchmarks.allreduce from whatever folder it starts in.
             root = str(Path(__file__).resolve().parents[1])
             path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1", PYTHONPATH=path)
+            # As torchrun would set them for 2 hosts of 2 ranks (the 8-bit all-gather reads them).
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1", PYTHONPATH=path, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout_s
         logs = []

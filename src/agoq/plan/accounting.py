@@ -342,7 +342,9 @@ class TemporaryBytes:
         chunk = bucket // dp
         in_flight = 0
         if setup.gradients and dp > 1:
-            in_flight = 2 * fmt8.nbytes(bucket)  # two buckets' 8-bit rows on the wire (sent, received or gathered)
+            # Two buckets' 8-bit rows on the wire (sent, received or gathered), and on a CPU one more:
+            # the all-gather's row sent to every rank (see gathers_by_all_to_all).
+            in_flight = (3 if self.shape.device.type == "cpu" else 2) * fmt8.nbytes(bucket)
             # One bucket reduced a piece at a time: the chunk's requantized bytes to send, and one
             # piece summed in fp32 and requantized (the fp32 values and integer codes the quantizer
             # works on), beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
