@@ -13,14 +13,15 @@ def test_tiny_config_file_is_the_embedded_default():
     assert load_config(CONFIGS / "tiny_cpu.toml").to_dict() == load_config(None).to_dict() == TrainConfig().to_dict()
 
 
-def test_gpu_example_is_valid_apart_from_its_data_paths():
+@pytest.mark.parametrize("name", ["llama3-8b_gpu.toml", "llama2-13b_tp8_gpu.toml"])
+def test_gpu_example_is_valid_apart_from_its_data_paths(name):
     with pytest.raises(ConfigError, match="data.corpus='/data/my_corpus' does not exist"):
-        load_config(CONFIGS / "llama3-8b_gpu.toml")
-    cfg = load_config(CONFIGS / "llama3-8b_gpu.toml", ["--data.corpus=kjv", "--data.tokenizer=none"])
+        load_config(CONFIGS / name)
+    cfg = load_config(CONFIGS / name, ["--data.corpus=kjv", "--data.tokenizer=none"])
     # Every key the file sets reaches the config with its value (the two overridden above aside).
     import tomllib
 
-    written = tomllib.loads((CONFIGS / "llama3-8b_gpu.toml").read_text())
+    written = tomllib.loads((CONFIGS / name).read_text())
     assert written, "the GPU example sets nothing"
     for section, values in written.items():
         for key, value in values.items():

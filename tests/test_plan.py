@@ -48,11 +48,22 @@ def test_tensor_parallel_splits_every_matrix_and_replicates_the_norms():
 
 
 def test_sequence_parallel_divides_the_saved_activations_by_tp():
-    one = _plan(seq_len=8192, setups=("baseline", "A")).setups
-    eight = _plan(seq_len=8192, tp=8, setups=("baseline", "A")).setups
+    from agoq.parallel.tensor_ops import vocab_parallel_loss_saved_bytes
+
+    one = _plan(seq_len=8192, pp=2, global_batch=2, setups=("baseline", "A")).setups
+    eight = _plan(seq_len=8192, pp=2, global_batch=2, tp=8, setups=("baseline", "A")).setups
+    cfg = PRESETS["llama2-13b"]
     for a, b in zip(one, eight):
-        # Only the token ids and the rope tables (well under 0.1%) are replicated on every tp rank.
+        # A stage without the loss: only the token ids and their vocab mask (well under 0.1%) are
+        # kept whole on every tp rank.
         assert b.ranks[0].activations_per_microbatch * 8 == pytest.approx(a.ranks[0].activations_per_microbatch, rel=1e-3)
+        # The last stage: its layers and final norm / 8, and the sequence- and vocab-parallel loss
+        # (whatever loss tp = 1 would take: a tp > 1 model always takes this one).
+        policy = PlanAccounting(make_plan_config("llama2-13b", None, seq_len=8192, pp=2, global_batch=2)).activations.policy(a.setup)
+        loss_one = loss_saved_bytes(8192, cfg.hidden, cfg.vocab_size, torch.bfloat16, policy.fused_loss, recompute=policy.loss_recompute)
+        loss_eight = vocab_parallel_loss_saved_bytes(8192, cfg.hidden, torch.bfloat16, 8)
+        layers_one = a.ranks[1].activations_per_microbatch - loss_one
+        assert b.ranks[1].activations_per_microbatch - loss_eight == pytest.approx(layers_one / 8, rel=1e-3)
 
 
 def test_activations_reuse_the_layer_and_loss_accounting():

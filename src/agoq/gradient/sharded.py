@@ -104,6 +104,14 @@ class ShardedGradientSync(GradientSync):
     def local_grad_sq_norm(self) -> float:
         return float(sum(sum_of_squares(s) for s in self._shards)) if self._shards else 0.0
 
+    def params_sq_norm(self, indices: set[int]) -> float:
+        total = 0.0
+        for bucket, shard in zip(self.buckets, self._shards):
+            for piece in bucket.pieces:
+                if piece.param in indices:
+                    total += float(sum_of_squares(shard[piece.shard_offset : piece.shard_offset + piece.numel]))
+        return total
+
     def units(self) -> list[tuple[int, int]]:
         return [(b, shard.numel()) for b, shard in enumerate(self._shards)]
 

@@ -47,6 +47,11 @@ class GradientSync:
         """Sum of squares of this rank's reduced gradients."""
         raise NotImplementedError
 
+    def params_sq_norm(self, indices: set[int]) -> float:
+        """Sum of squares of this rank's reduced gradients of the parameters ``indices`` only (all of
+        each for a full sync, this rank's pieces of them for a sharded one), after reduce()."""
+        raise NotImplementedError
+
     def units(self) -> list[tuple[int, int]]:
         """(unit, values) in reading order. A unit is the index the paired optimizer's ``set_grad``
         takes: a parameter index for a :class:`ParameterGradientSync` (paired with
@@ -100,6 +105,9 @@ class ParameterGradientSync(GradientSync):
         """(parameter index, reduced fp32 gradient), one parameter at a time in reading order."""
         for unit, _ in self.units():
             yield unit, self.read(unit)
+
+    def params_sq_norm(self, indices: set[int]) -> float:
+        return float(sum(float(sum_of_squares(self.read(i))) for i in sorted(indices)))
 
 
 class PlainGradientSync(ParameterGradientSync):

@@ -111,16 +111,20 @@ def stage_saved_bytes(
     """Bytes one micro-batch keeps for backward on a stage holding ``layers`` (and the loss when ``last``) at ``bits``.
 
     ``seq_len`` is the sequence length one rank holds (divided by tp under sequence parallelism);
-    ``tp`` splits the vocabulary of the head (vocab-parallel), whose precomputed weight gradient
-    the fused loss keeps when it does not recompute.
+    under ``tp`` > 1 the loss is the vocab-parallel one of agoq.parallel.tensor_ops.
     """
     c = model_cfg
     precision = replace(policy, layer_bits=(bits,)).layer(0)
     per_layer = sum(layer_saved_bytes(micro_batch, seq_len, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, dtype, precision).values())
-    # The plain loss's logits are [seq_len tokens, full vocab] here (= [all tokens, vocab / tp] under a
-    # vocab-parallel head); a precomputed head gradient is [vocab / tp, hidden] on each rank.
-    vocab = -(-c.vocab_size // tp) if policy.fused_loss and not policy.loss_recompute else c.vocab_size
-    loss = loss_saved_bytes(micro_batch * seq_len, c.hidden, vocab, dtype, policy.fused_loss, recompute=policy.loss_recompute) if last else 0
+    if not last:
+        loss = 0
+    elif tp > 1:
+        # agoq's tensor-parallel model always takes the sequence- and vocab-parallel loss.
+        from agoq.parallel.tensor_ops import vocab_parallel_loss_saved_bytes
+
+        loss = vocab_parallel_loss_saved_bytes(micro_batch * seq_len * tp, c.hidden, dtype, tp)
+    else:
+        loss = loss_saved_bytes(micro_batch * seq_len, c.hidden, c.vocab_size, dtype, policy.fused_loss, recompute=policy.loss_recompute)
     return len(layers) * per_layer + loss
 
 

@@ -103,16 +103,21 @@ def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int 
     return key
 
 
-def make_mesh(world_size: int, pp: int, device_type: str = "cpu") -> DeviceMesh:
-    """A 2-D DeviceMesh with dims ('pp', 'dp'): rank r is pp stage r // dp, data replica r % dp."""
+def make_mesh(world_size: int, pp: int, device_type: str = "cpu", tp: int = 1) -> DeviceMesh:
+    """A 3-D DeviceMesh with dims ('pp', 'dp', 'tp'): rank r is pp stage r // (dp * tp), data
+    replica (r // tp) % dp and tp rank r % tp. The tp ranks are adjacent (one host's GPUs hold a
+    tp group, whose collectives run every layer), the pp stages farthest apart (Megatron's order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not isinstance(pp, int) or pp < 1 or world_size % pp:
-        raise ValueError(
-            f"pipeline size pp={pp} must be a positive divisor of the world size {world_size}; "
-            f"pick pp among {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-        )
-    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+    for name, size in (("pp", pp), ("tp", tp)):
+        if not isinstance(size, int) or size < 1 or world_size % size:
+            raise ValueError(
+                f"{'pipeline' if name == 'pp' else 'tensor-parallel'} size {name}={size} must be a positive divisor of the world size {world_size}; "
+                f"pick {name} among {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+            )
+    if world_size % (pp * tp):
+        raise ValueError(f"pp x tp = {pp} x {tp} does not divide the world size {world_size}; the data-parallel size would not be whole")
+    return init_device_mesh(device_type, (pp, world_size // (pp * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 def split_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:

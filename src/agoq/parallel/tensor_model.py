@@ -12,23 +12,20 @@ What each rank keeps for backward under a LAAQ policy (``ActivationPolicy.layer(
 norm input (1/tp), 4-bit gate and up of its intermediate shard (1/tp), and the attention core of
 its head shard (1/tp), so a layer's saved bytes are 1/tp of tp = 1's.
 
-The norm weights' gradients are partial per rank (each rank normalises its own tokens): their sum
-over tp is the full gradient (:func:`gather_gradients` sums them; a trainer must all-reduce them over
-tp before the optimizer, as Megatron does for sequence-parallel parameters).
+The norm weights' gradients are partial per rank (each rank normalises its own tokens): backward
+sums them over tp (``tensor_ops.replicated``), so every tp rank holds the full, identical gradient
+before any gradient hook folds it, and a data-parallel sync over dp alone completes it.
 
-The loss is always the vocab-parallel chunked one, which keeps no logits, whatever
+The loss is always the sequence- and vocab-parallel chunked one, which keeps no logits, whatever
 ``policy.fused_loss`` says: there is no plain-logits vocab-parallel path (it would keep
 [tokens, vocab / tp] fp32 log-probs per rank).
 
-Integration that remains (issue R2-E): a (pp, dp, tp) mesh in ``parallel.pipeline.make_mesh``, the
-trainer building these modules per stage (pipeline slices: layers without embed or head) with the
-tp all-reduce of the norm gradients, QuanGrad and ZeRO-1 over the dp group only (tp shards are
-distinct parameters), checkpoints saving shards or gathering them (:func:`gather_state_dict`), the
-planner's per-rank bytes at tp > 1, activation checkpointing (``Llama.recompute``), tied embeddings
-under a trainer, and the tp bytes of :class:`~agoq.gradient.counter.CommCounter` in the run summary.
-Performance work left: the collectives are synchronous (no overlap with the GEMMs), the fused
-norm's backward is not row-chunked as ``activation.ops._NormLinear``'s is, and the sequence-parallel
-norm uses the eager formulas (not the compiled or Triton ones of :mod:`agoq.quant.backend`).
+``agoq train --parallel.tp`` builds one of these per pipeline stage (agoq.train.trainer); checkpoint
+names carry the shard (:func:`shard_name`). Not supported: activation checkpointing
+(``Llama.recompute``). Performance work left: the collectives are synchronous (no overlap with the
+GEMMs), the fused norm's backward is not row-chunked as ``activation.ops._NormLinear``'s is, and the
+sequence-parallel norm uses the eager formulas (not the compiled or Triton ones of
+:mod:`agoq.quant.backend`).
 """
 
 from __future__ import annotations
@@ -43,7 +40,14 @@ from agoq.activation import ActivationPolicy, causal_attention, rms_norm, rotary
 from agoq.gradient.counter import COMM_COUNTER, CommCounter
 from agoq.models.config import LlamaConfig
 from agoq.models.llama import IGNORE_INDEX, Llama, RMSNorm, rope_tables
-from agoq.parallel.tensor_ops import gather_seq, scatter_seq, sp_rms_norm_linear, tp_size, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from agoq.parallel.tensor_ops import (
+    replicated,
+    scatter_seq,
+    sp_rms_norm_linear,
+    tp_size,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 
 Group = Any
 
@@ -68,6 +72,14 @@ def split_dim(name: str) -> int | None:
         if name.endswith(suffix):
             return dim
     raise KeyError(f"no tensor-parallel layout for parameter {name!r}")
+
+
+def shard_name(name: str, rank: int, tp: int) -> str:
+    """The checkpoint name of tp rank ``rank``'s shard of parameter ``name``: every parameter of a
+    tp run is named per shard, replicated ones too, so that no two tp ranks write one key (ZeRO-1
+    names a bucket after its first parameter, which may be a norm weight) and a change of tp shows
+    key by key."""
+    return f"{name}@tp{rank}of{tp}"
 
 
 def check_tp_shapes(cfg: LlamaConfig, tp: int) -> None:
@@ -131,35 +143,41 @@ class TensorParallelDecoderLayer(nn.Module):
         cfg, p, hd = self.cfg, policy.layer(self.index), self.cfg.head_dim
         a, m = self.attn, self.mlp
         b = x.shape[0]
-        q, k, v = sp_rms_norm_linear(x, self.attn_norm.weight, cfg.norm_eps, (a.q.weight, a.k.weight, a.v.weight), p.norm_input, group, counter)
+        attn_norm, mlp_norm = replicated(self.attn_norm.weight, group, counter), replicated(self.mlp_norm.weight, group, counter)
+        q, k, v = sp_rms_norm_linear(x, attn_norm, cfg.norm_eps, (a.q.weight, a.k.weight, a.v.weight), p.norm_input, group, counter)
         s = q.shape[1]  # the whole sequence: gathered
         q = rotary_embedding(q.view(b, s, self.n_heads, hd).transpose(1, 2), cos, sin)
         k = rotary_embedding(k.view(b, s, self.n_kv_heads, hd).transpose(1, 2), cos, sin)
         v = v.view(b, s, self.n_kv_heads, hd).transpose(1, 2)
         o = causal_attention(q, k, v, p.attention).transpose(1, 2).reshape(b, s, self.n_heads * hd)
         x = x + scatter_seq(saved_input_linear(o, a.o.weight, p.out_proj_input), group, counter)
-        gate, up = sp_rms_norm_linear(x, self.mlp_norm.weight, cfg.norm_eps, (m.gate.weight, m.up.weight), p.norm_input, group, counter)
+        gate, up = sp_rms_norm_linear(x, mlp_norm, cfg.norm_eps, (m.gate.weight, m.up.weight), p.norm_input, group, counter)
         return x + scatter_seq(swiglu_linear(gate, up, m.down.weight, p.act_input), group, counter)
 
 
 class TensorParallelLlama(nn.Module):
-    """This rank's tp shard of a whole :class:`Llama` (embedding, every layer, final norm, LM head)."""
+    """This rank's tp shard of a :class:`Llama` or of one of its pipeline slices: the embedding on
+    the first stage, the layers, the final norm and LM head on the last (as the slice has them)."""
 
     def __init__(self, model: Llama, group: Group, counter: CommCounter | None = None) -> None:
         super().__init__()
         cfg = model.cfg
-        if not (model.has_embed and model.has_head and len(model.layer_range) == cfg.n_layers):
-            raise ValueError("shard_llama takes a whole model (embedding, every layer, head); pipeline stages are not supported yet")
+        if model.recompute:
+            raise ValueError("activation checkpointing (recompute_layers) is not supported under tensor parallelism; set it to 0")
         self.tp, self.rank = tp_size(group), dist.get_rank(group)
         check_tp_shapes(cfg, self.tp)
         self.cfg, self.policy, self.group = cfg, model.policy, group
+        self.layer_range = model.layer_range
         self.counter = COMM_COUNTER if counter is None else counter
         full = dict(model.named_parameters())
         shards = {name: _shard(t, split_dim(name), self.rank, self.tp) for name, t in full.items()}
         self.vocab_start = self.rank * cfg.vocab_size // self.tp
-        self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden, device=shards["embed.weight"].device, dtype=shards["embed.weight"].dtype)
-        with torch.no_grad():
-            self.embed.weight.copy_(shards["embed.weight"])
+        self.embed = None
+        if model.has_embed:
+            w = shards["embed.weight"]
+            self.embed = nn.Embedding(w.shape[0], cfg.hidden, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                self.embed.weight.copy_(w)
         self.layers = nn.ModuleDict(
             {
                 str(i): TensorParallelDecoderLayer(
@@ -168,28 +186,59 @@ class TensorParallelLlama(nn.Module):
                 for i in model.layer_range
             }
         )
-        self.norm = _norm(shards["norm.weight"], cfg.norm_eps)
-        self.head = _linear(shards["embed.weight" if cfg.tie_embeddings else "head.weight"])
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
+        self.norm = self.head = None
+        if model.has_head:
+            self.norm = _norm(shards["norm.weight"], cfg.norm_eps)
+            self.head = _linear(shards["embed.weight" if cfg.tie_embeddings else "head.weight"])
+            if cfg.tie_embeddings:
+                self.head.weight = self.embed.weight
+
+    @property
+    def has_embed(self) -> bool:
+        """Whether this shard holds the embedding (first pipeline stage)."""
+        return self.embed is not None
+
+    @property
+    def has_head(self) -> bool:
+        """Whether this shard holds the final norm and the LM head (last pipeline stage)."""
+        return self.head is not None
 
     def set_policy(self, policy: ActivationPolicy) -> None:
         """Switch the activation precision policy (takes effect on the next forward)."""
         self.policy = policy
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of tokens [batch, seq] (the same on every tp rank; seq divisible by tp)."""
-        b, s = tokens.shape
-        if s % self.tp:
-            raise ValueError(f"sequence parallelism splits the sequence: length {s} must be divisible by tp={self.tp}")
+    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] (first stage) or this rank's sequence shard [batch, seq / tp, hidden]
+        -> the sequence shard after this slice's layers (on the last stage, the final norm's output)."""
+        if self.embed is not None:
+            s = x.shape[1]
+            if s % self.tp:
+                raise ValueError(f"sequence parallelism splits the sequence: length {s} must be divisible by tp={self.tp}")
+            x = vocab_parallel_embedding(x, self.embed.weight, self.vocab_start, self.group, self.counter)
+        s = x.shape[1] * self.tp
         if s > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.cfg.max_seq_len}; raise it in the model config")
-        cos, sin = rope_tables(self.cfg, s, tokens.device)
-        x = vocab_parallel_embedding(tokens, self.embed.weight, self.vocab_start, self.group, self.counter)
+        cos, sin = rope_tables(self.cfg, s, x.device)
         for layer in self.layers.values():
             x = layer(x, cos, sin, self.policy, self.group, self.counter)
-        h = gather_seq(rms_norm(x, self.norm.weight, self.cfg.norm_eps), self.group, self.counter)
-        return vocab_parallel_cross_entropy(h, self.head.weight, targets, self.vocab_start, self.group, self.counter, ignore_index=IGNORE_INDEX)
+        if self.norm is not None:
+            x = rms_norm(x, replicated(self.norm.weight, self.group, self.counter), self.cfg.norm_eps)
+        return x
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of the final hidden states' sequence shard (vocab-parallel, keeps no
+        logits; the loss gathers the sequence and keeps only the shard)."""
+        if self.head is None:
+            raise RuntimeError("this shard is not of the last pipeline stage: it has no LM head")
+        return vocab_parallel_cross_entropy(
+            hidden, self.head.weight, targets, self.vocab_start, self.group, self.counter, ignore_index=IGNORE_INDEX, sequence_parallel=True
+        )
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (inner stage), or the mean next-token loss when targets are given (the
+        same on every tp rank; seq divisible by tp)."""
+        h = self.hidden_states(tokens)
+        return h if targets is None or self.head is None else self.loss(h, targets)
 
 
 def shard_llama(model: Llama, group: Group, counter: CommCounter | None = None) -> TensorParallelLlama:
@@ -199,28 +248,24 @@ def shard_llama(model: Llama, group: Group, counter: CommCounter | None = None) 
 
 
 def _gather_full(name: str, t: torch.Tensor, group: Group) -> torch.Tensor:
-    """The full tensor of one parameter-shaped shard: concatenated along its split dim, or summed if replicated."""
+    """The full tensor of one parameter-shaped shard: concatenated along its split dim (a
+    replicated one is the same on every rank, its gradient already summed over tp in backward)."""
     dim = split_dim(name)
     t = t.detach().contiguous()
     if dim is None:
-        out = t.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return t.clone()
     parts = [torch.empty_like(t) for _ in range(tp_size(group))]
     dist.all_gather(parts, t, group=group)
     return torch.cat(parts, dim=dim)
 
 
 def gather_gradients(model: TensorParallelLlama) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient at the full model's shape, by name: shards concatenated, and the
-    replicated norm weights' partial gradients summed over tp once (a parameter without a gradient
-    counts as zeros). Every tp rank must call it; all get the same result."""
+    """Every parameter's gradient at the full model's shape, by name: shards concatenated, the
+    replicated norm weights' as backward summed them (a parameter without a gradient counts as
+    zeros). Every tp rank must call it; all get the same result."""
     return {name: _gather_full(name, p.grad if p.grad is not None else torch.zeros_like(p), model.group) for name, p in model.named_parameters()}
 
 
 def gather_state_dict(model: TensorParallelLlama) -> dict[str, torch.Tensor]:
     """The full model's parameters by name (replicated ones taken as this rank holds them)."""
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = p.detach().clone() if split_dim(name) is None else _gather_full(name, p, model.group)
-    return out
+    return {name: _gather_full(name, p, model.group) for name, p in model.named_parameters()}

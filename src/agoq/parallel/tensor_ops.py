@@ -42,6 +42,7 @@ SEQ_ALL_GATHER = "tp_seq_all_gather"
 SEQ_REDUCE_SCATTER = "tp_seq_reduce_scatter"
 NORM_INPUT_ALL_GATHER = "tp_norm_input_all_gather"  # the 4-bit norm input, gathered in backward
 VOCAB_ALL_REDUCE = "tp_vocab_all_reduce"
+REPLICATED_GRAD_ALL_REDUCE = "tp_replicated_grad_all_reduce"  # the norm weights' gradients, summed over tp
 
 
 def tp_size(group: Group) -> int:
@@ -225,6 +226,32 @@ def sp_rms_norm_linear(
         return _SPNormLinear.apply(x, norm_weight, eps, fmt, group, counter, *weights)
 
 
+class _SumGradOverTp(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over tp (Megatron's sequence-parallel
+    parameter all-reduce, placed in autograd so the sum exists before any gradient hook folds it)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, group: Group, counter: CommCounter) -> torch.Tensor:
+        ctx.group, ctx.counter = group, counter
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad.contiguous().clone()
+        w = tp_size(ctx.group)
+        if w > 1:
+            dist.all_reduce(grad, group=ctx.group)
+            ctx.counter.record(REPLICATED_GRAD_ALL_REDUCE, ring_all_reduce_bytes(_nbytes(grad), w))
+        return grad, None, None
+
+
+def replicated(weight: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
+    """A tp-replicated parameter (a norm weight) as used in forward: each rank's gradient of it is
+    partial (its own tokens), so backward sums it over tp; every tp rank then holds the full,
+    identical gradient, summed exactly once."""
+    return _SumGradOverTp.apply(weight, group, COMM_COUNTER if counter is None else counter)
+
+
 # ---- vocab-parallel embedding and LM head + cross-entropy ---------------------------------------
 
 
@@ -264,7 +291,9 @@ def _vocab_chunk_lse(
 class _VocabParallelLoss(torch.autograd.Function):
     """Mean cross-entropy of hidden @ weight_shard.T over the vocab split on tp; keeps the hidden
     states, targets and one fp32 log-sum-exp per token, never logits; backward recomputes each
-    chunk's local logits and needs no collective."""
+    chunk's local logits. With ``seq_sharded`` the hidden states come as this rank's sequence shard:
+    forward all-gathers them, only the shard is kept, and backward gathers them again and
+    reduce-scatters their gradient (Megatron's sequence-parallel LM head)."""
 
     @staticmethod
     def forward(
@@ -277,7 +306,11 @@ class _VocabParallelLoss(torch.autograd.Function):
         chunk: int,
         group: Group,
         counter: CommCounter,
+        seq_sharded: bool,
     ) -> torch.Tensor:
+        kept = hidden
+        if seq_sharded:
+            hidden = all_gather_seq(hidden, group, counter)
         h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         valid = t != ignore_index
         local = t - vocab_start
@@ -290,14 +323,17 @@ class _VocabParallelLoss(torch.autograd.Function):
             total += torch.where(valid[s : s + chunk], lse[s : s + chunk] - target, 0.0).sum()
             del logits
         scale = valid.sum().float().reciprocal()
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(kept, weight, targets, lse)
         ctx.args = (vocab_start, ignore_index, chunk, scale)
+        ctx.gather = (group, counter) if seq_sharded else None
         return total * scale
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         vocab_start, ignore_index, chunk, scale = ctx.args
+        if ctx.gather is not None:
+            hidden = all_gather_seq(hidden, *ctx.gather)
         h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         valid = t != ignore_index
         local = t - vocab_start
@@ -313,7 +349,18 @@ class _VocabParallelLoss(torch.autograd.Function):
             g = g.mul_(coef[s : s + chunk].unsqueeze(1)).to(h.dtype)
             torch.mm(g, weight, out=grad_h[s : s + chunk])
             grad_w.addmm_(g.t().float(), h_c.float())
-        return grad_h.view(hidden.shape), grad_w.to(weight.dtype), None, None, None, None, None, None
+        grad_h = grad_h.view(hidden.shape)
+        if ctx.gather is not None:
+            grad_h = reduce_scatter_seq(grad_h, *ctx.gather)
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def vocab_parallel_loss_saved_bytes(tokens: int, hidden: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """What :func:`vocab_parallel_cross_entropy` with ``sequence_parallel`` keeps for backward on
+    each of ``tp`` ranks for ``tokens`` tokens: their hidden states' sequence shard, and every
+    token's target and fp32 log-sum-exp."""
+    es = torch.empty((), dtype=dtype).element_size()
+    return tokens // tp * hidden * es + tokens * (torch.empty((), dtype=torch.long).element_size() + 4)
 
 
 def vocab_parallel_cross_entropy(
@@ -326,12 +373,15 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of hidden [..., hidden] (every token, the same on each rank)
-    against targets, with this rank holding LM-head rows [vocab_start, vocab_start + rows).
+    """Mean next-token cross-entropy of hidden [batch, seq, hidden] (every token, the same on each
+    rank) against targets [batch, seq], with this rank holding LM-head rows [vocab_start, vocab_start + rows).
 
     The returned loss is the full-vocabulary loss on every rank; the hidden-state gradient is this
-    rank's vocab shard's share (summed over tp by the sequence all-gather's backward)."""
+    rank's vocab shard's share (the caller sums it over tp). With ``sequence_parallel`` hidden is
+    this rank's sequence shard [batch, seq / tp, hidden], gathered inside (only the shard is kept
+    for backward), and its gradient is the full one of that shard."""
     chunk = chunk_size if chunk_size is not None else default_chunk_size(weight.shape[0], weight.shape[1])
     counter = COMM_COUNTER if counter is None else counter
-    return _VocabParallelLoss.apply(hidden, weight, targets, vocab_start, ignore_index, chunk, group, counter)
+    return _VocabParallelLoss.apply(hidden, weight, targets, vocab_start, ignore_index, chunk, group, counter, sequence_parallel)

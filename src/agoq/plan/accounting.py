@@ -226,6 +226,8 @@ class ActivationBytes:
             saved -= k * (self.layer_bytes(policy, bits) - sh.hidden_bytes)
         if stage == 0:
             saved += sh.tokens * INDEX_BYTES  # the embedding keeps the token ids
+            if self.cfg.tp > 1:
+                saved += sh.tokens * sh.es  # and, vocab-parallel, which ids are this rank's
         if last:
             saved += self.final_norm_bytes
         buffers = 0

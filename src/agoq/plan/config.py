@@ -231,7 +231,7 @@ def make_plan_config(model: str = "tiny", model_fields: dict[str, object] | None
 
 
 def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory: object) -> PlanConfig:
-    """The PlanConfig of an ``agoq train`` configuration (tp = 1), to predict what its ranks hold.
+    """The PlanConfig of an ``agoq train`` configuration, to predict what its ranks hold.
 
     ``vocab_size`` is the tokenizer's real vocabulary when it differs from data.vocab_size.
     """
@@ -255,7 +255,7 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
         model=model,
         seq_len=d.seq_len,
         model_name=cfg.model.preset,
-        tp=1,
+        tp=p.tp,
         pp=p.pp,
         dp=p.dp,
         micro_batch=d.batch_size // (p.dp * p.microbatches),

@@ -40,10 +40,11 @@ class ModelSection:
 
 @dataclass
 class ParallelSection:
-    """Pipeline x data parallel layout and schedule."""
+    """Pipeline x data x tensor parallel layout and schedule."""
 
     pp: int = 2  # pipeline stages (ranks per pipeline)
     dp: int = 2  # data-parallel replicas
+    tp: int = 1  # tensor-parallel ranks per stage, sequence parallel too (heads, kv heads, intermediate, vocab and seq_len divide by it)
     schedule: str = "1f1b"  # torch.distributed.pipelining schedule
     virtual_stages: int = 1  # model chunks per pp rank (interleaved-1f1b needs >= 2)
     microbatches: int = 4  # per pipeline per step
@@ -134,8 +135,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the run needs: pp x dp."""
-        return self.parallel.pp * self.parallel.dp
+        """Processes the run needs: pp x dp x tp."""
+        return self.parallel.pp * self.parallel.dp * self.parallel.tp
 
     def model_config(self) -> LlamaConfig:
         """The LLaMA architecture, with the tokenizer's vocabulary and the sequence length applied."""
@@ -298,7 +299,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def _validate_parallel(p: ParallelSection, mc: LlamaConfig) -> None:
     """The mesh, schedule and micro-batches against the model's layers."""
-    for name in ("pp", "dp", "virtual_stages", "microbatches"):
+    for name in ("pp", "dp", "tp", "virtual_stages", "microbatches"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if p.schedule not in SCHEDULES:
@@ -321,6 +322,13 @@ def _validate_parallel(p: ParallelSection, mc: LlamaConfig) -> None:
         raise ConfigError(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} for interleaved-1f1b")
     if mc.tie_embeddings and p.pp > 1:
         raise ConfigError("model.tie_embeddings=true is not supported with parallel.pp > 1; set model.tie_embeddings=false")
+    if p.tp > 1:
+        from agoq.parallel.tensor_model import check_tp_shapes
+
+        try:
+            check_tp_shapes(mc, p.tp)
+        except ValueError as e:
+            raise ConfigError(f"parallel.tp={p.tp}: {e}") from None
 
 
 def _validate_data(d: DataSection, p: ParallelSection) -> None:
@@ -334,6 +342,10 @@ def _validate_data(d: DataSection, p: ParallelSection) -> None:
         )
     if d.seq_len < 2:
         raise ConfigError(f"data.seq_len={d.seq_len} must be at least 2")
+    if d.seq_len % p.tp:
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} is not divisible by parallel.tp={p.tp}; sequence parallelism gives each tp rank seq_len / tp tokens"
+        )
     if not 0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
     if d.corpus != "kjv" and not Path(d.corpus).exists():
@@ -361,6 +373,8 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
         raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
     if pr.recompute_layers < 0:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} must be >= 0")
+    if pr.recompute_layers and p.tp > 1:
+        raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} is not supported with parallel.tp > 1; set it to 0")
     from agoq.quant.backend import BACKENDS
 
     if pr.quant_backend not in BACKENDS:

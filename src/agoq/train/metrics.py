@@ -137,7 +137,7 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
     def col(fn: Any) -> list[str]:
         return [fn(r, base.get(str(r["rank"]), {})) for r in ranks]
 
-    return [
+    rows = [
         ("stage(s)", col(lambda r, b: ",".join(map(str, r["stages"])))),
         ("layer bits", col(lambda r, b: str(r["layer_bits"]).replace(" ", ""))),
         ("saved activations (peak)", col(lambda r, b: fmt_bytes(r["peak_saved_bytes"]))),
@@ -152,6 +152,9 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
         ("  fp32 all-reduce", col(lambda r, b: fmt_bytes(r["fp32_wire_bytes_per_step"]))),
         ("  ratio", col(lambda r, b: _ratio(r["wire_bytes_per_step"], r["fp32_wire_bytes_per_step"]))),
     ]
+    if any(r.get("tp_wire_bytes_per_step") for r in ranks):
+        rows.append(("tp bytes on the wire / step", col(lambda r, b: fmt_bytes(r.get("tp_wire_bytes_per_step")))))
+    return rows
 
 
 def _footer(summary: dict[str, Any]) -> list[str]:

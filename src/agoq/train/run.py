@@ -28,7 +28,7 @@ def _count(n: int, one: str, many: str) -> str:
 def _describe(cfg: TrainConfig) -> str:
     p, pr = cfg.parallel, cfg.precision
     return (
-        f"model {cfg.model.preset}, pp={p.pp} x dp={p.dp} ({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')}), "
+        f"model {cfg.model.preset}, pp={p.pp} x dp={p.dp}{f' x tp={p.tp}' if p.tp > 1 else ''} ({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')}), "
         f"activations {pr.activations} ({pr.activation_format}, stage bits {pr.stage_bits}), gradients {pr.gradients}, "
         f"{cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
     )
@@ -208,6 +208,7 @@ def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str,
         "rank": ctx.rank,
         "pp_rank": ctx.pp_rank,
         "dp_rank": ctx.dp_rank,
+        "tp_rank": ctx.tp_rank,
         "stages": ctx.stages,
         "layer_bits": trainer.my_layer_bits(),
         "peak_saved_bytes": max((r["peak_saved_bytes"] for r in measured), default=0),
@@ -216,6 +217,9 @@ def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str,
         "peak_step_bytes": probe.get("peak_step_bytes"),
         "wire_bytes_per_step": trainer.sync.wire_bytes_last_step,
         "fp32_wire_bytes_per_step": trainer.sync.fp32_wire_bytes(),
+        # Activations and their gradients between the tp ranks: sequence all-gathers and
+        # reduce-scatters, the 4-bit norm inputs gathered in backward, the loss's all-reduces.
+        "tp_wire_bytes_per_step": measured[-1].get("tp_wire_bytes", 0) if measured else 0,
         "grad_buffer_bytes": trainer.sync.buffer_bytes(),
         "optimizer_bytes": trainer.optimizer.state_bytes(),
         "param_bytes": sum(p.numel() * p.element_size() for _, p in trainer.params),
@@ -302,7 +306,9 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
     params = cfg.model_config().num_parameters()
     out = Path(cfg.train.out_dir)
     print(
-        f"agoq train: model {cfg.model.preset} ({params / 1e6:.1f} M parameters), {processes}: pp={p.pp} x dp={p.dp} "
+        f"agoq train: model {cfg.model.preset} ({params / 1e6:.1f} M parameters), {processes}: pp={p.pp} x dp={p.dp}"
+        + (f" x tp={p.tp} (sequence parallel)" if p.tp > 1 else "")
+        + f" "
         f"({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')} per step)\n"
         f"agoq train: activations {pr.activations}"
         + (f" ({pr.activation_format}, stage bits {pr.stage_bits})" if pr.activations != "bf16" else "")
@@ -419,7 +425,7 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
 
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
-    """Run the training: in place under torchrun, else spawn pp x dp local processes with torch's launcher."""
+    """Run the training: in place under torchrun, else spawn pp x dp x tp local processes with torch's launcher."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     first = os.environ.get("RANK", "0") == "0"
     done = finished_run(cfg)
@@ -479,7 +485,7 @@ def _adopt_launcher_env(launcher_env: dict[str, str]) -> None:
 
 
 def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
-    """Spawn pp x dp local worker processes with torch's elastic launcher and return rank 0's summary."""
+    """Spawn pp x dp x tp local worker processes with torch's elastic launcher and return rank 0's summary."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,

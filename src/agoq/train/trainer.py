@@ -1,7 +1,8 @@
-"""The training loop of one rank: pipeline x data parallel, AGoQ activations and gradients.
+"""The training loop of one rank: pipeline x data x tensor parallel, AGoQ activations and gradients.
 
 Reads top to bottom: set up the process groups, the run's decided ``auto`` choices (compute dtype,
-quantization backend) and data, build this rank's pipeline stage(s) under the activation policy and
+quantization backend) and data, build this rank's pipeline stage(s) under the activation policy
+(with tp > 1, this rank's tensor/sequence-parallel shard of each, agoq.parallel.tensor_model) and
 its gradient path, then for each step run the pipeline schedule, reduce gradients over the
 data-parallel group (8-bit or plain), clip by the global norm, and step AdamW on fp32 masters.
 """
@@ -23,6 +24,7 @@ import torch.nn as nn
 from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
 from agoq.parallel.layout import PipelineLayout
+from agoq.gradient.counter import CommCounter
 from agoq.train.compute_dtype import ResolvedChoices, choose_quant_backend, compute_dtype_for, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.gradient.sync import GradientSync, make_gradient_sync
@@ -44,7 +46,7 @@ class StageForward(nn.Module):
 
 @dataclass
 class RankContext:
-    """Where this process sits in the (pp, dp) layout."""
+    """Where this process sits in the (pp, dp, tp) layout."""
 
     rank: int
     world: int
@@ -53,6 +55,9 @@ class RankContext:
     pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     device: torch.device
+    tp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    tp: int = 1
     stages: list[int] = field(default_factory=list)
     owns_group: bool = False  # this run created the process group (and destroys it at the end)
 
@@ -125,10 +130,10 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
     world = dist.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(
-            f"the launcher started {world} processes but parallel.pp x parallel.dp = {cfg.world_size}; "
+            f"the launcher started {world} processes but parallel.pp x parallel.dp x parallel.tp = {cfg.world_size}; "
             f"launch with --nproc-per-node x nodes = {cfg.world_size} or change the config"
         )
-    mesh = make_mesh(world, cfg.parallel.pp, device.type)
+    mesh = make_mesh(world, cfg.parallel.pp, device.type, tp=cfg.parallel.tp)
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["dp"].get_local_rank()
     return RankContext(
@@ -139,6 +144,9 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
         pp_group=mesh["pp"].get_group(),
         dp_group=mesh["dp"].get_group(),
         device=device,
+        tp_rank=mesh["tp"].get_local_rank(),
+        tp_group=mesh["tp"].get_group(),
+        tp=cfg.parallel.tp,
         stages=rank_stages(cfg.parallel.schedule, pp_rank, cfg.parallel.pp, cfg.parallel.virtual_stages),
         owns_group=owns_group,
     )
@@ -189,17 +197,48 @@ def _prepare_data(cfg: TrainConfig, ctx: RankContext):
 
 
 def build_stage_modules(
-    cfg: TrainConfig, ctx: RankContext, model_cfg: LlamaConfig, policy: ActivationPolicy, layout: PipelineLayout, dtype: torch.dtype
-) -> list[Llama]:
-    """This rank's Llama slices, one per pipeline stage it runs, initialised from the run's seed."""
+    cfg: TrainConfig,
+    ctx: RankContext,
+    model_cfg: LlamaConfig,
+    policy: ActivationPolicy,
+    layout: PipelineLayout,
+    dtype: torch.dtype,
+    tp_counter: CommCounter | None = None,
+) -> list[nn.Module]:
+    """This rank's Llama slices, one per pipeline stage it runs, initialised from the run's seed
+    (under tp > 1, this rank's tp shard of each: the same initial model at every tp)."""
     ranges = layout.stage_ranges(model_cfg.n_layers)
-    modules = []
+    modules: list[nn.Module] = []
     for s in ctx.stages:
         m = Llama(model_cfg, policy, layers=ranges[s], embed=s == 0, head=s == layout.num_stages - 1)
         m.reset_parameters(cfg.train.seed)
         m.recompute = set(list(ranges[s])[: cfg.precision.recompute_layers])
-        modules.append(m.to(device=ctx.device, dtype=dtype))
+        m = m.to(device=ctx.device, dtype=dtype)
+        if ctx.tp > 1:
+            from agoq.parallel.tensor_model import shard_llama
+
+            m = shard_llama(m, ctx.tp_group, tp_counter)
+        modules.append(m)
     return modules
+
+
+def replicated_over_tp(modules: list[nn.Module], ctx: RankContext) -> set[int]:
+    """Indices (in :func:`named_parameters_of`'s order) of the parameters every tp rank holds whole."""
+    if ctx.tp == 1:
+        return set()
+    from agoq.parallel.tensor_model import split_dim
+
+    return {i for i, (n, _) in enumerate((n, p) for m in modules for n, p in m.named_parameters()) if split_dim(n) is None}
+
+
+def named_parameters_of(modules: list[nn.Module], ctx: RankContext) -> list[tuple[str, nn.Parameter]]:
+    """This rank's parameters under their global names; under tp > 1 each name carries its shard
+    (agoq.parallel.tensor_model.shard_name), so checkpoints keep every shard."""
+    if ctx.tp == 1:
+        return [(n, p) for m in modules for n, p in m.named_parameters()]
+    from agoq.parallel.tensor_model import shard_name
+
+    return [(shard_name(n, ctx.tp_rank, ctx.tp), p) for m in modules for n, p in m.named_parameters()]
 
 
 def build_gradient_path(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]], ctx: RankContext) -> tuple[GradientSync, Any]:
@@ -251,10 +290,13 @@ class Trainer:
         self.micro_batch = self.local_batch // p.microbatches
         layout = pipeline_layout(cfg)
         self.layer_bits, self.policy = rank_policy(cfg, self.model_cfg, self.micro_batch, layout, self.choices.dtype)
-        self.modules = build_stage_modules(cfg, ctx, self.model_cfg, self.policy, layout, self.choices.dtype)
+        self.tp_counter = CommCounter()  # the bytes this rank sends over its tp group
+        self.modules = build_stage_modules(cfg, ctx, self.model_cfg, self.policy, layout, self.choices.dtype, self.tp_counter)
         num_stages = layout.num_stages
         self.last = self.modules[-1] if ctx.stages[-1] == num_stages - 1 else None
-        self.params = [(n, prm) for m in self.modules for n, prm in m.named_parameters()]
+        self.params = named_parameters_of(self.modules, ctx)
+        # tp-replicated parameters (norm weights): every tp rank holds the same reduced gradient.
+        self.replicated = replicated_over_tp(self.modules, ctx)
         self.pipelined = p.pp > 1
         if self.pipelined:
             self.stages, self.schedule = build_pipeline(cfg, ctx, self.modules, num_stages, self._stage_loss)
@@ -334,12 +376,16 @@ class Trainer:
         phase("data")
         inputs, targets = self.sampler.next_batch()
         self.sync.start_step()
+        self.tp_counter.reset()
         phase("forward_backward")
         with self.tracker:
             local_loss = self.forward_backward(inputs, targets)
         phase("gradient_sync")
         reduced = self.sync.reduce()
         grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
+        if reduced and self.replicated:
+            # Each tp rank holds the whole of a replicated parameter's gradient: counted once over tp.
+            grad_sq -= (1 - 1 / self.ctx.tp) * self.sync.params_sq_norm(self.replicated)
         # One small all-reduce over every rank gives the global gradient norm, whether any pp
         # stage or dp group saw a non-finite gradient (all ranks then skip or step together), and
         # the step's loss. dp replicas hold identical reduced gradients, so their squares are
@@ -369,9 +415,11 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "peak_saved_bytes": self.tracker.step_peak_bytes,
             "wire_bytes": self.sync.wire_bytes_last_step,
+            "tp_wire_bytes": self.tp_counter.bytes(),
             "peak_rss_bytes": peak_rss_bytes(),
             "pp_rank": self.ctx.pp_rank,
             "dp_rank": self.ctx.dp_rank,
+            "tp_rank": self.ctx.tp_rank,
         }
 
     def _update(self, grad_norm: float, lr: float) -> None:
@@ -452,7 +500,7 @@ class Trainer:
     def layout(self) -> dict[str, Any]:
         """The parallel layout a checkpoint must be loaded into."""
         p = self.cfg.parallel
-        return {"pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "schedule": p.schedule}
+        return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "virtual_stages": p.virtual_stages, "schedule": p.schedule}
 
     def extra_state(self) -> dict[str, Any]:
         """Step, data position and RNG of this rank."""
