@@ -61,6 +61,7 @@ def runs(tmp_path_factory):
         "tp2pp2_first_half": _cfg(tmp, "c", "--train.steps=2", "--checkpoint.every=2", *TP2_PP2, *PLAIN),
         "tp2pp2_second_half": _cfg(tmp, "c", "--train.steps=4", "--checkpoint.resume=true", *TP2_PP2, *PLAIN),
         "tp1_agoq": _cfg(tmp, "d", "--train.steps=4", *TP1),
+        "tp2pp2_agoq": _cfg(tmp, "h", "--train.steps=2", *TP2_PP2),
         "tp2dp2_agoq": _cfg(tmp, "e", "--train.steps=4", *TP2_DP2),
         "tp2dp2_first_half": _cfg(tmp, "f", "--train.steps=2", "--checkpoint.every=2", *TP2_DP2),
         "tp2dp2_second_half": _cfg(tmp, "f", "--train.steps=4", "--checkpoint.resume=true", *TP2_DP2),
@@ -124,7 +125,7 @@ def test_tp_bytes_are_counted_per_rank_beside_the_dp_bytes(runs):
     assert all(s["tp_wire_bytes_per_step"] == 0 for s in runs["results"][0]["tp1_agoq"]["ranks"])
 
 
-@pytest.mark.parametrize("name", ["tp2pp2_plain", "tp2dp2_agoq"])
+@pytest.mark.parametrize("name", ["tp2pp2_plain", "tp2pp2_agoq", "tp2dp2_agoq"])
 def test_planner_predicts_each_ranks_bytes_at_tp2(runs, name):
     cfg, result = runs["cfgs"][name], runs["results"][0][name]
     (setup,) = plan_memory(from_train_config(cfg, result["vocab"])).setups
@@ -139,3 +140,6 @@ def test_planner_predicts_each_ranks_bytes_at_tp2(runs, name):
             ("optimizer", predicted.optimizer, stats["optimizer_bytes"]),
         ):
             assert abs(pred - meas) <= 0.05 * meas, (name, stats["rank"], what, pred, meas)
+        if stats["layer_bits"] != "bf16":
+            # The trainer's DBCA bits at tp = 2 are the planner's.
+            assert set(stats["layer_bits"]) == set(predicted.bits), (name, stats["rank"], stats["layer_bits"], predicted.bits)

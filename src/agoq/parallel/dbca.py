@@ -137,13 +137,16 @@ def stage_layer_bits(
     base_bits: int = 4,
     dtype: torch.dtype = torch.bfloat16,
     candidates: Sequence[int] = BIT_CANDIDATES,
+    tp: int = 1,
 ) -> list[int]:
-    """Per-layer bit widths (ActivationPolicy.layer_bits) that raise later ranks' precision without raising the peak."""
+    """Per-layer bit widths (ActivationPolicy.layer_bits) that raise later ranks' precision without raising the peak.
+
+    ``seq_len`` is the sequence length one rank holds (divided by ``tp`` under sequence parallelism)."""
     ranges = layout.stage_ranges(model_cfg.n_layers)
     num_stages = len(ranges)
 
     def stage_bytes(stage: int, bits: int) -> int:
-        return stage_saved_bytes(model_cfg, policy, ranges[stage], stage == num_stages - 1, bits, micro_batch, seq_len, dtype)
+        return stage_saved_bytes(model_cfg, policy, ranges[stage], stage == num_stages - 1, bits, micro_batch, seq_len, dtype, tp=tp)
 
     rank_bits = allocate_rank_bits(layout.order(), stage_bytes, num_stages, candidates, base_bits)
     return layer_bits(rank_bits, model_cfg.n_layers, layout.stage_ranks())

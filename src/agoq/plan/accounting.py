@@ -261,6 +261,7 @@ class ActivationBytes:
             policy,
             sh.fmt.bits,
             dtype=sh.dtype,
+            tp=self.cfg.tp,
         )
         return [layer_bits[r.start] for r in sh.ranges]
 

@@ -76,7 +76,8 @@ def layer_bits_for(
         return None
     from agoq.parallel.dbca import stage_layer_bits
 
-    return tuple(stage_layer_bits(model_cfg, layout, micro_batch, cfg.data.seq_len, policy, fmt.bits, dtype=dtype))
+    seq_per_rank = cfg.data.seq_len // p.tp  # sequence parallelism: each tp rank holds seq / tp tokens
+    return tuple(stage_layer_bits(model_cfg, layout, micro_batch, seq_per_rank, policy, fmt.bits, dtype=dtype, tp=p.tp))
 
 
 def pipeline_layout(cfg: TrainConfig) -> PipelineLayout:
