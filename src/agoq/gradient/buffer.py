@@ -27,6 +27,7 @@ from agoq.quant import SCALE_BYTES, QuantFormat
 from agoq.gradient.bucket import Bucket, allocate_buckets
 from agoq.gradient.collectives import Group, gradient_format, parse_op, world_of
 from agoq.gradient.counter import CommCounter
+from agoq.gradient.feedback import WireEncoder
 from agoq.gradient.fold import COMPILED_FOLD_PIECE, EightBitFolder, fold_on_accumulate
 from agoq.gradient.layout import (
     DEFAULT_BUCKET_BYTES,
@@ -97,6 +98,8 @@ class QuantGradBuffer:
         collective: str = "all_reduce",
         overlap: bool = True,
         counter: CommCounter | None = None,
+        wire_fmt: QuantFormat | str | None = None,
+        error_feedback: bool = False,
     ) -> None:
         self.fmt = gradient_format(fmt)
         op = parse_op(op)
@@ -112,6 +115,12 @@ class QuantGradBuffer:
         self.layout = GradLayout([p.numel() for p in self.params], self.fmt, bucket_numel_for(bucket_numel, bucket_bytes), world_of(group)[0])
         self.buckets = allocate_buckets(self.layout, self.device)
         self.folder = EightBitFolder(self.layout, self.buckets, self.device)
+        if error_feedback and wire_fmt is None:
+            raise ValueError("error_feedback needs a wire_fmt narrower than the storage format (e.g. 'int4/128'): only its rounding is fed back")
+        # Only a reduction over several ranks sends anything: one rank keeps its 8-bit storage as it is.
+        self.encoder = (
+            WireEncoder(self.buckets, gradient_format(wire_fmt), error_feedback) if wire_fmt is not None and world_of(group)[0] > 1 else None
+        )
         self.pipeline = BucketPipeline(
             self.buckets,
             self.folder,
@@ -122,6 +131,7 @@ class QuantGradBuffer:
             overlap=overlap,
             counter=counter,
             microbatches=microbatches,
+            encoder=self.encoder,
         )
         self.reader = GradReader(self.layout, self.buckets, self.pipeline, self.names, self.params)
         self._handles = fold_on_accumulate(self.params, self.pipeline.fold, then=self.pipeline.launch_ready)
@@ -140,8 +150,21 @@ class QuantGradBuffer:
 
     @property
     def storage_bytes(self) -> int:
-        """Bytes the buffer stores: packed codes plus fp32 scales, padding included."""
-        return sum(b.payload.numel() + b.scales.numel() * SCALE_BYTES for b in self.buckets)
+        """Bytes the buffer stores: packed codes plus fp32 scales, padding included, and the
+        error-feedback residuals where there are any."""
+        residuals = self.encoder.residual_bytes() if self.encoder is not None else 0
+        return sum(b.payload.numel() + b.scales.numel() * SCALE_BYTES for b in self.buckets) + residuals
+
+    def state_dict(self) -> dict:
+        """What must survive a restart: the error-feedback residuals (empty without error feedback)."""
+        return self.encoder.state_dict() if self.encoder is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.encoder is not None:
+            self.encoder.load_state_dict(state)
+        elif state:
+            raise ValueError("the saved gradient state holds error-feedback residuals, but this buffer has no error feedback")
 
     @property
     def numel(self) -> int:

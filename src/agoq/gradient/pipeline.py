@@ -17,6 +17,7 @@ import torch
 from agoq.gradient.bucket import Bucket
 from agoq.gradient.collectives import EightBitReduction, Group, agree_nonfinite, world_of
 from agoq.gradient.counter import CommCounter
+from agoq.gradient.feedback import WireEncoder
 from agoq.gradient.fold import EightBitFolder
 
 
@@ -39,8 +40,10 @@ class BucketPipeline:
         overlap: bool,
         counter: CommCounter | None,
         microbatches: int,
+        encoder: WireEncoder | None = None,
     ) -> None:
         self.buckets = buckets
+        self.encoder = encoder  # a narrower wire format than the storage (and error feedback), or None
         self.folder = folder
         self.segments = folder.layout.segments
         self.numels = folder.layout.numels
@@ -70,6 +73,8 @@ class BucketPipeline:
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
         for b in self.buckets:
             b.reset()
+        if self.encoder is not None:
+            self.encoder.discard()  # residuals staged by a step that was not finished
         self.folder.reset()
         self._folds = [0] * len(self.segments)
         self._next = 0
@@ -117,6 +122,8 @@ class BucketPipeline:
         bad = [(r, i) for r, i in enumerate(flags) if i is not None]
         if bad:
             self._skip(bad)
+        elif self.encoder is not None:
+            self.encoder.commit()
         return self.ok
 
     def _launch(self, b: int) -> None:
@@ -139,8 +146,9 @@ class BucketPipeline:
             return
         name = "grad_all_reduce_8bit" if self.collective == "all_reduce" else "grad_reduce_scatter_8bit"
         # The bucket's own storage is sent (it takes no fold until reset, and is overwritten
-        # only by the all-gather that follows this all-to-all).
-        bucket.reduction = EightBitReduction(bucket.values, bucket.layout, self.op, self.group, counter=self.counter, name=name)
+        # only by the all-gather that follows this all-to-all), or its rows in the wire format.
+        rows, layout = self.encoder.encode(bucket) if self.encoder is not None else (bucket.values, bucket.layout)
+        bucket.reduction = EightBitReduction(rows, layout, self.op, self.group, counter=self.counter, name=name)
 
     def _progress(self, bucket: Bucket) -> None:
         if bucket.state != "launched":
@@ -158,9 +166,12 @@ class BucketPipeline:
         if bucket.reduction is not None and self.collective == "all_reduce":
             # Row by row from the gathered bytes into the bucket (no flat copy of them first).
             gathered, layout = bucket.reduction.gathered(), bucket.layout
-            pb = layout.row_payload_bytes
-            bucket.payload.view(layout.world_size, pb).copy_(gathered[:, :pb])
-            bucket.scales.view(layout.world_size, -1).copy_(gathered[:, pb:].view(torch.float32))
+            if self.encoder is not None:
+                self.encoder.decode_into(bucket, gathered)
+            else:
+                pb = layout.row_payload_bytes
+                bucket.payload.view(layout.world_size, pb).copy_(gathered[:, :pb])
+                bucket.scales.view(layout.world_size, -1).copy_(gathered[:, pb:].view(torch.float32))
         bucket.reduction = None
         bucket.state = "done"
 

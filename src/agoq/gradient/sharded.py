@@ -24,7 +24,7 @@ from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
 from agoq.gradient.readback import all_finite, sum_of_squares
-from agoq.gradient.sync import GradientSync
+from agoq.gradient.sync import GradientSync, WireChoice
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
 class QuantizedShardedGradientSync(ShardedGradientSync):
     """QuanGrad's 8-bit buffer with the 8-bit reduce-scatter: shards are fp32 sums, never re-quantized."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int, wire: WireChoice = WireChoice()) -> None:
         from agoq.gradient.buffer import QuantGradBuffer
 
         counter = CommCounter()
@@ -194,6 +194,8 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
             microbatches=microbatches,
             collective="reduce_scatter",
             counter=counter,
+            wire_fmt=wire.fmt,
+            error_feedback=wire.error_feedback,
         )
         plan = [(b.layout.world_size * b.layout.padded_chunk, b.segments) for b in self.buffer.buckets]
         super().__init__(params, group, _shard_buckets(plan, self.buffer.world_size, self.buffer.rank), counter)
@@ -213,3 +215,9 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
 
     def buffer_bytes(self) -> int:
         return self.buffer.storage_bytes
+
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)

@@ -7,6 +7,8 @@ after the last micro-batch, and agree across every rank whether any gradient was
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import warnings
 from typing import Iterator, Protocol
 
@@ -18,6 +20,21 @@ from agoq.gradient.collectives import Group, int8_gradient_format
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
+
+
+@dataclass(frozen=True)
+class WireChoice:
+    """What the 8-bit buffer's reduction sends: its own 8-bit storage (fmt None), or a narrower
+    format with or without error feedback (agoq.gradient.feedback)."""
+
+    fmt: str | None = None
+    error_feedback: bool = False
+
+
+# The wire block: 64 values per fp32 scale, the largest block whose bytes stay within 0.15x of an
+# fp32 all-reduce's (0.5 + 4 / 64 bytes per value against 4); smaller blocks round less but cost more scales.
+INT4_WIRE_FORMAT = "int4/64"
+WIRE_CHOICES = {"int8": WireChoice(), "int4": WireChoice(INT4_WIRE_FORMAT), "int4-ef": WireChoice(INT4_WIRE_FORMAT, True)}
 
 
 class PairedOptimizer(Protocol):
@@ -96,6 +113,17 @@ class GradientSync:
     def buffer_bytes(self) -> int:
         """Bytes of the persistent gradient storage."""
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """State that must survive a restart (error-feedback residuals); most syncs keep none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        if state:
+            raise ValueError(
+                f"this gradient sync keeps no state, but the checkpoint holds {sorted(state)}; resume with the saved precision.gradients"
+            )
 
 
 class ParameterGradientSync(GradientSync):
@@ -188,12 +216,21 @@ class PlainGradientSync(ParameterGradientSync):
 class QuantizedGradientSync(ParameterGradientSync):
     """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int, wire: WireChoice = WireChoice()) -> None:
         from agoq.gradient.buffer import QuantGradBuffer
 
         self.counter = CommCounter()
         self.index = {name: i for i, (name, _) in enumerate(params)}
-        self.buffer = QuantGradBuffer(params, fmt=int8_gradient_format(block), group=group, op="avg", microbatches=microbatches, counter=self.counter)
+        self.buffer = QuantGradBuffer(
+            params,
+            fmt=int8_gradient_format(block),
+            group=group,
+            op="avg",
+            microbatches=microbatches,
+            counter=self.counter,
+            wire_fmt=wire.fmt,
+            error_feedback=wire.error_feedback,
+        )
         self._buffer_index = {self.index[name]: pi for pi, name in enumerate(self.buffer.names)}
         self.world = self.buffer.world_size
 
@@ -225,6 +262,12 @@ class QuantizedGradientSync(ParameterGradientSync):
     def buffer_bytes(self) -> int:
         return self.buffer.storage_bytes
 
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)
+
 
 def make_gradient_sync(
     mode: str,
@@ -235,18 +278,20 @@ def make_gradient_sync(
     block: int,
     sharded: bool = False,
 ) -> GradientSync:
-    """The gradient path for ``precision.gradients`` = ``mode`` (int8, ring8, fp32 or bf16); with
-    ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8 or fp32)."""
+    """The gradient path for ``precision.gradients`` = ``mode`` (int8, int4, int4-ef, ring8, fp32 or
+    bf16); with ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8, int4,
+    int4-ef or fp32)."""
+    quantized = mode in WIRE_CHOICES
     if sharded:
         from agoq.gradient.sharded import Fp32ShardedGradientSync, QuantizedShardedGradientSync
 
-        if mode == "int8":
-            return QuantizedShardedGradientSync(params, group, microbatches, block)
+        if quantized:
+            return QuantizedShardedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode])
         if mode == "fp32":
             return Fp32ShardedGradientSync(params, group, device, block)
-        raise ValueError(f"parallel.zero1=true needs precision.gradients = int8 or fp32, got {mode!r}")
-    if mode == "int8":
-        return QuantizedGradientSync(params, group, microbatches, block)
+        raise ValueError(f"parallel.zero1=true needs precision.gradients = int8, int4, int4-ef or fp32, got {mode!r}")
+    if quantized:
+        return QuantizedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode])
     if mode == "ring8":
         return PlainGradientSync(params, group, device, torch.float32, ring=True)
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

@@ -20,7 +20,7 @@ from agoq.train.tokenizer import MIN_VOCAB_SIZE
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
-GRADIENT_MODES = ("fp32", "bf16", "int8", "ring8")
+GRADIENT_MODES = ("fp32", "bf16", "int8", "int4", "int4-ef", "ring8")
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("auto", "bf16", "fp32")
@@ -58,7 +58,7 @@ class PrecisionSection:
     activations: str = "agoq"  # saved-activation policy: agoq (4-bit norm/SwiGLU inputs, bf16 attention), uniform4 (attention too), bf16
     activation_format: str = "int4/128"  # format of quantized saved tensors (int2..int8, fp4, nf4, fp8)
     stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost; uniform
-    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
+    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | int4 / int4-ef (the same buffer sent in 4 bits, -ef: with error feedback) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
     gradient_block: int = 256  # values per scale of the 8-bit gradient buffer and wire format
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
     # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);

@@ -504,15 +504,16 @@ class Trainer:
         return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "virtual_stages": p.virtual_stages, "schedule": p.schedule}
 
     def extra_state(self) -> dict[str, Any]:
-        """Step, data position and RNG of this rank."""
+        """Step, data position, RNG and gradient-sync state (error-feedback residuals) of this rank."""
         from agoq.train.checkpoint import capture_rng_state
 
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "rng": capture_rng_state()}
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "rng": capture_rng_state(), "gradient_sync": self.sync.state_dict()}
 
     def load_extra(self, step: int, extra: dict[str, Any]) -> None:
-        """Continue from a checkpoint's step, data position and RNG."""
+        """Continue from a checkpoint's step, data position, RNG and gradient-sync state."""
         self.step = int(step)
         self.sampler.load_state_dict(extra["sampler"])
+        self.sync.load_state_dict(extra.get("gradient_sync", {}))  # error-feedback residuals, per rank
         if "rng" in extra:
             from agoq.train.checkpoint import restore_rng_state
 
