@@ -28,6 +28,14 @@ RUNS: dict[str, tuple[str, list[str]]] = {
         "AGoQ activations only (fp32 gradients)",
         ["--precision.activations=agoq", "--precision.gradients=fp32", "--precision.stage_bits=dbca"],
     ),
+    "agoq_int4": (
+        "full AGoQ with the gradients sent in 4 bits (int4/64), no error feedback",
+        ["--precision.activations=agoq", "--precision.gradients=int4", "--precision.stage_bits=dbca"],
+    ),
+    "agoq_int4_ef": (
+        "full AGoQ with the gradients sent in 4 bits (int4/64) and error feedback",
+        ["--precision.activations=agoq", "--precision.gradients=int4-ef", "--precision.stage_bits=dbca"],
+    ),
     "agoq_grad": ("AGoQ gradients only (bf16 activations)", ["--precision.activations=bf16", "--precision.gradients=int8"]),
     "agoq_adamw8bit": (
         "full AGoQ + 8-bit AdamW (torchao)",
@@ -42,7 +50,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
         ["--precision.activations=bf16", "--precision.gradients=ring8"],
     ),
 }
-MULTI_SEED = ("bf16", "agoq")
+MULTI_SEED = ("bf16", "agoq", "agoq_int4", "agoq_int4_ef")
 # Per-rank memory by category (agoq.train.run.train_worker): persistent state, the step's peaks of
 # saved activations and of temporaries, and all tensors at the step's joint peak.
 MEMORY_KEYS = (
@@ -59,7 +67,9 @@ MEMORY_KEYS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length, seeds, which runs, and where runs go."""
     parser.add_argument("--steps", type=int, default=100, help="training steps per run (the same token budget for every run)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds for the bf16 baseline and full AGoQ (the ablations use seed 0)")
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="seeds for the bf16 baseline, full AGoQ and its 4-bit-gradient variants (the ablations use seed 0)"
+    )
     parser.add_argument("--eval-every", type=int, default=25, help="validation loss every N steps")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     add_out_dir(parser, "the runs with their cached summaries (default: under runs/bench_convergence, runs/bench_convergence_MODEL for other models)")
@@ -206,12 +216,13 @@ def targets(rows: list[dict[str, Any]], entropy: float) -> dict[str, Any]:
     spreads = [by[n]["val_loss"]["std"] for n in MULTI_SEED if n in by and by[n]["val_loss"]["std"] is not None]
     spread = max(spreads) if spreads else None
     out["seed_std_val_loss"] = spread
-    if "agoq" in by:
-        a = by["agoq"]["val_loss"]
-        rel = a["mean"] / b["mean"] - 1.0
-        out["agoq_val_loss_rel_diff"] = rel
-        out["agoq_within_1pct"] = abs(rel) < 0.01
-        out["agoq_inside_seed_spread"] = None if spread is None else abs(a["mean"] - b["mean"]) <= spread
+    for n in ("agoq", "agoq_int4", "agoq_int4_ef"):
+        if n in by:
+            a = by[n]["val_loss"]
+            rel = a["mean"] / b["mean"] - 1.0
+            out[f"{n}_val_loss_rel_diff"] = rel
+            out[f"{n}_within_1pct"] = abs(rel) < 0.01
+            out[f"{n}_inside_seed_spread"] = None if spread is None else abs(a["mean"] - b["mean"]) <= spread
     for n in ("uniform4", "ring8"):
         if n in by:
             d = by[n]["val_loss_diff_vs_bf16"]
@@ -337,15 +348,17 @@ def readme_markdown(results: dict[str, Any]) -> str:
             else "not measured |"
         )
     )
-    if "agoq_val_loss_rel_diff" in t:
-        spread = t["seed_std_val_loss"]
-        lines.append(f"| full AGoQ val loss within 1% of bf16 | {t['agoq_val_loss_rel_diff']:+.2%}: {'yes' if t['agoq_within_1pct'] else 'no'} |")
+    spread = t.get("seed_std_val_loss")
+    for n, label in (("agoq", "full AGoQ"), ("agoq_int4", "AGoQ, 4-bit gradients"), ("agoq_int4_ef", "AGoQ, 4-bit gradients + error feedback")):
+        if f"{n}_val_loss_rel_diff" not in t:
+            continue
+        lines.append(f"| {label}: val loss within 1% of bf16 | {t[f'{n}_val_loss_rel_diff']:+.2%}: {'yes' if t[f'{n}_within_1pct'] else 'no'} |")
         lines.append(
-            "| ... inside the seed spread (difference of means <= the larger seed std) | "
+            f"| {label}: inside the seed spread (difference of means <= the larger seed std) | "
             + (
                 "one seed only |"
                 if spread is None
-                else f"{abs(_diff(results, 'agoq')):.4f} vs std {spread:.4f}: {'yes' if t['agoq_inside_seed_spread'] else 'no'} |"
+                else f"{abs(_diff(results, n)):.4f} vs std {spread:.4f}: {'yes' if t[f'{n}_inside_seed_spread'] else 'no'} |"
             )
         )
     for n, label in (
