@@ -25,6 +25,13 @@ from agoq.gradient.collectives import (
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.ddp import QuantHookState, quantized_allreduce_hook
+from agoq.gradient.hierarchical import (
+    NodeGroups,
+    all_reduce_hierarchical,
+    hierarchical_error_bound,
+    node_groups,
+    simulate_hierarchical,
+)
 
 __all__ = [
     "COMM_COUNTER",
@@ -32,6 +39,7 @@ __all__ = [
     "DEFAULT_GRADIENT_FORMAT",
     "ChunkLayout",
     "CommCounter",
+    "NodeGroups",
     "PendingAllReduce",
     "QuantGradBuffer",
     "QuantHookState",
@@ -40,11 +48,15 @@ __all__ = [
     "agree_nonfinite",
     "all_reduce_8bit",
     "all_reduce_fp",
+    "all_reduce_hierarchical",
     "chunk_layout",
+    "hierarchical_error_bound",
+    "node_groups",
     "quantized_allreduce_hook",
     "reduce_scatter_8bit",
     "ring_all_reduce_8bit",
     "ring_all_reduce_bytes",
+    "simulate_hierarchical",
     "use_quantized_reduce_scatter",
 ]
 
