@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from agoq.gradient import CommCounter, all_reduce_hierarchical, hierarchical_error_bound, node_groups, simulate_hierarchical
+from agoq.gradient.hierarchical import HOP_NAMES, hierarchical_bytes, hierarchical_layout
 from tests._dist import run_distributed
 
 NODE_SIZE = 2
@@ -30,6 +31,7 @@ CASES = [
 ]
 BYTES_N = (1 << 20) + 77
 HOPS = ("hier_intra_reduce_scatter", "hier_inter_all_reduce", "hier_intra_all_gather")
+assert HOPS == HOP_NAMES
 
 
 def _input(rank: int, n: int) -> torch.Tensor:
@@ -156,7 +158,9 @@ def test_bytes_per_rank_per_hop_equal_the_formula(runs):
         for r in results:
             measured = [(e["case"], e["bytes"]) for e in r["cases"]] + [((BYTES_N, "sum", "int8/256", "int4/128"), r["big_bytes"])]
             for (n, _, intra, inter), got in measured:
-                for hop, (payload, scales) in _expected_bytes(n, world, intra, inter).items():
+                expected = _expected_bytes(n, world, intra, inter)
+                assert hierarchical_bytes(hierarchical_layout(n, NODE_SIZE, world // NODE_SIZE, intra, inter)) == expected
+                for hop, (payload, scales) in expected.items():
                     assert (got[hop]["payload"], got[hop]["scales"], got[hop]["calls"]) == (payload, scales, 1), (world, n, hop, got[hop])
 
 
@@ -198,12 +202,22 @@ def test_single_process_is_two_requantizations_within_the_bound():
     x = _input(0, 5000)
     y = x.clone()
     counter = CommCounter()
-    all_reduce_hierarchical(y, groups=groups, counter=counter)
+    timings: dict[str, float] = {}
+    all_reduce_hierarchical(y, groups=groups, counter=counter, timings=timings)
     expected, bound = simulate_hierarchical([x], 1)
     assert torch.equal(y, expected)
     assert ((y - x).abs() <= bound).all()
     assert torch.equal(bound, hierarchical_error_bound([x], 1))
-    assert counter.bytes() == 0
+    assert counter.bytes() == 0 and set(timings) == {*HOPS, "dequantize"}
+    # A bf16 tensor gets the fp32 result rounded once to bf16; a strided one is written in place.
+    b = x.bfloat16()
+    all_reduce_hierarchical(b, groups=groups, counter=counter)
+    assert torch.equal(b, simulate_hierarchical([x.bfloat16()], 1)[0].bfloat16())
+    grid = x[:4096].clone().view(64, 64).t()
+    all_reduce_hierarchical(grid, groups=groups, counter=counter)
+    assert torch.equal(grid, simulate_hierarchical([x[:4096].view(64, 64).t()], 1)[0].view(64, 64))
+    empty = torch.empty(0)
+    all_reduce_hierarchical(empty, groups=groups, counter=counter)
 
 
 def test_bad_arguments_name_the_value():
