@@ -11,6 +11,11 @@ Two settings, side by side in one run:
   that actually crossed the link (veth tx counters, TCP headers included) are read per operation.
   Needs root and iproute2; it is skipped with the reason otherwise. Namespaces are always removed.
 
+Besides fp32, bf16 and the 8-bit all-reduce, both settings time a flat int4/128 all-reduce
+(``int4``) and the two-hop ``hier-8/4`` (agoq.gradient.hierarchical): int8 reduce-scatter within a
+node, int4 all-reduce between nodes, all-gather within a node. A node is LOCAL_WORLD_SIZE ranks
+(2 per host in ``netns``), 2 simulated ones when it is not set (``local``).
+
 Times are the slowest rank's, median over ``--reps``. Each rank uses one thread.
 """
 
@@ -33,8 +38,14 @@ from benchmarks._common import add_out_dir
 
 DESCRIPTION = "8-bit vs fp32/bf16 all-reduce: wire bytes and time per phase, locally and over two tc-shaped network namespaces"
 
-METHODS = ("fp32", "bf16", "8bit")
+METHODS = ("fp32", "bf16", "8bit", "int4", "hier-8/4")
 PARTS = ("quantize", "all_to_all", "reduce", "all_gather", "dequantize")
+# The 4-bit wire format of the "int4" (flat) method and of the hierarchical method's inter-node hop.
+INT4_FMT = "int4/128"
+# The hierarchical all-reduce's phases: int8 reduce-scatter within a node, int4 all-reduce between
+# nodes, all-gather of the int4 bytes within a node, dequantize.
+HIER_PARTS = ("hier_intra_reduce_scatter", "hier_inter_all_reduce", "hier_intra_all_gather", "dequantize")
+PARTS_OF = {"8bit": PARTS, "hier-8/4": HIER_PARTS}
 DEFAULT_SIZES = "32K,256K,2M,16M,64M"
 DEFAULT_NETNS_SIZES = "1M,8M,32M"
 DEFAULT_RATES = "1gbit,100mbit"
@@ -89,12 +100,20 @@ def _tx_bytes(link: str) -> int:
     return int(Path(f"/sys/class/net/{link}/statistics/tx_bytes").read_text()) if link else 0
 
 
+def node_size(world: int) -> int:
+    """Ranks per node of the hierarchical method: LOCAL_WORLD_SIZE (as torchrun sets it), else 2 simulated nodes' worth."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or 2
+    return local if world % local == 0 else 1
+
+
 def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: str = "") -> list[dict[str, Any]]:
     """Rows of measurements for each size and method (every rank returns the same rows)."""
     import torch
     import torch.distributed as dist
 
-    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_fp
+    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_fp, all_reduce_hierarchical, node_groups
+
+    groups = node_groups(node_size(world))
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
@@ -113,6 +132,10 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
         def op(method: str, t: torch.Tensor, timings: dict[str, float] | None = None) -> None:
             if method == "8bit":
                 all_reduce_8bit(t, fmt=fmt, counter=counters[method], timings=timings)
+            elif method == "int4":
+                all_reduce_8bit(t, fmt=INT4_FMT, counter=counters[method], timings=timings)
+            elif method == "hier-8/4":
+                all_reduce_hierarchical(t, "sum", groups, intra_fmt=fmt, inter_fmt=INT4_FMT, counter=counters[method], timings=timings)
             else:
                 all_reduce_fp(t, counter=counters[method])
 
@@ -153,13 +176,16 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
             }
             if link:
                 row["link_tx_bytes_per_op"] = tx[method] / reps
-            if method == "8bit":
-                parts: dict[str, list[float]] = {p: [] for p in PARTS}
+            if method == "hier-8/4":
+                row["node_size"] = groups.node_size
+                row["inter_node_bytes_per_rank"] = counter.bytes(HIER_PARTS[1]) // reps
+            if method in PARTS_OF:
+                parts: dict[str, list[float]] = {p: [] for p in PARTS_OF[method]}
                 for _ in range(reps):
                     timings: dict[str, float] = {}
                     dist.barrier()
                     op(method, x.clone(), timings)
-                    for p in PARTS:
+                    for p in parts:
                         parts[p].append(slowest(timings.get(p, 0.0)))
                 row["parts_s"] = {p: statistics.median(v) for p, v in parts.items()}
             rows.append(row)
@@ -395,6 +421,27 @@ def local_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def four_bit_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: the flat int4 and the hierarchical (int8 within a node, int4 between nodes) all-reduce against fp32 and 8-bit."""
+    lines = [
+        "| message (fp32) | fp32 ms | 8-bit ms | int4 ms | hier-8/4 ms | intra reduce-scatter | inter all-reduce | intra all-gather | "
+        "bytes/rank int4 | hier-8/4 | hier-8/4 inter-node | hier inter-node / fp32 | int4 rel. error | hier-8/4 rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, m in sorted(_by(rows).items()):
+        if "hier-8/4" not in m or "int4" not in m:
+            continue
+        f, q, i4, h = m["fp32"], m["8bit"], m["int4"], m["hier-8/4"]
+        parts = " | ".join(f"{1e3 * h['parts_s'][p]:.2f}" for p in HIER_PARTS[:3])
+        lines.append(
+            f"| {_human(size)} | {1e3 * f['time_s']:.2f} | {1e3 * q['time_s']:.2f} | {1e3 * i4['time_s']:.2f} | {1e3 * h['time_s']:.2f} | "
+            f"{parts} | {_human(i4['wire_bytes_per_rank'])} | {_human(h['wire_bytes_per_rank'])} | "
+            f"{_human(h['inter_node_bytes_per_rank'])} | {h['inter_node_bytes_per_rank'] / f['wire_bytes_per_rank']:.3f}x | "
+            f"{i4['rel_l2_error']:.2e} | {h['rel_l2_error']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
 def netns_table(by_rate: dict[str, Any]) -> str:
     """Markdown: per link rate and size, times and the bytes that crossed the link."""
     lines = [
@@ -431,7 +478,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     for ax, (title, rows) in zip(axes[0], panels):
         by = _by(rows)
         sizes = sorted(by)
-        for method in METHODS:
+        for method in [m for m in METHODS if all(m in by[s] for s in sizes)]:
             ax.plot([s / 2**20 for s in sizes], [1e3 * by[s][method]["time_s"] for s in sizes], marker="o", label=method)
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -495,10 +542,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"### 8-bit vs fp32/bf16 all-reduce, {args.ranks} gloo ranks on one machine ({args.fmt})\n")
         print(local_table(results["local"]["rows"]))
         print()
+        print(f"### 4-bit: flat int4 and hierarchical (int8 within {node_size(args.ranks)}-rank nodes, int4 between them)\n")
+        print(four_bit_table(results["local"]["rows"]))
+        print()
     if results.get("netns"):
         print("### Two simulated hosts (veth + tc tbf), 2 ranks per host\n")
         print(netns_table(results["netns"]))
         print()
+        for rate, res in results["netns"].items():
+            if res.get("rows"):
+                print(f"#### {rate}: flat int4 and hierarchical (int8 within a host, int4 between the hosts)\n")
+                print(four_bit_table(res["rows"]))
+                print()
     print(f"results: {path}")
     return 0
 
