@@ -49,12 +49,12 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _case(rank: int, world: int, groups, n: int, op: str, intra: str, inter: str) -> dict:
+def _case(rank: int, world: int, groups, n: int, op: str, intra: str, inter: str, node_size: int = NODE_SIZE) -> dict:
     inputs = [_input(r, n) for r in range(world)]
     y = inputs[rank].clone()
     counter = CommCounter()
     all_reduce_hierarchical(y, op, groups, intra_fmt=intra, inter_fmt=inter, counter=counter)
-    expected, bound = simulate_hierarchical(inputs, NODE_SIZE, op=op, intra_fmt=intra, inter_fmt=inter)
+    expected, bound = simulate_hierarchical(inputs, node_size, op=op, intra_fmt=intra, inter_fmt=inter)
     exact = sum(x.double() for x in inputs) / (world if op == "avg" else 1)
     err = (y.double() - exact).abs()
     return {
@@ -101,6 +101,9 @@ def _checks(rank: int, world: int) -> dict:
     all_reduce_hierarchical(_input(rank, BYTES_N), "sum", groups, counter=counter)
     out["big_bytes"] = counter.as_dict()
     out["nan"] = _nan_case(rank, world, groups)
+    if world == 4:
+        # One node of 4 (no inter-node hop) and 4 nodes of 1 (no intra-node hops).
+        out["degenerate"] = [_case(rank, world, node_groups(size), 4099, "sum", "int8/256", "int4/128", size) for size in (4, 1)]
     return out
 
 
@@ -151,6 +154,17 @@ def _expected_bytes(n: int, world: int, intra: str, inter: str) -> dict[str, tup
         HOPS[1]: (2 * (nodes - 1) * row2[0], 2 * (nodes - 1) * row2[1]),
         HOPS[2]: ((size - 1) * nodes * row2[0], (size - 1) * nodes * row2[1]),
     }
+
+
+def test_one_node_and_one_rank_per_node_reduce_like_the_recomputation(runs):
+    results = runs[4]
+    for i in range(2):
+        assert len({r["degenerate"][i]["digest"] for r in results}) == 1
+        for r in results:
+            entry = r["degenerate"][i]
+            assert entry["equals_simulation"] and entry["max_err_over_bound"] <= 1.0, entry
+    one_node, one_rank = results[0]["degenerate"][0]["bytes"], results[0]["degenerate"][1]["bytes"]
+    assert one_node[HOPS[1]]["total"] == 0 and one_rank[HOPS[0]]["total"] == one_rank[HOPS[2]]["total"] == 0
 
 
 def test_bytes_per_rank_per_hop_equal_the_formula(runs):
