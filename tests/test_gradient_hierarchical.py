@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from agoq.gradient import CommCounter, all_reduce_hierarchical, hierarchical_error_bound, node_groups, simulate_hierarchical
 from agoq.gradient.hierarchical import HOP_NAMES, hierarchical_bytes, hierarchical_layout
@@ -85,6 +86,22 @@ def _nan_case(rank: int, world: int, groups) -> dict:
     }
 
 
+def _subgroup_case(rank: int) -> dict | None:
+    """Nodes of 2 within global ranks 2..5 of 6: ranks 0 and 1 take part in creating the groups only."""
+    members = [2, 3, 4, 5]
+    groups = node_groups(NODE_SIZE, dist.new_group(members))
+    if groups is None:
+        return None
+    inputs = [_input(r, 4099) for r in members]
+    y = inputs[members.index(rank)].clone()
+    all_reduce_hierarchical(y, "sum", groups, counter=CommCounter())
+    return {
+        "groups": (groups.node_size, groups.nodes, groups.local_rank, groups.node),
+        "digest": _digest(y),
+        "equals_simulation": bool(torch.equal(y, simulate_hierarchical(inputs, NODE_SIZE)[0])),
+    }
+
+
 def _checks(rank: int, world: int) -> dict:
     out: dict = {"errors": []}
     for bad in (0, 4, -2):
@@ -104,6 +121,8 @@ def _checks(rank: int, world: int) -> dict:
     if world == 4:
         # One node of 4 (no inter-node hop) and 4 nodes of 1 (no intra-node hops).
         out["degenerate"] = [_case(rank, world, node_groups(size), 4099, "sum", "int8/256", "int4/128", size) for size in (4, 1)]
+    else:
+        out["subgroup"] = _subgroup_case(rank)
     return out
 
 
@@ -154,6 +173,14 @@ def _expected_bytes(n: int, world: int, intra: str, inter: str) -> dict[str, tup
         HOPS[1]: (2 * (nodes - 1) * row2[0], 2 * (nodes - 1) * row2[1]),
         HOPS[2]: ((size - 1) * nodes * row2[0], (size - 1) * nodes * row2[1]),
     }
+
+
+def test_nodes_of_a_subgroup_count_its_ranks_only(runs):
+    results = runs[6]
+    assert results[0]["subgroup"] is None and results[1]["subgroup"] is None
+    sub = [r["subgroup"] for r in results[2:]]
+    assert [s["groups"] for s in sub] == [(2, 2, 0, 0), (2, 2, 1, 0), (2, 2, 0, 1), (2, 2, 1, 1)]
+    assert all(s["equals_simulation"] for s in sub) and len({s["digest"] for s in sub}) == 1
 
 
 def test_one_node_and_one_rank_per_node_reduce_like_the_recomputation(runs):
