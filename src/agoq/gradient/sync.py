@@ -10,13 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import warnings
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from agoq.gradient.collectives import Group, int8_gradient_format
+
+if TYPE_CHECKING:
+    from agoq.gradient.hierarchical import NodeGroups
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
@@ -34,6 +37,7 @@ class WireChoice:
 # The wire block: 64 values per fp32 scale, the largest block whose bytes stay within 0.15x of an
 # fp32 all-reduce's (0.5 + 4 / 64 bytes per value against 4); smaller blocks round less but cost more scales.
 INT4_WIRE_FORMAT = "int4/64"
+HIER_INTRA_FORMAT = "int8/256"  # hier-8/4: 8 bits within a node, INT4_WIRE_FORMAT between nodes
 WIRE_CHOICES = {"int8": WireChoice(), "int4": WireChoice(INT4_WIRE_FORMAT), "int4-ef": WireChoice(INT4_WIRE_FORMAT, True)}
 
 
@@ -114,6 +118,11 @@ class GradientSync:
         """Bytes of the persistent gradient storage."""
         raise NotImplementedError
 
+    def link_bytes_last_step(self) -> dict[str, int]:
+        """Bytes this rank sent in the last reduction per link class ('intra_node', 'inter_node'),
+        where the reduction knows its nodes (the two-hop one); empty otherwise."""
+        return {}
+
     def state_dict(self) -> dict:
         """State that must survive a restart (error-feedback residuals); most syncs keep none."""
         return {}
@@ -146,8 +155,15 @@ class PlainGradientSync(ParameterGradientSync):
     """
 
     def __init__(
-        self, params: list[tuple[str, nn.Parameter]], group: Group, device: torch.device, wire_dtype: torch.dtype, ring: bool = False
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        group: Group,
+        device: torch.device,
+        wire_dtype: torch.dtype,
+        ring: bool = False,
+        nodes: NodeGroups | None = None,
     ) -> None:
+        self.nodes = nodes  # the two-hop reduction's node groups (hier-8/4), or None
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group = group
@@ -169,6 +185,13 @@ class PlainGradientSync(ParameterGradientSync):
         if not ok:
             bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
+        if self.world > 1 and self.nodes is not None:
+            from agoq.gradient.hierarchical import all_reduce_hierarchical
+
+            self.counter.reset()
+            all_reduce_hierarchical(self.buffer, "avg", self.nodes, intra_fmt=HIER_INTRA_FORMAT, inter_fmt=INT4_WIRE_FORMAT, counter=self.counter)
+            self.wire_bytes_last_step = self.counter.bytes()
+            return ok and self._reduced_finite()
         if self.world > 1 and self.ring:
             from agoq.gradient.collectives import ring_all_reduce_8bit
 
@@ -187,6 +210,13 @@ class PlainGradientSync(ParameterGradientSync):
             self.buffer.div_(self.world)
         self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
         return ok and self._reduced_finite()
+
+    def link_bytes_last_step(self) -> dict[str, int]:
+        if self.nodes is None:
+            return {}
+        from agoq.gradient.hierarchical import HOP_NAMES
+
+        return {"intra_node": self.counter.bytes(HOP_NAMES[0]) + self.counter.bytes(HOP_NAMES[2]), "inter_node": self.counter.bytes(HOP_NAMES[1])}
 
     def _reduced_finite(self) -> bool:
         # One pass over the reduced gradients gives both their squared norm (kept for
@@ -277,9 +307,10 @@ def make_gradient_sync(
     microbatches: int,
     block: int,
     sharded: bool = False,
+    node_size: int = 1,
 ) -> GradientSync:
-    """The gradient path for ``precision.gradients`` = ``mode`` (int8, int4, int4-ef, ring8, fp32 or
-    bf16); with ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8, int4,
+    """The gradient path for ``precision.gradients`` = ``mode`` (int8, int4, int4-ef, hier-8/4 over
+    nodes of ``node_size`` ranks of ``group``, ring8, fp32 or bf16); with ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8, int4,
     int4-ef or fp32)."""
     quantized = mode in WIRE_CHOICES
     if sharded:
@@ -294,4 +325,9 @@ def make_gradient_sync(
         return QuantizedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode])
     if mode == "ring8":
         return PlainGradientSync(params, group, device, torch.float32, ring=True)
+    if mode == "hier-8/4":
+        from agoq.gradient.hierarchical import node_groups
+
+        # An fp32 buffer reduced in two hops after backward (no bucketing or overlap yet).
+        return PlainGradientSync(params, group, device, torch.float32, nodes=node_groups(node_size, group))
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

@@ -20,7 +20,7 @@ from agoq.train.tokenizer import MIN_VOCAB_SIZE
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
-GRADIENT_MODES = ("fp32", "bf16", "int8", "int4", "int4-ef", "ring8")
+GRADIENT_MODES = ("fp32", "bf16", "int8", "int4", "int4-ef", "hier-8/4", "ring8")
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("auto", "bf16", "fp32")
@@ -49,6 +49,7 @@ class ParallelSection:
     virtual_stages: int = 1  # model chunks per pp rank (interleaved-1f1b needs >= 2)
     microbatches: int = 4  # per pipeline per step
     zero1: bool = False  # shard optimizer state over dp (8-bit reduce-scatter + all-gather)
+    node_size: int = 0  # ranks per node for precision.gradients=hier-8/4 (0: LOCAL_WORLD_SIZE, the launcher's ranks per host)
 
 
 @dataclass
@@ -58,7 +59,7 @@ class PrecisionSection:
     activations: str = "agoq"  # saved-activation policy: agoq (4-bit norm/SwiGLU inputs, bf16 attention), uniform4 (attention too), bf16
     activation_format: str = "int4/128"  # format of quantized saved tensors (int2..int8, fp4, nf4, fp8)
     stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost; uniform
-    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | int4 / int4-ef (the same buffer sent in 4 bits, -ef: with error feedback) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
+    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | int4 / int4-ef (the same buffer sent in 4 bits, -ef: with error feedback) | hier-8/4 (two hops: int8 within a node, int4 between nodes) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
     gradient_block: int = 256  # values per scale of the 8-bit gradient buffer and wire format
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
     # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);
@@ -373,6 +374,13 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
         raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
     if pr.recompute_layers < 0:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} must be >= 0")
+    if pr.gradients == "hier-8/4":
+        if p.pp > 1 or p.tp > 1 or p.zero1:
+            raise ConfigError(
+                "precision.gradients='hier-8/4' needs parallel.pp=1, parallel.tp=1 and parallel.zero1=false (its node groups span the dp group); use int4-ef there"
+            )
+        if p.node_size < 0 or (p.node_size and p.dp % p.node_size):
+            raise ConfigError(f"parallel.node_size={p.node_size} must divide parallel.dp={p.dp} (ranks per node; 0 reads LOCAL_WORLD_SIZE)")
     if pr.recompute_layers and p.tp > 1:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} is not supported with parallel.tp > 1; set it to 0")
     from agoq.quant.backend import BACKENDS

@@ -152,6 +152,9 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
         ("  fp32 all-reduce", col(lambda r, b: fmt_bytes(r["fp32_wire_bytes_per_step"]))),
         ("  ratio", col(lambda r, b: _ratio(r["wire_bytes_per_step"], r["fp32_wire_bytes_per_step"]))),
     ]
+    if any(r.get("link_bytes_per_step") for r in ranks):
+        rows.append(("  within a node", col(lambda r, b: fmt_bytes(r.get("link_bytes_per_step", {}).get("intra_node")))))
+        rows.append(("  between nodes", col(lambda r, b: fmt_bytes(r.get("link_bytes_per_step", {}).get("inter_node")))))
     if any(r.get("tp_wire_bytes_per_step") for r in ranks):
         rows.append(("tp bytes on the wire / step", col(lambda r, b: fmt_bytes(r.get("tp_wire_bytes_per_step")))))
     return rows

@@ -220,6 +220,8 @@ def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str,
         # Activations and their gradients between the tp ranks: sequence all-gathers and
         # reduce-scatters, the 4-bit norm inputs gathered in backward, the loss's all-reduces.
         "tp_wire_bytes_per_step": measured[-1].get("tp_wire_bytes", 0) if measured else 0,
+        # The dp bytes by link class, where the reduction knows its nodes (hier-8/4).
+        "link_bytes_per_step": measured[-1].get("link_bytes", {}) if measured else {},
         "grad_buffer_bytes": trainer.sync.buffer_bytes(),
         "optimizer_bytes": trainer.optimizer.state_bytes(),
         "param_bytes": sum(p.numel() * p.element_size() for _, p in trainer.params),

@@ -246,7 +246,8 @@ def build_gradient_path(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]]
     """The gradient sync over the dp group and the optimizer that reads it: ZeRO-1's sharded pair, or
     the full buffer (8-bit, fp32 or bf16 all-reduce) with AdamW on fp32 masters."""
     p, pr = cfg.parallel, cfg.precision
-    sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block, sharded=p.zero1)
+    node_size = p.node_size or min(p.dp, int(os.environ.get("LOCAL_WORLD_SIZE", p.dp)))  # only hier-8/4 reads it
+    sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block, sharded=p.zero1, node_size=node_size)
     if p.zero1:
         from agoq.train.zero1 import Zero1Optimizer
 
@@ -417,6 +418,7 @@ class Trainer:
             "peak_saved_bytes": self.tracker.step_peak_bytes,
             "wire_bytes": self.sync.wire_bytes_last_step,
             "tp_wire_bytes": self.tp_counter.bytes(),
+            "link_bytes": self.sync.link_bytes_last_step(),
             "peak_rss_bytes": peak_rss_bytes(),
             "pp_rank": self.ctx.pp_rank,
             "dp_rank": self.ctx.dp_rank,
