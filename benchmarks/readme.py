@@ -51,11 +51,18 @@ def _loss(r: dict[str, Any]) -> str:
 
 
 def _allreduce(r: dict[str, Any]) -> str:
-    from benchmarks.allreduce import local_table, netns_table
+    from benchmarks.allreduce import four_bit_table, local_table, netns_table
 
     parts = [local_table(r["local"]["rows"])]
+    four = four_bit_table(r["local"]["rows"])
+    if four.count("\n") > 1:  # results recorded before the 4-bit methods have no rows for it
+        parts.append("Flat int4/64, and the two-hop hier-8/4 (int8 within a node of 2 ranks, int4/64 between the nodes), same run:\n\n" + four)
     if r.get("netns"):
         parts.append("Two simulated hosts (network namespaces, veth shaped with `tc tbf`, 2 ranks per host):\n\n" + netns_table(r["netns"]))
+        for rate, res in r["netns"].items():
+            four = four_bit_table(res.get("rows", []))
+            if four.count("\n") > 1:
+                parts.append(f"{rate}, flat int4/64 and hier-8/4 (int8 within a host, int4/64 between the hosts):\n\n" + four)
     return "\n\n".join(parts)
 
 
