@@ -437,9 +437,17 @@ def four_bit_table(rows: list[dict[str, Any]]) -> str:
             f"| {_human(size)} | {1e3 * f['time_s']:.2f} | {1e3 * q['time_s']:.2f} | {1e3 * i4['time_s']:.2f} | {1e3 * h['time_s']:.2f} | "
             f"{f['time_s'] / h['time_s']:.2f}x | {q['time_s'] / h['time_s']:.2f}x | {parts} | {_human(i4['wire_bytes_per_rank'])} | {_human(h['wire_bytes_per_rank'])} | "
             f"{_human(h['inter_node_bytes_per_rank'])} | {h['inter_node_bytes_per_rank'] / f['wire_bytes_per_rank']:.3f}x | "
-            f"{i4['rel_l2_error']:.2e} | {h['rel_l2_error']:.2e} |"
+            f"{i4['rel_l2_error']:.2e} | {h['rel_l2_error']:.2e} |" + (f" {_link(h) / _link(f):.3f}x |" if "link_tx_bytes_per_op" in h else "")
         )
+    if any("link_tx_bytes_per_op" in r for r in rows):
+        # Over the shaped link, the bytes that crossed it (veth counters, TCP headers included).
+        lines[0] += " hier-8/4 / fp32 bytes across the link |"
+        lines[1] += "---|"
     return "\n".join(lines)
+
+
+def _link(row: dict[str, Any]) -> float:
+    return sum(row["link_tx_bytes_per_op"].values())
 
 
 def netns_table(by_rate: dict[str, Any]) -> str:
