@@ -219,7 +219,17 @@ def test_json_schema_is_stable(capsys):
     )
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "agoq.plan/1"
-    assert set(doc) == {"schema", "model", "parallel", "precision", "memory", "inflight_per_rank", "layer_saved_units", "configurations"}
+    assert set(doc) == {
+        "schema",
+        "model",
+        "parallel",
+        "precision",
+        "memory",
+        "inflight_per_rank",
+        "layer_saved_units",
+        "configurations",
+        "gradient_link_bytes",
+    }
     assert [c["name"] for c in doc["configurations"]] == ["baseline", "baseline+zero1", "A", "A+G", "A+G+O", "A+G+O+zero1"]
     conf = doc["configurations"][0]
     assert set(conf) == {
@@ -311,3 +321,39 @@ def test_a_sequence_beyond_the_models_context_is_planned_with_a_warning(capsys):
     captured = capsys.readouterr()
     assert "--seq-len 8192 is beyond llama2-13b's max_seq_len 4096" in captured.err and captured.err.count("\n") == 1
     assert "| baseline |" in captured.out
+
+
+# ---------------------------------------------------------------- gradient bytes by link class
+
+
+def test_gradient_link_bytes_split_each_modes_total_and_the_two_hop_one_is_its_own_count():
+    from agoq.gradient.counter import ring_all_reduce_bytes
+    from agoq.gradient.hierarchical import hierarchical_bytes, hierarchical_layout
+    from agoq.plan.links import gradient_link_bytes
+
+    numel, dp = 10_000_000, 16
+    links = gradient_link_bytes(numel, dp, node_size=8)
+    fp32 = links["fp32"]
+    assert fp32["intra_node"] + fp32["inter_node"] == ring_all_reduce_bytes(4 * numel, dp)
+    assert fp32["inter_node"] == ring_all_reduce_bytes(4 * numel, dp) // 8  # the ring leaves each node once
+    hops = hierarchical_bytes(hierarchical_layout(numel, 8, 2, "int8/256", "int4/64"))
+    assert links["hier-8/4"]["inter_node"] == sum(hops["hier_inter_all_reduce"])
+    assert sum(links["hier-8/4"].values()) == sum(sum(v) for v in hops.values())
+    # Only 1/8 of the gradients crosses, in 4 bits: well under 0.15x of the fp32 ring's crossing bytes,
+    # while the flat all-to-all sends 8 of its 15 rows straight to the other node.
+    assert links["hier-8/4"]["inter_node"] < 0.15 * fp32["inter_node"] < links["int8"]["inter_node"]
+    # One node: nothing crosses.
+    assert all(b["inter_node"] == 0 for b in gradient_link_bytes(numel, 8, node_size=8).values())
+    with pytest.raises(ValueError, match="node-size=3 does not divide dp=16"):
+        gradient_link_bytes(numel, dp, node_size=3)
+
+
+def test_plan_reports_gradient_bytes_by_link_in_markdown_and_json():
+    from agoq.plan.report import markdown
+
+    plan = _plan("llama3-8b", seq_len=1024, dp=16, node_size=8)
+    text = markdown(plan)
+    assert "Gradient bytes per rank and step by link, dp=16 in nodes of 8 ranks" in text
+    data = plan.to_dict()["gradient_link_bytes"]
+    assert data["node_size"] == 8 and set(data["per_rank_per_step"]) == {"fp32", "int8", "int4", "hier-8/4"}
+    assert "Gradient bytes per rank" not in markdown(_plan("llama3-8b", seq_len=1024))  # dp = 1: nothing to reduce

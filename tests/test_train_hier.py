@@ -58,6 +58,11 @@ def test_the_summary_splits_dp_bytes_by_link_class(runs):
         # at most 0.15x of what an fp32 ring all-reduce over all 4 ranks sends.
         assert 0 < link["inter_node"] <= 0.15 * stats["fp32_wire_bytes_per_step"]
     assert all(not s.get("link_bytes_per_step") for s in runs[0]["int8"]["ranks"])
+    # agoq plan's count for the same gradients, dp and nodes is the trainer's, to the byte.
+    from agoq.plan.links import gradient_link_bytes
+
+    stats = runs[0]["hier"]["ranks"][0]
+    assert gradient_link_bytes(stats["param_count"], 4, 2)["hier-8/4"] == stats["link_bytes_per_step"]
 
 
 def test_hier_is_refused_where_its_nodes_would_not_span_the_dp_group():

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--node-size", type=int, default=8, help="dp ranks per node, for the gradient bytes by link class (default 8)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument(
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             activation_format=args.activation_format,
             stage_bits=args.stage_bits,
             gradient_block=args.gradient_block,
+            node_size=args.node_size,
             gpu_memory=None if args.gpu_memory is None else parse_size(args.gpu_memory),
             reserved=parse_size(args.reserved, allow_zero=True),
             memory_budget=None if args.memory_budget is None else parse_size(args.memory_budget),

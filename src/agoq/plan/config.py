@@ -128,6 +128,7 @@ class PlanConfig:
     activation_format: str = "int4/128"
     stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost (the trainer's); uniform
     gradient_block: int = 256
+    node_size: int = 8  # dp ranks per node, for the gradient bytes by link class
     optimizer_block: int = 256
     gpu_memory: int | None = None  # device bytes; fits means total + reserved <= gpu_memory
     reserved: int = 2 * 2**30  # CUDA context, NCCL buffers and allocator fragmentation, off the top
@@ -161,7 +162,7 @@ class PlanConfig:
     def validate(self) -> None:
         """Raise PlanError (one line) for a configuration that cannot run."""
         c = self.model
-        for name in ("seq_len", "tp", "pp", "dp", "micro_batch", "gradient_block", "optimizer_block"):
+        for name in ("seq_len", "tp", "pp", "dp", "micro_batch", "gradient_block", "optimizer_block", "node_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"{name.replace('_', '-')}={v!r} must be a positive integer")

@@ -38,6 +38,27 @@ def verdict(sp: SetupPlan) -> str:
     return "**does not fit**, even recomputing every layer" if k is None else f"**does not fit** with {recomputed or 'no recompute'}"
 
 
+def _link_table(plan: Plan) -> list[str]:
+    """Gradient bytes per rank and step by link class, per gradient mode (none at dp = 1)."""
+    c = plan.config
+    if c.dp == 1:
+        return []
+    links = plan.gradient_link_bytes()
+    fp32 = links["fp32"]["inter_node"]
+    lines = [
+        "",
+        f"Gradient bytes per rank and step by link, dp={c.dp} in nodes of {min(c.node_size, c.dp)} ranks (--node-size), "
+        "averaged over the ranks (`precision.gradients` of agoq train):",
+        "",
+        "| gradients | within a node | between nodes | between nodes vs fp32 |",
+        "|---|---|---|---|",
+    ]
+    for mode, b in links.items():
+        ratio = f"{b['inter_node'] / fp32:.3f}x" if fp32 else "-"
+        lines.append(f"| {mode} | {format_size(b['intra_node'])} | {format_size(b['inter_node'])} | {ratio} |")
+    return lines
+
+
 def markdown(plan: Plan) -> str:
     """Per-rank and summary tables of every configuration, with the assumptions that matter."""
     c = plan.config
@@ -85,6 +106,7 @@ def markdown(plan: Plan) -> str:
             f"| {format_size(sp.peak)} | {'-' if sp.recompute_layers is None else f'{sp.relative_time:.3f}'} "
             f"| {'-' if speed is None else f'{speed:.2f}x'} |"
         )
+    lines += _link_table(plan)
     lines += [
         "",
         TIME_NOTE,

@@ -162,4 +162,17 @@ class Plan:
             "inflight_per_rank": list(self.inflight),
             "layer_saved_units": self.layer_units,
             "configurations": [s.to_dict() for s in self.setups],
+            "gradient_link_bytes": {"node_size": c.node_size, "per_rank_per_step": self.gradient_link_bytes()},
         }
+
+    def gradient_link_bytes(self) -> dict[str, dict[str, int]]:
+        """Per gradient mode, the bytes the largest pp rank sends per step within a node and between
+        nodes to reduce its gradients over dp (agoq.plan.links)."""
+        import torch
+
+        from agoq.plan.config import DTYPES
+        from agoq.plan.links import gradient_link_bytes
+
+        c = self.config
+        numel = max(r.parameters for r in self.setups[0].ranks) // torch.empty((), dtype=DTYPES[c.dtype]).element_size()
+        return gradient_link_bytes(numel, c.dp, c.node_size, c.gradient_block)
