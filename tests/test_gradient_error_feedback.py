@@ -119,7 +119,12 @@ def _buffer_checks(rank: int, world: int) -> dict:
                 buf.fold(i, g[i])
             assert buf.finish()
             grads.append([buf.grad(i).numpy().copy() for i in range(len(params))])  # numpy: tensors do not outlive the process
-        out[name] = {"grads": grads, "wire_bytes": counter.bytes("grad_all_reduce_8bit") // 3, "storage": buf.storage_bytes, "state": sorted(buf.state_dict())}
+        out[name] = {
+            "grads": grads,
+            "wire_bytes": counter.bytes("grad_all_reduce_8bit") // 3,
+            "storage": buf.storage_bytes,
+            "state": sorted(buf.state_dict()),
+        }
     # A non-finite gradient on one rank: every rank skips, and no residual changes.
     counter = CommCounter()
     buf = QuantGradBuffer(params, bucket_numel=2048, counter=counter, wire_fmt=WIRE, error_feedback=True)
