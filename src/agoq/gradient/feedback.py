@@ -44,9 +44,10 @@ def _store(q: QTensor, into: QTensor, start: int) -> None:
     into.scales[b0 : b0 + q.scales.numel()].copy_(q.scales)
 
 
-def _zeros_like(values: QTensor) -> QTensor:
-    """An all-zero QTensor of the same layout (a zero scale decodes every code to 0)."""
-    return QTensor(values.payload.clone(), torch.zeros_like(values.scales), values.shape, values.dtype, values.fmt)
+def _empty_like(values: QTensor, zero: bool = False) -> QTensor:
+    """A QTensor of the same layout; with ``zero``, all zeros (a zero scale decodes any code to 0)."""
+    scales = torch.zeros_like(values.scales) if zero else torch.empty_like(values.scales)
+    return QTensor(torch.empty_like(values.payload), scales, values.shape, values.dtype, values.fmt)
 
 
 class WireEncoder:
@@ -64,7 +65,7 @@ class WireEncoder:
         self.wire_fmt = wire_fmt
         self.error_feedback = error_feedback
         self.layouts = [self._layout(b) for b in buckets]
-        self.residuals = [_zeros_like(b.values) for b in buckets] if error_feedback else []
+        self.residuals = [_empty_like(b.values, zero=True) for b in buckets] if error_feedback else []
         self._staged: dict[int, QTensor] = {}
 
     def _layout(self, bucket: Bucket) -> ChunkLayout:
@@ -85,7 +86,7 @@ class WireEncoder:
             torch.float32,
             fmt,
         )
-        staged = _zeros_like(values) if self.error_feedback else None
+        staged = _empty_like(values) if self.error_feedback else None  # every piece below writes its blocks
         for start, end in _pieces(n, values.fmt.block_size):
             g = dequantize(values.blocks(start, end - start), torch.float32)
             if staged is not None:

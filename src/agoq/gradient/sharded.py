@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import Group, int8_gradient_format
+from agoq.gradient.collectives import Group
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
 from agoq.gradient.readback import all_finite, sum_of_squares
-from agoq.gradient.sync import GradientSync, WireChoice
+from agoq.gradient.sync import GradientSync, QuantizedBufferState, WireChoice, quantized_buffer
 
 
 @dataclass(frozen=True)
@@ -179,24 +179,12 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
         return sum(f.numel() * 4 for f in self.flat)
 
 
-class QuantizedShardedGradientSync(ShardedGradientSync):
+class QuantizedShardedGradientSync(QuantizedBufferState, ShardedGradientSync):
     """QuanGrad's 8-bit buffer with the 8-bit reduce-scatter: shards are fp32 sums, never re-quantized."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int, wire: WireChoice = WireChoice()) -> None:
-        from agoq.gradient.buffer import QuantGradBuffer
-
         counter = CommCounter()
-        self.buffer = QuantGradBuffer(
-            params,
-            fmt=int8_gradient_format(block),
-            group=group,
-            op="avg",
-            microbatches=microbatches,
-            collective="reduce_scatter",
-            counter=counter,
-            wire_fmt=wire.fmt,
-            error_feedback=wire.error_feedback,
-        )
+        self.buffer = quantized_buffer(params, group, microbatches, block, wire, counter, collective="reduce_scatter")
         plan = [(b.layout.world_size * b.layout.padded_chunk, b.segments) for b in self.buffer.buckets]
         super().__init__(params, group, _shard_buckets(plan, self.buffer.world_size, self.buffer.rank), counter)
 
@@ -212,12 +200,3 @@ class QuantizedShardedGradientSync(ShardedGradientSync):
     def finish_step(self) -> None:
         self.buffer.zero_grad()
         self._shards = []
-
-    def buffer_bytes(self) -> int:
-        return self.buffer.storage_bytes
-
-    def state_dict(self) -> dict:
-        return self.buffer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.buffer.load_state_dict(state)

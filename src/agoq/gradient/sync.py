@@ -19,6 +19,7 @@ import torch.nn as nn
 from agoq.gradient.collectives import Group, int8_gradient_format
 
 if TYPE_CHECKING:
+    from agoq.gradient.buffer import QuantGradBuffer
     from agoq.gradient.hierarchical import NodeGroups
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
@@ -243,24 +244,54 @@ class PlainGradientSync(ParameterGradientSync):
         return self.buffer.numel() * 4
 
 
-class QuantizedGradientSync(ParameterGradientSync):
+def quantized_buffer(
+    params: list[tuple[str, nn.Parameter]],
+    group: Group,
+    microbatches: int,
+    block: int,
+    wire: WireChoice,
+    counter: CommCounter,
+    collective: str = "all_reduce",
+) -> QuantGradBuffer:
+    """The 8-bit buffer (blocks of ``block``) that averages ``params``' gradients over ``group``,
+    sending ``wire``'s format: the storage of both QuanGrad syncs, full and sharded (ZeRO-1)."""
+    from agoq.gradient.buffer import QuantGradBuffer
+
+    return QuantGradBuffer(
+        params,
+        fmt=int8_gradient_format(block),
+        group=group,
+        op="avg",
+        microbatches=microbatches,
+        collective=collective,
+        counter=counter,
+        wire_fmt=wire.fmt,
+        error_feedback=wire.error_feedback,
+    )
+
+
+class QuantizedBufferState:
+    """What a sync over a :func:`quantized_buffer` (``self.buffer``) stores and keeps across a restart."""
+
+    buffer: QuantGradBuffer
+
+    def buffer_bytes(self) -> int:
+        return self.buffer.storage_bytes
+
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)
+
+
+class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
     """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int, wire: WireChoice = WireChoice()) -> None:
-        from agoq.gradient.buffer import QuantGradBuffer
-
         self.counter = CommCounter()
         self.index = {name: i for i, (name, _) in enumerate(params)}
-        self.buffer = QuantGradBuffer(
-            params,
-            fmt=int8_gradient_format(block),
-            group=group,
-            op="avg",
-            microbatches=microbatches,
-            counter=self.counter,
-            wire_fmt=wire.fmt,
-            error_feedback=wire.error_feedback,
-        )
+        self.buffer = quantized_buffer(params, group, microbatches, block, wire, self.counter)
         self._buffer_index = {self.index[name]: pi for pi, name in enumerate(self.buffer.names)}
         self.world = self.buffer.world_size
 
@@ -288,15 +319,6 @@ class QuantizedGradientSync(ParameterGradientSync):
 
     def fp32_wire_bytes(self) -> int:
         return ring_all_reduce_bytes(self.buffer.numel * 4, self.world)
-
-    def buffer_bytes(self) -> int:
-        return self.buffer.storage_bytes
-
-    def state_dict(self) -> dict:
-        return self.buffer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.buffer.load_state_dict(state)
 
 
 def make_gradient_sync(

@@ -237,7 +237,7 @@ class _SumGradOverTp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's own tensor
         w = tp_size(ctx.group)
         if w > 1:
             dist.all_reduce(grad, group=ctx.group)
