@@ -7,9 +7,8 @@ after the last micro-batch, and agree across every rank whether any gradient was
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
@@ -17,13 +16,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from agoq.gradient.collectives import Group, int8_gradient_format
-
-if TYPE_CHECKING:
-    from agoq.gradient.buffer import QuantGradBuffer
-    from agoq.gradient.hierarchical import NodeGroups
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
+from agoq.gradient.hierarchical import HOP_NAMES, NodeGroups, all_reduce_hierarchical, node_groups
 from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
+
+if TYPE_CHECKING:  # buffer.py is imported where a buffer is built (it pulls in the whole bucket pipeline)
+    from agoq.gradient.buffer import QuantGradBuffer
 
 
 @dataclass(frozen=True)
@@ -187,8 +186,6 @@ class PlainGradientSync(ParameterGradientSync):
             bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
         if self.world > 1 and self.nodes is not None:
-            from agoq.gradient.hierarchical import all_reduce_hierarchical
-
             self.counter.reset()
             all_reduce_hierarchical(self.buffer, "avg", self.nodes, intra_fmt=HIER_INTRA_FORMAT, inter_fmt=INT4_WIRE_FORMAT, counter=self.counter)
             self.wire_bytes_last_step = self.counter.bytes()
@@ -215,8 +212,6 @@ class PlainGradientSync(ParameterGradientSync):
     def link_bytes_last_step(self) -> dict[str, int]:
         if self.nodes is None:
             return {}
-        from agoq.gradient.hierarchical import HOP_NAMES
-
         return {"intra_node": self.counter.bytes(HOP_NAMES[0]) + self.counter.bytes(HOP_NAMES[2]), "inter_node": self.counter.bytes(HOP_NAMES[1])}
 
     def _reduced_finite(self) -> bool:
@@ -348,8 +343,6 @@ def make_gradient_sync(
     if mode == "ring8":
         return PlainGradientSync(params, group, device, torch.float32, ring=True)
     if mode == "hier-8/4":
-        from agoq.gradient.hierarchical import node_groups
-
         # An fp32 buffer reduced in two hops after backward (no bucketing or overlap yet).
         return PlainGradientSync(params, group, device, torch.float32, nodes=node_groups(node_size, group))
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)
