@@ -14,7 +14,9 @@ Two settings, side by side in one run:
 Besides fp32, bf16 and the 8-bit all-reduce, both settings time a flat int4/64 all-reduce
 (``int4``) and the two-hop ``hier-8/4`` (agoq.gradient.hierarchical): int8 reduce-scatter within a
 node, int4 all-reduce between nodes, all-gather within a node. A node is LOCAL_WORLD_SIZE ranks
-(2 per host in ``netns``), 2 simulated ones when it is not set (``local``).
+(2 per host in ``netns``), 2 simulated ones when it is not set (``local``). Where the ranks span
+hosts (``netns``), the 8-bit and int4 all-reduces gather between hosts, then within each, as
+training does across nodes (agoq.gradient.collectives.gathers_by_node).
 
 Times are the slowest rank's, median over ``--reps``. Each rank uses one thread.
 """
@@ -112,8 +114,12 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
     import torch.distributed as dist
 
     from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_fp, all_reduce_hierarchical, node_groups
+    from agoq.gradient.collectives import inter_node_name
 
     groups = node_groups(node_size(world))
+    # The flat all-reduces know the nodes only where the ranks really span hosts, as in training.
+    spans_hosts = int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+    flat_nodes = groups if spans_hosts else None
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
@@ -131,9 +137,9 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
 
         def op(method: str, t: torch.Tensor, timings: dict[str, float] | None = None) -> None:
             if method == "8bit":
-                all_reduce_8bit(t, fmt=fmt, counter=counters[method], timings=timings)
+                all_reduce_8bit(t, fmt=fmt, counter=counters[method], timings=timings, nodes=flat_nodes)
             elif method == "int4":
-                all_reduce_8bit(t, fmt=INT4_FMT, counter=counters[method], timings=timings)
+                all_reduce_8bit(t, fmt=INT4_FMT, counter=counters[method], timings=timings, nodes=flat_nodes)
             elif method == "hier-8/4":
                 all_reduce_hierarchical(t, "sum", groups, intra_fmt=fmt, inter_fmt=INT4_FMT, counter=counters[method], timings=timings)
             else:
@@ -179,6 +185,9 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
             if method == "hier-8/4":
                 row["node_size"] = groups.node_size
                 row["inter_node_bytes_per_rank"] = counter.bytes(HIER_PARTS[1]) // reps
+            elif method in ("8bit", "int4") and spans_hosts:
+                row["gathered_by_node"] = True
+                row["inter_node_bytes_per_rank"] = counter.bytes(inter_node_name("all_reduce_8bit")) // reps
             if method in PARTS_OF:
                 parts: dict[str, list[float]] = {p: [] for p in PARTS_OF[method]}
                 for _ in range(reps):

@@ -1,4 +1,5 @@
-"""Two-hop quantized all-reduce on real gloo groups: 2 nodes x 2 ranks and 3 nodes x 2 ranks.
+"""Node groups on real gloo groups of 2 nodes x 2 ranks and 3 nodes x 2 ranks: the two-hop quantized
+all-reduce, and the 8-bit all-reduce whose all-gather goes between nodes, then within them.
 
 Each group is spawned once (module fixture) and runs every check; the workers return measured
 values and the tests assert on them. Every rank regenerates every rank's input from seeds, so the
@@ -15,7 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agoq.gradient import CommCounter, all_reduce_hierarchical, hierarchical_error_bound, node_groups, simulate_hierarchical
+from agoq.gradient import (
+    CommCounter,
+    all_reduce_8bit,
+    all_reduce_hierarchical,
+    chunk_layout,
+    hierarchical_error_bound,
+    node_groups,
+    simulate_hierarchical,
+)
+from agoq.gradient.collectives import inter_node_name
 from agoq.gradient.hierarchical import HOP_NAMES, hierarchical_bytes, hierarchical_layout
 from tests._dist import run_distributed
 
@@ -86,10 +96,26 @@ def _nan_case(rank: int, world: int, groups) -> dict:
     }
 
 
+BY_NODE_CASES = [(1, "sum"), (4099, "sum"), (30001, "avg"), (BYTES_N, "sum")]
+
+
+def _by_node_case(rank: int, world: int, groups, n: int, op: str, group=None) -> dict:
+    """all_reduce_8bit of the same input flat and gathered by node (digests, and each path's counts)."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    x = _input(members.index(rank) + 100, n)
+    out = {}
+    for path, nodes in (("flat", None), ("by_node", groups)):
+        y, counter = x.clone(), CommCounter()
+        all_reduce_8bit(y, op, group, counter=counter, nodes=nodes)
+        out[path] = {"digest": _digest(y), "bytes": counter.as_dict()}
+    return out
+
+
 def _subgroup_case(rank: int) -> dict | None:
     """Nodes of 2 within global ranks 2..5 of 6: ranks 0 and 1 take part in creating the groups only."""
     members = [2, 3, 4, 5]
-    groups = node_groups(NODE_SIZE, dist.new_group(members))
+    sub = dist.new_group(members)
+    groups = node_groups(NODE_SIZE, sub)
     if groups is None:
         return None
     inputs = [_input(r, 4099) for r in members]
@@ -99,6 +125,7 @@ def _subgroup_case(rank: int) -> dict | None:
         "groups": (groups.node_size, groups.nodes, groups.local_rank, groups.node),
         "digest": _digest(y),
         "equals_simulation": bool(torch.equal(y, simulate_hierarchical(inputs, NODE_SIZE)[0])),
+        "by_node": _by_node_case(rank, 4, groups, 4099, "sum", group=sub),
     }
 
 
@@ -118,6 +145,7 @@ def _checks(rank: int, world: int) -> dict:
     all_reduce_hierarchical(_input(rank, BYTES_N), "sum", groups, counter=counter)
     out["big_bytes"] = counter.as_dict()
     out["nan"] = _nan_case(rank, world, groups)
+    out["by_node"] = [_by_node_case(rank, world, groups, n, op) for n, op in BY_NODE_CASES]
     if world == 4:
         # One node of 4 (no inter-node hop) and 4 nodes of 1 (no intra-node hops).
         out["degenerate"] = [_case(rank, world, node_groups(size), 4099, "sum", "int8/256", "int4/128", size) for size in (4, 1)]
@@ -236,6 +264,35 @@ def test_nan_in_one_rank_makes_its_blocks_nan_on_every_rank(runs):
             assert nan["has_1000"] and nan["same_as_simulation"] and nan["rest_finite"], nan
             # The hop-1 block (256 values) and at most the int4/128 blocks of hop 2 that it touches.
             assert 256 <= nan["count"] <= 256 + 2 * 128 and nan["span"] <= 256 + 2 * 128, nan
+
+
+def _row_bytes(n: int, world: int) -> int:
+    return chunk_layout(n, world, "int8/256").row_bytes
+
+
+def test_the_8bit_all_reduce_gathered_by_node_equals_the_flat_one_bit_for_bit(runs):
+    for world, results in runs.items():
+        for i, case in enumerate(BY_NODE_CASES):
+            digests = {(path, r["by_node"][i][path]["digest"]) for r in results for path in ("flat", "by_node")}
+            assert len({d for _, d in digests}) == 1, (world, case)  # every rank, both paths
+    sub = [r["subgroup"]["by_node"] for r in runs[6][2:]]
+    assert len({s[path]["digest"] for s in sub for path in ("flat", "by_node")}) == 1
+
+
+def test_by_node_the_same_bytes_are_sent_and_fewer_cross_nodes(runs):
+    # Per rank: the all-to-all sends W - 1 rows, W - L to other nodes; the all-gather W - 1 rows,
+    # N - 1 of them across nodes (a ring would carry (W - 1) / L across on average).
+    name = "all_reduce_8bit"
+    for world, results in runs.items():
+        nodes = world // NODE_SIZE
+        for r in results:
+            for (n, _), entry in zip(BY_NODE_CASES, r["by_node"]):
+                flat, by_node, row = entry["flat"]["bytes"], entry["by_node"]["bytes"], _row_bytes(n, world)
+                assert set(flat) == {name} and flat[name]["total"] == 2 * (world - 1) * row
+                inter = by_node[inter_node_name(name)]["total"]
+                assert inter == (world - NODE_SIZE + nodes - 1) * row, (world, n)
+                assert by_node[name]["total"] + inter == flat[name]["total"]
+                assert inter < (world - NODE_SIZE) * row + (world - 1) * row / NODE_SIZE
 
 
 def test_single_process_is_two_requantizations_within_the_bound():

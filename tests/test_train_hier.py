@@ -4,6 +4,9 @@ The two-hop reduction (int8 within a node, int4 between nodes, agoq.gradient.hie
 like the flat int8 all-reduce on the same seed and data, every rank reports the same loss, and the
 run summary splits the dp bytes by link class: between nodes each rank sends one int4 row of its
 1/2 chunk, within its node the int8 rows of hop 1 and the forwarded int4 bytes of hop 3.
+
+The int8 all-reduce over the same nodes gathers between nodes, then within them: the same bytes
+arrive, so it trains bit-identically to the flat one, and fewer of them cross nodes.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ def runs(tmp_path_factory):
     def cfg(folder, *extra):
         return load_config(None, [*COMMON, f"--data.cache_dir={tmp / 'cache'}", f"--train.out_dir={tmp / folder}", *extra])
 
-    cfgs = {"int8": cfg("a"), "hier": cfg("b", "--precision.gradients=hier-8/4", "--parallel.node_size=2")}
+    cfgs = {
+        "int8": cfg("a"),
+        "hier": cfg("b", "--precision.gradients=hier-8/4", "--parallel.node_size=2"),
+        "int8_nodes": cfg("c", "--parallel.node_size=2"),
+    }
     return run_distributed(_runs, 4, cfgs)
 
 
@@ -63,6 +70,28 @@ def test_the_summary_splits_dp_bytes_by_link_class(runs):
 
     stats = runs[0]["hier"]["ranks"][0]
     assert gradient_link_bytes(stats["param_count"], 4, 2)["hier-8/4"] == stats["link_bytes_per_step"]
+
+
+def test_int8_gathered_by_node_trains_bit_identically_to_the_flat_one(runs):
+    for r in runs:
+        assert r["int8_nodes"]["losses"] == r["int8"]["losses"] == runs[0]["int8"]["losses"]
+
+
+def test_int8_gathered_by_node_splits_its_bytes_and_sends_fewer_across_nodes(runs):
+    from agoq.plan.links import gradient_link_bytes
+
+    world, local, nodes = 4, 2, 2
+    for flat, stats in zip(runs[0]["int8"]["ranks"], runs[0]["int8_nodes"]["ranks"]):
+        link = stats["link_bytes_per_step"]
+        assert link["intra_node"] + link["inter_node"] == stats["wire_bytes_per_step"] == flat["wire_bytes_per_step"]
+        # Per bucket: of the all-to-all's W - 1 rows, W - L cross; of the all-gather's W - 1, N - 1
+        # (the rest is the few bytes of the finite-check's all-gather, within and between nodes).
+        share = (world - local + nodes - 1) / (2 * (world - 1))
+        assert link["inter_node"] == pytest.approx(share * stats["wire_bytes_per_step"], rel=1e-3)
+        planned = gradient_link_bytes(stats["param_count"], world, local)["int8"]
+        assert link["inter_node"] == pytest.approx(planned["inter_node"], rel=0.01)
+        ring = gradient_link_bytes(stats["param_count"], world, local, by_node=False)["int8"]
+        assert link["inter_node"] < 0.9 * ring["inter_node"]
 
 
 def test_hier_is_refused_where_its_nodes_would_not_span_the_dp_group():

@@ -25,13 +25,8 @@ from agoq.gradient.collectives import (
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.ddp import QuantHookState, quantized_allreduce_hook
-from agoq.gradient.hierarchical import (
-    NodeGroups,
-    all_reduce_hierarchical,
-    hierarchical_error_bound,
-    node_groups,
-    simulate_hierarchical,
-)
+from agoq.gradient.hierarchical import all_reduce_hierarchical, hierarchical_error_bound, simulate_hierarchical
+from agoq.gradient.nodes import NodeGroups, node_groups
 
 __all__ = [
     "COMM_COUNTER",

@@ -29,6 +29,7 @@ from agoq.gradient.collectives import Group, gradient_format, parse_op, world_of
 from agoq.gradient.counter import CommCounter
 from agoq.gradient.feedback import WireEncoder
 from agoq.gradient.fold import COMPILED_FOLD_PIECE, EightBitFolder, fold_on_accumulate
+from agoq.gradient.nodes import NodeGroups
 from agoq.gradient.layout import (
     DEFAULT_BUCKET_BYTES,
     FOLD_PIECE,
@@ -100,6 +101,7 @@ class QuantGradBuffer:
         counter: CommCounter | None = None,
         wire_fmt: QuantFormat | str | None = None,
         error_feedback: bool = False,
+        nodes: NodeGroups | None = None,
     ) -> None:
         self.fmt = gradient_format(fmt)
         op = parse_op(op)
@@ -132,6 +134,7 @@ class QuantGradBuffer:
             counter=counter,
             microbatches=microbatches,
             encoder=self.encoder,
+            nodes=nodes,
         )
         self.reader = GradReader(self.layout, self.buckets, self.pipeline, self.names, self.params)
         self._handles = fold_on_accumulate(self.params, self.pipeline.fold, then=self.pipeline.launch_ready)

@@ -9,7 +9,7 @@ The precision-preserving 8-bit all-reduce (METHOD.md part 3) never adds in 8 bit
 4. re-quantizes its reduced chunk;
 5. all-gather of the reduced 8-bit chunks; every rank dequantizes the same bytes, so the result is
    bit-identical everywhere. (On gloo within one host the all-gather runs as an all-to-all, see
-   :func:`gathers_by_all_to_all`.)
+   :func:`gathers_by_all_to_all`; over nodes it runs in two steps, see :func:`gathers_by_node`.)
 
 Steps 1-3 are an 8-bit reduce-scatter (:func:`reduce_scatter_8bit`, for ZeRO-1 optimizers).
 Error per element against the fp32 sum of the *original* inputs: at most sum_i s_i / 2 (each
@@ -38,10 +38,9 @@ import torch.distributed as dist
 from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
+from agoq.gradient.nodes import Group, NodeGroups, gather_within_node
 
 DEFAULT_GRADIENT_FORMAT = QuantFormat("int", 8, DEFAULT_GRADIENT_BLOCK)
-
-Group = dist.ProcessGroup | None
 
 
 def world_of(group: Group = None) -> tuple[int, int]:
@@ -198,6 +197,25 @@ def gathers_by_all_to_all(group: Group = None) -> bool:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world
 
 
+def inter_node_name(name: str) -> str:
+    """The counter name of collective ``name``'s bytes that cross between nodes (counted apart where
+    the reduction knows its nodes; the rest, within a node, stay under ``name``)."""
+    return f"{name}:inter_node"
+
+
+def gathers_by_node(nodes: NodeGroups | None) -> bool:
+    """Whether the 8-bit all-gather over ``nodes`` runs in two steps: between nodes, then within each.
+
+    A ring all-gather over nodes of L ranks (N nodes) carries the reduced chunks of a quarter more
+    ranks across each node's link than it must: on 2 nodes, 3/4 of the tensor leaves a node where
+    1/2 (its own ranks' chunks) is all the other node lacks. Gathering first among the N ranks with
+    the same local index (one per node, each over its own NIC where nodes have one per GPU), then
+    within the node, sends each chunk across nodes once. The bytes are the same ones, so the
+    result is too.
+    """
+    return nodes is not None and nodes.nodes > 1 and nodes.node_size > 1
+
+
 class EightBitReduction:
     """One 8-bit reduction in flight: :meth:`reduce` (steps 2-3), then :meth:`start_gather` (4-5).
 
@@ -215,10 +233,12 @@ class EightBitReduction:
         counter: CommCounter | None = None,
         name: str = "all_reduce_8bit",
         timings: dict[str, float] | None = None,
+        nodes: NodeGroups | None = None,
     ) -> None:
         self.layout = layout
         self.op = parse_op(op)
         self.group = group
+        self.nodes = nodes if gathers_by_node(nodes) else None
         self.counter = COMM_COUNTER if counter is None else counter
         self.name = name
         self.timings = timings
@@ -226,6 +246,8 @@ class EightBitReduction:
         self._device = rows.device
         if self.world_size != layout.world_size:
             raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
+        if self.nodes is not None and self.nodes.world_size != self.world_size:
+            raise ValueError(f"the nodes cover {self.nodes.world_size} ranks but the group has {self.world_size}")
         w = layout.world_size
         if rows.fmt != layout.fmt or rows.numel != w * layout.padded_chunk or not (rows.payload.is_contiguous() and rows.scales.is_contiguous()):
             raise ValueError(
@@ -239,7 +261,8 @@ class EightBitReduction:
         self._gather_send: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
         self._requantized: tuple[torch.Tensor, int, QTensor] | None = None
-        self.counter.record(name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes)
+        # Of the W - 1 rows sent, the W - L bound for other nodes cross between nodes.
+        self._record(w - 1, w - self.nodes.node_size if self.nodes is not None else 0)
         self._a2a: dist.Work | None = None
         if w == 1:
             self._recv: torch.Tensor | None = None
@@ -252,6 +275,13 @@ class EightBitReduction:
             self._a2a = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
             if timings is not None:
                 self._a2a.wait()
+
+    def _record(self, rows: int, inter_node_rows: int, calls: int = 1) -> None:
+        """Count ``rows`` wire rows sent, ``inter_node_rows`` of them under :func:`inter_node_name`."""
+        pb, sb = self.layout.row_payload_bytes, self.layout.row_scale_bytes
+        self.counter.record(self.name, (rows - inter_node_rows) * pb, (rows - inter_node_rows) * sb, calls=calls)
+        if inter_node_rows:
+            self.counter.record(inter_node_name(self.name), inter_node_rows * pb, inter_node_rows * sb, calls=0)
 
     def _take_received(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The W received (payload, scale) rows, once the all-to-all is done; released from this object (one use)."""
@@ -351,19 +381,26 @@ class EightBitReduction:
         """Start the all-gather of every rank's requantized chunk (``send``: this rank's row_bytes)."""
         layout = self.layout
         w = self.world_size
-        self.counter.record(self.name, (w - 1) * layout.row_payload_bytes, (w - 1) * layout.row_scale_bytes, calls=0)
+        # Two steps: N - 1 rows to the peers on other nodes, then (L - 1) N rows within the node.
+        self._record(w - 1, self.nodes.nodes - 1 if self.nodes is not None else 0, calls=0)
         if w == 1:
             self._gathered = send.view(1, layout.row_bytes)
             return
-        flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
-        self._gathered = flat.view(w, layout.row_bytes)
         with _timed(self.timings, "all_gather"):
-            if gathers_by_all_to_all(self.group):
-                # Every rank's row sent to every rank: the same bytes per rank as a ring, in one round.
-                self._gather_send = send.expand(w, layout.row_bytes).contiguous()
-                self._gather_work = dist.all_to_all_single(flat, self._gather_send, group=self.group, async_op=True)
+            if self.nodes is not None:
+                # Step 1 of 2 (gathers_by_node): the chunks of this rank's peers on the other nodes.
+                flat = torch.empty(self.nodes.nodes * layout.row_bytes, dtype=torch.uint8, device=send.device)
+                self._gather_work = dist.all_gather_single(flat, send, group=self.nodes.inter, async_op=True)
+                self._gathered = flat
             else:
-                self._gather_work = dist.all_gather_single(flat, send, group=self.group, async_op=True)
+                flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
+                self._gathered = flat.view(w, layout.row_bytes)
+                if gathers_by_all_to_all(self.group):
+                    # Every rank's row sent to every rank: the same bytes per rank as a ring, in one round.
+                    self._gather_send = send.expand(w, layout.row_bytes).contiguous()
+                    self._gather_work = dist.all_to_all_single(flat, self._gather_send, group=self.group, async_op=True)
+                else:
+                    self._gather_work = dist.all_gather_single(flat, send, group=self.group, async_op=True)
             if self.timings is not None:
                 self._gather_work.wait()
 
@@ -374,7 +411,13 @@ class EightBitReduction:
         if self._gather_work is not None:
             with _timed(self.timings, "all_gather"):
                 self._gather_work.wait()
-            self._gather_work = self._gather_send = None
+                self._gather_work = self._gather_send = None
+                if self.nodes is not None:
+                    # Step 2 of 2: within the node, every local rank's [nodes, row] block; rank
+                    # k * L + l of the group is node k's local rank l.
+                    nodes, row = self.nodes, self.layout.row_bytes
+                    by_local = gather_within_node(self._gathered, nodes).view(nodes.node_size, nodes.nodes, row)
+                    self._gathered = by_local.transpose(0, 1).reshape(self.world_size, row)
         return self._gathered
 
 
@@ -429,6 +472,7 @@ def _start_8bit(
     counter: CommCounter | None,
     timings: dict[str, float] | None,
     name: str,
+    nodes: NodeGroups | None = None,
 ) -> EightBitReduction:
     """Quantize ``tensor`` into rank chunks and start their all-to-all: steps 1-2 of both 8-bit collectives."""
     _check_float(tensor, name)
@@ -436,7 +480,7 @@ def _start_8bit(
     layout = chunk_layout(tensor.numel(), world_size, fmt)
     with _timed(timings, "quantize"):
         rows = quantize_rows(tensor, layout)
-    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings)
+    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes)
 
 
 def all_reduce_8bit(
@@ -448,13 +492,16 @@ def all_reduce_8bit(
     async_op: bool = False,
     counter: CommCounter | None = None,
     timings: dict[str, float] | None = None,
+    nodes: NodeGroups | None = None,
 ) -> PendingAllReduce | None:
     """In-place precision-preserving 8-bit all-reduce (sum or avg) of a float tensor.
 
     ``timings``, if given, receives seconds per phase (quantize, all_to_all, reduce, all_gather,
-    dequantize); each phase is then waited for, so it disables overlap.
+    dequantize); each phase is then waited for, so it disables overlap. ``nodes``
+    (:func:`~agoq.gradient.nodes.node_groups` of ``group``) gathers between nodes, then within
+    them (:func:`gathers_by_node`): same result, fewer bytes across nodes.
     """
-    reduction = _start_8bit(tensor, op, group, fmt, counter, timings, "all_reduce_8bit")
+    reduction = _start_8bit(tensor, op, group, fmt, counter, timings, "all_reduce_8bit", nodes)
     pending = PendingAllReduce(reduction, tensor)
     if async_op:
         return pending

@@ -41,72 +41,19 @@ from agoq.quant import QuantFormat, dequantize, quantization_error_bound
 from agoq.gradient.collectives import (
     ChunkLayout,
     EightBitReduction,
-    Group,
     chunk_layout,
     from_wire,
     parse_op,
     quantize_rows,
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter
+from agoq.gradient.nodes import NodeGroups, check_node_size, gather_within_node
 
 DEFAULT_INTRA_FORMAT = "int8/256"
 DEFAULT_INTER_FORMAT = "int4/128"
 HOP_NAMES = ("hier_intra_reduce_scatter", "hier_inter_all_reduce", "hier_intra_all_gather")
 # fp32 unit roundoff: the bound's term for rounding in the fp32 sums.
 _FP32_U = 2.0**-24
-
-
-@dataclass(frozen=True)
-class NodeGroups:
-    """This rank's node (``intra``: its node_size ranks) and its peers on other nodes (``inter``)."""
-
-    intra: Group
-    inter: Group
-    node_size: int
-    nodes: int
-    local_rank: int
-    node: int
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the whole group: node_size x nodes."""
-        return self.node_size * self.nodes
-
-
-def _check_node_size(node_size: int, world_size: int) -> None:
-    if not isinstance(node_size, int) or node_size < 1 or world_size % node_size:
-        raise ValueError(f"node_size must be a positive divisor of the group size {world_size}, got node_size={node_size!r}")
-
-
-def node_groups(node_size: int, group: Group = None) -> NodeGroups | None:
-    """Nodes of ``node_size`` consecutive ranks of ``group`` (default: the whole world), as process groups.
-
-    Every rank of the default group must call it, in the same order as its other group creations
-    (torch.distributed creates groups collectively); ranks outside ``group`` get None. Without an
-    initialized torch.distributed there is one rank: node_size must be 1.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        _check_node_size(node_size, 1)
-        return NodeGroups(None, None, 1, 1, 0, 0)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    _check_node_size(node_size, len(ranks))
-    nodes = len(ranks) // node_size
-    me = dist.get_rank()
-    intra = inter = None
-    for k in range(nodes):
-        members = ranks[k * node_size : (k + 1) * node_size]
-        made = dist.new_group(members)
-        if me in members:
-            intra = made
-    for local in range(node_size):
-        members = ranks[local::node_size]
-        made = dist.new_group(members)
-        if me in members:
-            inter = made
-    if me not in ranks:
-        return None
-    index = ranks.index(me)
-    return NodeGroups(intra, inter, node_size, nodes, index % node_size, index // node_size)
 
 
 @dataclass(frozen=True)
@@ -144,20 +91,6 @@ def _timed(timings: dict[str, float] | None, key: str) -> Iterator[None]:
     yield
     if timings is not None:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-
-def _gather_within_node(send: torch.Tensor, groups: NodeGroups) -> torch.Tensor:
-    """uint8 [node_size, len(send)]: every node rank's ``send``, in local-rank order."""
-    size = groups.node_size
-    if size == 1:
-        return send.view(1, -1)
-    out = torch.empty(size * send.numel(), dtype=torch.uint8, device=send.device)
-    if dist.get_backend(groups.intra) == "gloo":
-        # gloo's all-gather is a ring of size - 1 rounds; within a node one all-to-all round sends the same bytes.
-        dist.all_to_all_single(out, send.expand(size, send.numel()).contiguous(), group=groups.intra)
-    else:
-        dist.all_gather_into_tensor(out, send, group=groups.intra)
-    return out.view(size, -1)
 
 
 def _unpack(wire: torch.Tensor, layout: HierarchicalLayout, out: torch.Tensor) -> None:
@@ -208,7 +141,7 @@ def all_reduce_hierarchical(
             (groups.node_size - 1) * inner.world_size * inner.row_payload_bytes,
             (groups.node_size - 1) * inner.world_size * inner.row_scale_bytes,
         )
-        wire = _gather_within_node(chunk_bytes, groups)
+        wire = gather_within_node(chunk_bytes, groups)
     with _timed(timings, "dequantize"):
         flat = (
             tensor.view(-1)
@@ -263,7 +196,7 @@ def simulate_hierarchical(
     """
     average = parse_op(op) == "avg"
     world = len(inputs)
-    _check_node_size(node_size, world)
+    check_node_size(node_size, world)
     nodes = world // node_size
     flats = [x.detach().reshape(-1).float() for x in inputs]
     layout = hierarchical_layout(flats[0].numel(), node_size, nodes, intra_fmt, inter_fmt)

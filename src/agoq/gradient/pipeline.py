@@ -19,6 +19,7 @@ from agoq.gradient.collectives import EightBitReduction, Group, agree_nonfinite,
 from agoq.gradient.counter import CommCounter
 from agoq.gradient.feedback import WireEncoder
 from agoq.gradient.fold import EightBitFolder
+from agoq.gradient.nodes import NodeGroups
 
 
 class BucketPipeline:
@@ -41,8 +42,10 @@ class BucketPipeline:
         counter: CommCounter | None,
         microbatches: int,
         encoder: WireEncoder | None = None,
+        nodes: NodeGroups | None = None,
     ) -> None:
         self.buckets = buckets
+        self.nodes = nodes  # the group's nodes: the all-gathers go between nodes, then within (gathers_by_node)
         self.encoder = encoder  # a narrower wire format than the storage (and error feedback), or None
         self.folder = folder
         self.segments = folder.layout.segments
@@ -148,7 +151,7 @@ class BucketPipeline:
         # The bucket's own storage is sent (it takes no fold until reset, and is overwritten
         # only by the all-gather that follows this all-to-all), or its rows in the wire format.
         rows, layout = self.encoder.encode(bucket) if self.encoder is not None else (bucket.values, bucket.layout)
-        bucket.reduction = EightBitReduction(rows, layout, self.op, self.group, counter=self.counter, name=name)
+        bucket.reduction = EightBitReduction(rows, layout, self.op, self.group, counter=self.counter, name=name, nodes=self.nodes)
 
     def _progress(self, bucket: Bucket) -> None:
         if bucket.state != "launched":

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import Group, int8_gradient_format
+from agoq.gradient.collectives import Group, int8_gradient_format, inter_node_name, world_of
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
-from agoq.gradient.hierarchical import HOP_NAMES, NodeGroups, all_reduce_hierarchical, node_groups
+from agoq.gradient.hierarchical import HOP_NAMES, all_reduce_hierarchical
+from agoq.gradient.nodes import NodeGroups, node_groups
 from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
 
 if TYPE_CHECKING:  # buffer.py is imported where a buffer is built (it pulls in the whole bucket pipeline)
@@ -247,9 +248,11 @@ def quantized_buffer(
     wire: WireChoice,
     counter: CommCounter,
     collective: str = "all_reduce",
+    nodes: NodeGroups | None = None,
 ) -> QuantGradBuffer:
     """The 8-bit buffer (blocks of ``block``) that averages ``params``' gradients over ``group``,
-    sending ``wire``'s format: the storage of both QuanGrad syncs, full and sharded (ZeRO-1)."""
+    sending ``wire``'s format: the storage of both QuanGrad syncs, full and sharded (ZeRO-1).
+    With ``nodes`` the all-gathers go between nodes, then within them (gathers_by_node)."""
     from agoq.gradient.buffer import QuantGradBuffer
 
     return QuantGradBuffer(
@@ -262,6 +265,7 @@ def quantized_buffer(
         counter=counter,
         wire_fmt=wire.fmt,
         error_feedback=wire.error_feedback,
+        nodes=nodes,
     )
 
 
@@ -283,10 +287,19 @@ class QuantizedBufferState:
 class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
     """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, microbatches: int, block: int, wire: WireChoice = WireChoice()) -> None:
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        group: Group,
+        microbatches: int,
+        block: int,
+        wire: WireChoice = WireChoice(),
+        nodes: NodeGroups | None = None,
+    ) -> None:
         self.counter = CommCounter()
+        self.nodes = nodes
         self.index = {name: i for i, (name, _) in enumerate(params)}
-        self.buffer = quantized_buffer(params, group, microbatches, block, wire, self.counter)
+        self.buffer = quantized_buffer(params, group, microbatches, block, wire, self.counter, nodes=nodes)
         self._buffer_index = {self.index[name]: pi for pi, name in enumerate(self.buffer.names)}
         self.world = self.buffer.world_size
 
@@ -302,6 +315,12 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
     def local_grad_sq_norm(self) -> float:
         return self.buffer.grad_norm() ** 2
 
+    def link_bytes_last_step(self) -> dict[str, int]:
+        if self.nodes is None:
+            return {}
+        inter = sum(self.counter.bytes(name) for name in self.counter.as_dict() if name.endswith(inter_node_name("")))
+        return {"intra_node": self.counter.bytes() - inter, "inter_node": inter}
+
     def units(self) -> list[tuple[int, int]]:
         # Bucket order: a bucket's parameters are read while its storage is warm.
         return [(self.index[self.buffer.names[pi]], self.buffer.params[pi].numel()) for pi in self.buffer.bucket_order()]
@@ -314,6 +333,19 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
 
     def fp32_wire_bytes(self) -> int:
         return ring_all_reduce_bytes(self.buffer.numel * 4, self.world)
+
+
+def _nodes_of_world(node_size: int, group: Group) -> NodeGroups | None:
+    """Node groups for the 8-bit all-gather (gathers_by_node) where ``group`` is the whole world
+    spread over several nodes of ``node_size`` ranks; else None.
+
+    Only a group of every rank: torch.distributed makes groups collectively, and each rank here
+    knows only its own dp group (with pp or tp > 1 the all-gather stays flat).
+    """
+    world = world_of(group)[0]
+    if not dist.is_initialized() or world != dist.get_world_size() or not 1 < node_size < world:
+        return None
+    return node_groups(node_size, group)
 
 
 def make_gradient_sync(
@@ -339,7 +371,7 @@ def make_gradient_sync(
             return Fp32ShardedGradientSync(params, group, device, block)
         raise ValueError(f"parallel.zero1=true needs precision.gradients = int8, int4, int4-ef or fp32, got {mode!r}")
     if quantized:
-        return QuantizedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode])
+        return QuantizedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode], nodes=_nodes_of_world(node_size, group))
     if mode == "ring8":
         return PlainGradientSync(params, group, device, torch.float32, ring=True)
     if mode == "hier-8/4":

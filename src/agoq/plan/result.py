@@ -175,4 +175,4 @@ class Plan:
 
         c = self.config
         numel = max(r.parameters for r in self.setups[0].ranks) // torch.empty((), dtype=DTYPES[c.dtype]).element_size()
-        return gradient_link_bytes(numel, c.dp, c.node_size, c.gradient_block)
+        return gradient_link_bytes(numel, c.dp, c.node_size, c.gradient_block, by_node=c.pp == 1 and c.tp == 1)

@@ -49,7 +49,7 @@ class ParallelSection:
     virtual_stages: int = 1  # model chunks per pp rank (interleaved-1f1b needs >= 2)
     microbatches: int = 4  # per pipeline per step
     zero1: bool = False  # shard optimizer state over dp (8-bit reduce-scatter + all-gather)
-    node_size: int = 0  # ranks per node for precision.gradients=hier-8/4 (0: LOCAL_WORLD_SIZE, the launcher's ranks per host)
+    node_size: int = 0  # dp ranks per node, for hier-8/4 and (at pp = tp = 1) the quantized all-gather across nodes (0: LOCAL_WORLD_SIZE, the launcher's ranks per host)
 
 
 @dataclass

@@ -246,7 +246,7 @@ def build_gradient_path(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]]
     """The gradient sync over the dp group and the optimizer that reads it: ZeRO-1's sharded pair, or
     the full buffer (8-bit, fp32 or bf16 all-reduce) with AdamW on fp32 masters."""
     p, pr = cfg.parallel, cfg.precision
-    node_size = p.node_size or min(p.dp, int(os.environ.get("LOCAL_WORLD_SIZE", p.dp)))  # only hier-8/4 reads it
+    node_size = p.node_size or min(p.dp, int(os.environ.get("LOCAL_WORLD_SIZE", p.dp)))  # hier-8/4; the 8-bit all-gather at pp = tp = 1
     sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block, sharded=p.zero1, node_size=node_size)
     if p.zero1:
         from agoq.train.zero1 import Zero1Optimizer
