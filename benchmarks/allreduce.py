@@ -18,7 +18,8 @@ node, int4 all-reduce between nodes, all-gather within a node. A node is LOCAL_W
 hosts (``netns``), the 8-bit and int4 all-reduces gather between hosts, then within each, as
 training does across nodes (agoq.gradient.collectives.gathers_by_node).
 
-Times are the slowest rank's, median over ``--reps``. Each rank uses one thread.
+Times are the slowest rank's, median over ``--reps``; "same repetition" ratios are the median of
+each repetition's ratio (the methods take turns within a repetition). Each rank uses one thread.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m benchmarks.allreduce``."""
     parser.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES), help=f"fp32 message sizes, local run (default {DEFAULT_SIZES})")
     parser.add_argument("--ranks", type=int, default=4, help="local ranks (default 4)")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per size, the methods taking turns; median reported (default 7)")
+    parser.add_argument("--reps", type=int, default=11, help="timed repetitions per size, the methods taking turns; median reported (default 11)")
     parser.add_argument(
         "--netns-sizes",
         type=_sizes,
@@ -412,18 +413,24 @@ def _human(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Median over repetitions of a's time / b's time in the same repetition (the methods take
+    turns within each one, so a change in the machine's load cancels in each ratio)."""
+    return statistics.median(x / y for x, y in zip(a["times_s"], b["times_s"]))
+
+
 def local_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: times, parts and bytes per size, with ratios to fp32."""
     lines = [
-        "| message (fp32) | fp32 ms | bf16 ms | 8-bit ms | 8-bit / fp32 time | quantize | all-to-all | reduce | all-gather | dequantize | bytes/rank fp32 | bf16 | 8-bit | 8-bit / fp32 bytes | 8-bit rel. error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| message (fp32) | fp32 ms | bf16 ms | 8-bit ms | 8-bit / fp32 time | same repetition | quantize | all-to-all | reduce | all-gather | dequantize | bytes/rank fp32 | bf16 | 8-bit | 8-bit / fp32 bytes | 8-bit rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, m in sorted(_by(rows).items()):
         f, b, q = m["fp32"], m["bf16"], m["8bit"]
         parts = " | ".join(f"{1e3 * q['parts_s'][p]:.2f}" for p in PARTS)
         lines.append(
             f"| {_human(size)} | {1e3 * f['time_s']:.2f} | {1e3 * b['time_s']:.2f} | {1e3 * q['time_s']:.2f} | "
-            f"{q['time_s'] / f['time_s']:.2f}x | {parts} | {_human(f['wire_bytes_per_rank'])} | "
+            f"{q['time_s'] / f['time_s']:.2f}x | {paired_ratio(q, f):.2f}x | {parts} | {_human(f['wire_bytes_per_rank'])} | "
             f"{_human(b['wire_bytes_per_rank'])} | {_human(q['wire_bytes_per_rank'])} | "
             f"{q['wire_bytes_per_rank'] / f['wire_bytes_per_rank']:.3f}x | {q['rel_l2_error']:.2e} |"
         )
@@ -462,19 +469,19 @@ def _link(row: dict[str, Any]) -> float:
 def netns_table(by_rate: dict[str, Any]) -> str:
     """Markdown: per link rate and size, times and the bytes that crossed the link."""
     lines = [
-        "| link | message (fp32) | fp32 ms | bf16 ms | 8-bit ms | fp32 / 8-bit time | bf16 / 8-bit time | link bytes per op fp32 | bf16 | 8-bit | 8-bit / fp32 link bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| link | message (fp32) | fp32 ms | bf16 ms | 8-bit ms | fp32 / 8-bit time | same repetition | bf16 / 8-bit time | link bytes per op fp32 | bf16 | 8-bit | 8-bit / fp32 link bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate, res in by_rate.items():
         if "skipped" in res:
-            lines.append(f"| {rate} | skipped: {res['skipped']} |||||||||")
+            lines.append(f"| {rate} | skipped: {res['skipped']} ||||||||||")
             continue
         for size, m in sorted(_by(res["rows"]).items()):
             f, b, q = m["fp32"], m["bf16"], m["8bit"]
             link = {k: sum(v["link_tx_bytes_per_op"].values()) for k, v in m.items()}
             lines.append(
                 f"| {rate} | {_human(size)} | {1e3 * f['time_s']:.1f} | {1e3 * b['time_s']:.1f} | {1e3 * q['time_s']:.1f} | "
-                f"{f['time_s'] / q['time_s']:.2f}x | {b['time_s'] / q['time_s']:.2f}x | {_human(link['fp32'])} | "
+                f"{f['time_s'] / q['time_s']:.2f}x | {paired_ratio(f, q):.2f}x | {b['time_s'] / q['time_s']:.2f}x | {_human(link['fp32'])} | "
                 f"{_human(link['bf16'])} | {_human(link['8bit'])} | {link['8bit'] / link['fp32']:.3f}x |"
             )
     return "\n".join(lines)
