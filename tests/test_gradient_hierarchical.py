@@ -25,7 +25,7 @@ from agoq.gradient import (
     node_groups,
     simulate_hierarchical,
 )
-from agoq.gradient.collectives import inter_node_name
+from agoq.gradient.collectives import NODE_PIECE_BYTES, inter_node_name, node_pieces
 from agoq.gradient.hierarchical import HOP_NAMES, hierarchical_bytes, hierarchical_layout
 from tests._dist import run_distributed
 
@@ -100,15 +100,20 @@ BY_NODE_CASES = [(1, "sum"), (4099, "sum"), (30001, "avg"), (BYTES_N, "sum")]
 
 
 def _by_node_case(rank: int, world: int, groups, n: int, op: str, group=None) -> dict:
-    """all_reduce_8bit of the same input flat and gathered by node (digests, and each path's counts)."""
+    """all_reduce_8bit of the same input gathered by node, and flat piece by piece (node_pieces): digests and counts."""
     members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     x = _input(members.index(rank) + 100, n)
-    out = {}
-    for path, nodes in (("flat", None), ("by_node", groups)):
-        y, counter = x.clone(), CommCounter()
-        all_reduce_8bit(y, op, group, counter=counter, nodes=nodes)
-        out[path] = {"digest": _digest(y), "bytes": counter.as_dict()}
-    return out
+    pieces = node_pieces(n, groups)
+    y, counter = x.clone(), CommCounter()
+    all_reduce_8bit(y, op, group, counter=counter, nodes=groups)
+    z, flat_counter = x.clone(), CommCounter()
+    for a, b in pieces:
+        all_reduce_8bit(z[a:b], op, group, counter=flat_counter)
+    return {
+        "pieces": pieces,
+        "flat": {"digest": _digest(z), "bytes": flat_counter.as_dict()},
+        "by_node": {"digest": _digest(y), "bytes": counter.as_dict()},
+    }
 
 
 def _subgroup_case(rank: int) -> dict | None:
@@ -266,33 +271,40 @@ def test_nan_in_one_rank_makes_its_blocks_nan_on_every_rank(runs):
             assert 256 <= nan["count"] <= 256 + 2 * 128 and nan["span"] <= 256 + 2 * 128, nan
 
 
-def _row_bytes(n: int, world: int) -> int:
-    return chunk_layout(n, world, "int8/256").row_bytes
-
-
 def test_the_8bit_all_reduce_gathered_by_node_equals_the_flat_one_bit_for_bit(runs):
+    # Piece by piece: a large tensor over nodes goes as pieces, each an all-reduce of its own.
     for world, results in runs.items():
         for i, case in enumerate(BY_NODE_CASES):
-            digests = {(path, r["by_node"][i][path]["digest"]) for r in results for path in ("flat", "by_node")}
-            assert len({d for _, d in digests}) == 1, (world, case)  # every rank, both paths
+            digests = {r["by_node"][i][path]["digest"] for r in results for path in ("flat", "by_node")}
+            assert len(digests) == 1, (world, case)  # every rank, both paths
     sub = [r["subgroup"]["by_node"] for r in runs[6][2:]]
     assert len({s[path]["digest"] for s in sub for path in ("flat", "by_node")}) == 1
 
 
+def test_a_large_tensor_over_nodes_goes_as_pieces_of_about_node_piece_bytes(runs):
+    for world, results in runs.items():
+        for (n, _), entry in zip(BY_NODE_CASES, results[0]["by_node"]):
+            pieces = [tuple(p) for p in entry["pieces"]]
+            assert pieces[0][0] == 0 and pieces[-1][1] == n and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+            assert len(pieces) == max(1, -(-n * 4 // NODE_PIECE_BYTES)), (n, pieces)
+    assert len(results[0]["by_node"][-1]["pieces"]) == 3  # BYTES_N: just over 4 MiB of fp32
+
+
 def test_by_node_the_same_bytes_are_sent_and_fewer_cross_nodes(runs):
-    # Per rank: the all-to-all sends W - 1 rows, W - L to other nodes; the all-gather W - 1 rows,
-    # N - 1 of them across nodes (a ring would carry (W - 1) / L across on average).
+    # Per rank and piece: the all-to-all sends W - 1 rows, W - L to other nodes; the all-gather
+    # W - 1 rows, N - 1 of them across nodes (a ring would carry (W - 1) / L across on average).
     name = "all_reduce_8bit"
     for world, results in runs.items():
         nodes = world // NODE_SIZE
         for r in results:
-            for (n, _), entry in zip(BY_NODE_CASES, r["by_node"]):
-                flat, by_node, row = entry["flat"]["bytes"], entry["by_node"]["bytes"], _row_bytes(n, world)
-                assert set(flat) == {name} and flat[name]["total"] == 2 * (world - 1) * row
+            for entry in r["by_node"]:
+                flat, by_node = entry["flat"]["bytes"], entry["by_node"]["bytes"]
+                rows = sum(chunk_layout(b - a, world, "int8/256").row_bytes for a, b in entry["pieces"])
+                assert set(flat) == {name} and flat[name]["total"] == 2 * (world - 1) * rows
                 inter = by_node[inter_node_name(name)]["total"]
-                assert inter == (world - NODE_SIZE + nodes - 1) * row, (world, n)
+                assert inter == (world - NODE_SIZE + nodes - 1) * rows
                 assert by_node[name]["total"] + inter == flat[name]["total"]
-                assert inter < (world - NODE_SIZE) * row + (world - 1) * row / NODE_SIZE
+                assert inter < (world - NODE_SIZE) * rows + (world - 1) * rows / NODE_SIZE
 
 
 def test_single_process_is_two_requantizations_within_the_bound():
