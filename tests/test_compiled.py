@@ -21,6 +21,13 @@ def _data(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.fixture(params=[False, True], ids=["byte_codes", "float_codes"])
+def codes_as_floats(request, monkeypatch) -> bool:
+    """Both ways the kernels can get codes: bytes, and fp32 as on CPUs held to AVX2 (C.codes_as_floats)."""
+    monkeypatch.setattr(C, "codes_as_floats", lambda device_type="cpu": request.param)
+    return request.param
+
+
 def _reference(fn, *args, **kwargs):
     with backend.use_backend("torch"):
         return fn(*args, **kwargs)
@@ -41,6 +48,17 @@ def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str) -
             assert torch.equal(got.payload, ref.payload), (spec, dtype, n)
             assert torch.equal(got.scales, ref.scales), (spec, dtype, n)
             assert torch.equal(C.dequantize(ref), _reference(dequantize, ref)), (spec, dtype, n)
+
+
+@pytest.mark.parametrize("spec", ["int3/128", "int4/128", "int8/256", "nf4/128", "fp8/128"])
+def test_dequantizing_from_float_codes_equals_the_reference(spec: str, monkeypatch) -> None:
+    # codes_as_floats (CPUs held to AVX2): the codes reach the kernel as fp32, slab by slab.
+    monkeypatch.setattr(C, "codes_as_floats", lambda device_type="cpu": True)
+    fmt = parse_format(spec)
+    x = _data((2 * C.SLAB_VALUES // fmt.block_size + 3) * fmt.block_size, torch.float32, seed=3)  # three slabs
+    q = _reference(quantize, x, fmt)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(C.dequantize(q, dtype), _reference(dequantize, q, dtype)), (spec, dtype)
 
 
 @pytest.mark.parametrize("spec", ["int2/128", "int4/128", "fp4/128", "nf4/128", "fp4/64"])
@@ -104,7 +122,7 @@ def test_non_finite_input_takes_the_reference_path_for_both_modes() -> None:
 
 
 @pytest.mark.parametrize("spec", ["int8/256", "int4/128", "fp8/128"])
-def test_the_gradient_fold_equals_dequantize_add_requantize(spec: str) -> None:
+def test_the_gradient_fold_equals_dequantize_add_requantize(spec: str, codes_as_floats: bool) -> None:
     fmt = parse_format(spec)
     n = 8 * fmt.block_size
     pay_c = torch.zeros(fmt.payload_bytes(n), dtype=torch.uint8)
@@ -124,7 +142,7 @@ def test_the_gradient_fold_equals_dequantize_add_requantize(spec: str) -> None:
 
 
 @pytest.mark.parametrize("average", [False, True])
-def test_the_all_reduce_local_sum_is_the_reference_sum_in_rank_order(average: bool) -> None:
+def test_the_all_reduce_local_sum_is_the_reference_sum_in_rank_order(average: bool, codes_as_floats: bool) -> None:
     fmt = parse_format("int8/256")
     rows = [quantize(_data(1024, torch.float32, seed=r), fmt) for r in range(3)]
     pay = torch.stack([q.payload for q in rows])
@@ -218,7 +236,7 @@ def test_a_compiled_formula_runs_its_variants_without_dynamo_and_compiles_one_mo
 
 
 @pytest.mark.parametrize("spec", ["int8/256", "int4/128", "nf4/64"])
-def test_sum_of_squares_reads_whole_blocks_in_one_pass_and_equals_the_dequantized_sum(spec: str) -> None:
+def test_sum_of_squares_reads_whole_blocks_in_one_pass_and_equals_the_dequantized_sum(spec: str, codes_as_floats: bool) -> None:
     fmt = parse_format(spec)
     x = torch.randn(fmt.block_size * 37) * 3
     q = quantize(x, fmt)
@@ -245,7 +263,7 @@ def test_the_gradient_buffer_norm_under_compiled_code_equals_the_reference() -> 
 
 
 @pytest.mark.parametrize("spec", ["int4/128", "nf4/64", "int8/32"])
-def test_a_formula_reading_codes_equals_the_formula_on_dequantized_values(spec: str) -> None:
+def test_a_formula_reading_codes_equals_the_formula_on_dequantized_values(spec: str, codes_as_floats: bool) -> None:
     from agoq.activation.ops import _swiglu_backward
 
     fmt = parse_format(spec)

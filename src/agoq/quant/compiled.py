@@ -354,7 +354,7 @@ def reading_codes(fn: Callable[..., Any], fmt: QuantFormat, positions: tuple[int
             if not (a.whole_blocks if quantized else a.numel() % fmt.block_size == 0 and a.is_contiguous()):
                 raise ValueError(f"reading_codes needs whole blocks of {fmt.block_size} values and contiguous tensors (argument {i})")
             if quantized:
-                flat += [_codes(a.payload, fmt.bits).view(-1, fmt.block_size), a.scales]
+                flat += [_codes(a.payload, fmt).view(-1, fmt.block_size), a.scales]
             else:
                 flat.append(a.view(-1, fmt.block_size))
         out = kernel(*flat)
@@ -381,19 +381,40 @@ def _constants(fmt: QuantFormat) -> dict[str, Any]:
     return {"block": fmt.block_size, "kind": fmt.kind, "bits": fmt.bits, "book": _book(fmt.kind)}
 
 
-def _codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
-    """One uint8 code per value of a payload of whole packing groups (8-bit payloads are their codes).
+@functools.cache
+def codes_as_floats(device_type: str = "cpu") -> bool:
+    """Whether the kernels get codes as fp32 values rather than bytes on this machine.
+
+    Inductor's CPU code loads a graph's uint8 input 8 bytes at a time, as many as its float lanes;
+    with AVX512 that is one masked load, but AVX2 has no masked byte load, and ATen's fallback
+    copies each 8 bytes through a zero-filled buffer. Held to AVX2 on an AMD EPYC (one thread, 2M
+    values), the gradient fold ran 10.7 ms from bytes and 3.1 ms from fp32 codes converted by
+    ATen's vectorized cast first, an int4 dequantize 3.4 ms and 1.2 ms; with AVX512 the bytes are
+    faster (1.9 ms and 0.85 ms against 3.0 ms and 1.5 ms). The values are the same: codes are
+    small integers, exact in fp32.
+    """
+    if device_type != "cpu":
+        return False
+    from torch._inductor import cpu_vec_isa
+
+    return str(cpu_vec_isa.pick_vec_isa()) == "avx2"
+
+
+def _codes(payload: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """One code per value of a payload of whole packing groups (8-bit payloads are their codes):
+    uint8, or fp32 where :func:`codes_as_floats` (fp8 codes are bit patterns and stay bytes).
 
     Unpacking runs on the reference's SWAR integer path (agoq.quant.packing), outside the compiled
     graph: inductor does not vectorize a loop whose input index is the output index // g, and the
     unpacked codes then feed a contiguous, vectorized loop (measured int4: 0.25x -> 0.6x of a copy).
     """
-    if bits == 8:
-        return payload
-    g, gbytes = packing_group(bits)
-    out = torch.empty(payload.numel() // gbytes * g, dtype=torch.uint8, device=payload.device)
-    unpack_into(payload.contiguous(), bits, out)
-    return out
+    if fmt.bits == 8:
+        codes = payload
+    else:
+        g, gbytes = packing_group(fmt.bits)
+        codes = torch.empty(payload.numel() // gbytes * g, dtype=torch.uint8, device=payload.device)
+        unpack_into(payload.contiguous(), fmt.bits, codes)
+    return codes.float() if fmt.kind != "fp8" and codes_as_floats(codes.device.type) else codes
 
 
 def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -501,11 +522,13 @@ def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch
     # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
     # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4 at
     # 64M values, slabs of 1M 2x faster).
-    per_slab = blocks if fmt.bits == 8 else max(1, SLAB_VALUES // fmt.block_size)
+    # (Codes as fp32, codes_as_floats, also go a slab at a time: their copy is 4 bytes a value.)
+    whole = fmt.bits == 8 and not codes_as_floats(payload.device.type)
+    per_slab = blocks if whole else max(1, SLAB_VALUES // fmt.block_size)
     for b0, b1, lo, hi in _slabs(fmt, blocks, per_slab):
         # Codes, scales and out all carry the block count as their first size, so the compiled
         # graph sees one size (duck-shaped) and fuses everything into one loop over out.
-        kernel(_codes(payload[lo:hi], fmt.bits).view(-1, fmt.block_size), scales[b0:b1], values[b0:b1])
+        kernel(_codes(payload[lo:hi], fmt).view(-1, fmt.block_size), scales[b0:b1], values[b0:b1])
 
 
 def _fold_region(
@@ -521,7 +544,8 @@ def _fold_region(
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
     kernel = compiled(formula, first=first, max_value=fmt.max_value, **_constants(fmt))
-    new_codes, new_scales, *rest = kernel(_codes(payload, fmt.bits), scales, g)
+    # A first fold reads no codes: its graph gets the payload as it is (no conversion).
+    new_codes, new_scales, *rest = kernel(payload if first and fmt.bits == 8 else _codes(payload, fmt), scales, g)
     _pack_codes(new_codes, fmt.bits, payload)
     scales.copy_(new_scales)
     return tuple(rest)
@@ -554,7 +578,7 @@ def sum_of_squares(q: QTensor) -> torch.Tensor:
     if q.numel == 0:
         return torch.zeros((), dtype=torch.float64, device=q.device)
     kernel = compiled(_sum_of_squares, **_constants(fmt))
-    return kernel(_codes(q.payload, fmt.bits).view(-1, fmt.block_size), q.scales)
+    return kernel(_codes(q.payload, fmt).view(-1, fmt.block_size), q.scales)
 
 
 def reduce_rows(
@@ -568,7 +592,7 @@ def reduce_rows(
             f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}"
         )
     kernel = compiled(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
-    acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt.bits).view(w, -1), scale_rows)
+    acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt).view(w, -1), scale_rows)
     q = QTensor(_pack_codes(codes, fmt.bits), scales, torch.Size([n]), torch.float32, fmt) if requantize else None
     if q is not None and not bool(torch.isfinite(scales).all()):
         q = reference_quantize(acc, fmt, nonfinite="propagate")
