@@ -174,10 +174,16 @@ def run(args: argparse.Namespace) -> int:
         "setup": "1 process (pp = dp = 1), 4 micro-batches of 4 x 128 tokens, AdamW; int8 gradients fold into the 8-bit buffer (no communication at dp = 1)",
         "rows": rows,
     }
-    cmd = f"python -m benchmarks.step_profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
+    # Held to AVX2 (benchmarks.run_time's AVX2_ONLY_ENV) on a CPU with more: a file of its own.
+    from benchmarks.run_time import AVX2_ONLY_ENV
+
+    held = all(os.environ.get(k, "").lower() == v.lower() for k, v in AVX2_ONLY_ENV.items())
+    results["held_to_avx2"] = held
+    env = "".join(f"{k}={v} " for k, v in AVX2_ONLY_ENV.items()) if held else ""
+    cmd = f"{env}python -m benchmarks.step_profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
     if args.out_dir:
         cmd += f" --out-dir {args.out_dir}"
-    name = f"step_profile_{args.model}_{args.dtype}"
+    name = f"step_profile_{args.model}_{args.dtype}" + ("_avx2" if held else "")
     results["history"] = history(Path(args.out_dir or RESULTS_DIR) / f"{name}.json")
     write_result(name, results, command=cmd, out_dir=args.out_dir)
     print(readme_markdown(results))
