@@ -201,6 +201,7 @@ def history(path: Path) -> list[dict[str, Any]]:
     headline = {
         "git_revision": previous.get("git_revision"),
         "date": previous.get("date"),
+        "processor": previous.get("machine", {}).get("processor"),
         "cpu_flags": previous.get("machine", {}).get("cpu_flags"),
         "vs_bf16_policy": {r["config"]: round(r["vs_bf16_policy"], 3) for r in rows},
     }
