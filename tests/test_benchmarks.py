@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,8 +160,11 @@ def test_old_agoq_bench_commands_render_as_the_module_that_runs_them():
     # Every committed result file's command, rendered, parses with the options of the benchmark it names.
     import shlex
 
+    # A command may start with the environment it ran in (NAME=value words, as a shell reads them).
     for path in sorted(RESULTS.glob("*.json")):
         words = shlex.split(current_command(json.loads(path.read_text())["command"]))
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+            words = words[1:]
         assert words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."), (path.name, words)
         _parser(words[2].removeprefix("benchmarks.")).parse_args(words[3:])
 

@@ -89,6 +89,7 @@ def test_each_source_line_names_the_benchmark_that_writes_its_file():
     sources = re.findall(r"<sub>Source: `benchmarks/results/([a-z0-9_]+)\.json`, produced by `([^`]*)`", readme)
     assert len(sources) == len(re.findall(r"<!-- results:", readme)), "a results block without its source line"
     for name, command in sources:
+        command = re.sub(r"^(?:[A-Z_][A-Z0-9_]*=\S* )+", "", command)  # the environment it ran in, if any
         module = command.split()[2].removeprefix("benchmarks.") if command.startswith("python -m benchmarks.") else None
         assert module is not None, f"{name}: {command!r} is not a `python -m benchmarks.NAME` command"
         assert name == module or name.startswith(f"{module}_"), f"{name}.json is said to come from benchmarks.{module}"
