@@ -54,8 +54,9 @@ def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str) -
 def test_dequantizing_from_float_codes_equals_the_reference(spec: str, monkeypatch) -> None:
     # codes_as_floats (CPUs held to AVX2): the codes reach the kernel as fp32, slab by slab.
     monkeypatch.setattr(C, "codes_as_floats", lambda device_type="cpu": True)
+    monkeypatch.setattr(C, "SLAB_VALUES", 4096)  # small slabs, so that a small tensor has three
     fmt = parse_format(spec)
-    x = _data((2 * C.SLAB_VALUES // fmt.block_size + 3) * fmt.block_size, torch.float32, seed=3)  # three slabs
+    x = _data((2 * C.SLAB_VALUES // fmt.block_size + 3) * fmt.block_size, torch.float32, seed=3)
     q = _reference(quantize, x, fmt)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(C.dequantize(q, dtype), _reference(dequantize, q, dtype)), (spec, dtype)

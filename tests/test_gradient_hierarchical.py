@@ -25,7 +25,8 @@ from agoq.gradient import (
     node_groups,
     simulate_hierarchical,
 )
-from agoq.gradient.collectives import NODE_PIECE_BYTES, inter_node_name, node_pieces
+from agoq.gradient import collectives
+from agoq.gradient.collectives import NODE_PIECES_MAX, inter_node_name, node_pieces
 from agoq.gradient.hierarchical import HOP_NAMES, hierarchical_bytes, hierarchical_layout
 from tests._dist import run_distributed
 
@@ -96,7 +97,10 @@ def _nan_case(rank: int, world: int, groups) -> dict:
     }
 
 
-BY_NODE_CASES = [(1, "sum"), (4099, "sum"), (30001, "avg"), (BYTES_N, "sum")]
+BY_NODE_CASES = [(1, "sum"), (4099, "sum"), (30001, "avg"), (200003, "sum")]
+# Pieces of 16 KiB in the workers (2 MiB in use), so that small tensors go as 1, 2 and up to
+# NODE_PIECES_MAX pieces.
+TEST_PIECE_BYTES = 16 << 10
 
 
 def _by_node_case(rank: int, world: int, groups, n: int, op: str, group=None) -> dict:
@@ -150,6 +154,7 @@ def _checks(rank: int, world: int) -> dict:
     all_reduce_hierarchical(_input(rank, BYTES_N), "sum", groups, counter=counter)
     out["big_bytes"] = counter.as_dict()
     out["nan"] = _nan_case(rank, world, groups)
+    collectives.NODE_PIECE_BYTES = TEST_PIECE_BYTES
     out["by_node"] = [_by_node_case(rank, world, groups, n, op) for n, op in BY_NODE_CASES]
     if world == 4:
         # One node of 4 (no inter-node hop) and 4 nodes of 1 (no intra-node hops).
@@ -281,13 +286,13 @@ def test_the_8bit_all_reduce_gathered_by_node_equals_the_flat_one_bit_for_bit(ru
     assert len({s[path]["digest"] for s in sub for path in ("flat", "by_node")}) == 1
 
 
-def test_a_large_tensor_over_nodes_goes_as_pieces_of_about_node_piece_bytes(runs):
+def test_a_large_tensor_over_nodes_goes_as_pieces_of_about_node_piece_bytes_at_most_node_pieces_max(runs):
     for world, results in runs.items():
         for (n, _), entry in zip(BY_NODE_CASES, results[0]["by_node"]):
             pieces = [tuple(p) for p in entry["pieces"]]
             assert pieces[0][0] == 0 and pieces[-1][1] == n and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
-            assert len(pieces) == max(1, -(-n * 4 // NODE_PIECE_BYTES)), (n, pieces)
-    assert len(results[0]["by_node"][-1]["pieces"]) == 3  # BYTES_N: just over 4 MiB of fp32
+            assert len(pieces) == min(NODE_PIECES_MAX, max(1, -(-n * 4 // TEST_PIECE_BYTES))), (n, pieces)
+    assert [len(entry["pieces"]) for entry in results[0]["by_node"]] == [1, 2, NODE_PIECES_MAX, NODE_PIECES_MAX]
 
 
 def test_by_node_the_same_bytes_are_sent_and_fewer_cross_nodes(runs):
