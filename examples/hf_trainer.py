@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from agoq.integrations.hf_trainer import AgoqTrainer
@@ -136,3 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    # Every rank leaves the process group together and before the interpreter exits: an exit with
+    # gloo's threads still running can abort a rank ("terminate called without an active exception").
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
