@@ -134,7 +134,8 @@ def chunk_layout(numel: int, world_size: int, fmt: QuantFormat | str | None = No
 
 
 @contextmanager
-def _timed(timings: dict[str, float] | None, key: str) -> Iterator[None]:
+def timed_phase(timings: dict[str, float] | None, key: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``timings[key]`` (nothing when ``timings`` is None)."""
     if timings is None:
         yield
         return
@@ -197,10 +198,14 @@ def gathers_by_all_to_all(group: Group = None) -> bool:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world
 
 
+# Appended to a collective's counter name for its bytes that cross between nodes.
+INTER_NODE_SUFFIX = ":inter_node"
+
+
 def inter_node_name(name: str) -> str:
     """The counter name of collective ``name``'s bytes that cross between nodes (counted apart where
     the reduction knows its nodes; the rest, within a node, stay under ``name``)."""
-    return f"{name}:inter_node"
+    return name + INTER_NODE_SUFFIX
 
 
 def gathers_by_node(nodes: NodeGroups | None) -> bool:
@@ -271,7 +276,7 @@ class EightBitReduction:
         self._rows = None
         self._send: torch.Tensor | None = to_wire(rows, w)
         self._recv = torch.empty_like(self._send)
-        with _timed(timings, "all_to_all"):
+        with timed_phase(timings, "all_to_all"):
             self._a2a = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
             if timings is not None:
                 self._a2a.wait()
@@ -290,7 +295,7 @@ class EightBitReduction:
             return rows.payload.view(1, -1), rows.scales.view(1, -1)
         if self._recv is None:
             raise RuntimeError("this reduction was already reduced")
-        with _timed(self.timings, "all_to_all"):
+        with timed_phase(self.timings, "all_to_all"):
             if self._a2a is not None:
                 self._a2a.wait()
         self._a2a, self._send = None, None
@@ -325,7 +330,7 @@ class EightBitReduction:
     def reduce(self) -> torch.Tensor:
         """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
         recv = self._take_received()
-        with _timed(self.timings, "reduce"):
+        with timed_phase(self.timings, "reduce"):
             kernels = backend.kernels(self._device, self.layout.fmt)
             if kernels is not None:
                 # Compiled or Triton: dequantize the W rows, sum in fp32 in rank order and
@@ -352,7 +357,7 @@ class EightBitReduction:
         fmt, pb = layout.fmt, layout.row_payload_bytes
         send = torch.empty(layout.row_bytes, dtype=torch.uint8, device=self._device)
         payload, scales = send[:pb], send[pb:].view(torch.float32)
-        with _timed(self.timings, "reduce"):
+        with timed_phase(self.timings, "reduce"):
             kernels = backend.kernels(self._device, fmt)
             for start, end in self._pieces():
                 b0, b1 = start // fmt.block_size, end // fmt.block_size
@@ -370,7 +375,7 @@ class EightBitReduction:
     def start_gather(self, reduced: torch.Tensor) -> None:
         """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
         layout = self.layout
-        with _timed(self.timings, "reduce"):
+        with timed_phase(self.timings, "reduce"):
             done, self._requantized = self._requantized, None
             fresh = done is not None and done[0] is reduced and reduced._version == done[1]  # not modified since
             q = done[2] if fresh else quantize(reduced, layout.fmt, nonfinite="propagate")
@@ -386,7 +391,7 @@ class EightBitReduction:
         if w == 1:
             self._gathered = send.view(1, layout.row_bytes)
             return
-        with _timed(self.timings, "all_gather"):
+        with timed_phase(self.timings, "all_gather"):
             if self.nodes is not None:
                 # Step 1 of 2 (gathers_by_node): the chunks of this rank's peers on the other nodes.
                 flat = torch.empty(self.nodes.nodes * layout.row_bytes, dtype=torch.uint8, device=send.device)
@@ -409,7 +414,7 @@ class EightBitReduction:
         if self._gathered is None:
             raise RuntimeError("call start_gather() before gathered()")
         if self._gather_work is not None:
-            with _timed(self.timings, "all_gather"):
+            with timed_phase(self.timings, "all_gather"):
                 self._gather_work.wait()
                 self._gather_work = self._gather_send = None
                 if self.nodes is not None:
@@ -433,8 +438,8 @@ class PendingAllReduce:
     all-reduce spans nodes, see :func:`node_pieces`).
     """
 
-    def __init__(self, reductions: EightBitReduction | list[EightBitReduction], tensor: torch.Tensor) -> None:
-        self._reductions = reductions if isinstance(reductions, list) else [reductions]
+    def __init__(self, reductions: list[EightBitReduction], tensor: torch.Tensor) -> None:
+        self._reductions = reductions
         self._tensor = tensor
         self._done = False
 
@@ -463,7 +468,7 @@ def _dequantize_gathered(r: EightBitReduction, flat: torch.Tensor) -> None:
     """The all-gathered bytes of ``r`` dequantized row by row into ``flat`` (its layout.numel values)."""
     wire = r.gathered()
     layout = r.layout
-    with _timed(r.timings, "dequantize"):
+    with timed_phase(r.timings, "dequantize"):
         for i in range(layout.world_size):
             lo, hi = i * layout.chunk, min(layout.numel, (i + 1) * layout.chunk)
             if hi <= lo:
@@ -505,7 +510,7 @@ def _start_8bit(
     _check_float(tensor, name)
     world_size, _ = world_of(group)
     layout = chunk_layout(tensor.numel(), world_size, fmt)
-    with _timed(timings, "quantize"):
+    with timed_phase(timings, "quantize"):
         rows = quantize_rows(tensor, layout)
     return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes)
 

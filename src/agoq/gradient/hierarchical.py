@@ -28,10 +28,8 @@ Non-finite inputs are never turned into finite values: their blocks come out NaN
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +43,7 @@ from agoq.gradient.collectives import (
     from_wire,
     parse_op,
     quantize_rows,
+    timed_phase,
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter
 from agoq.gradient.nodes import NodeGroups, check_node_size, gather_within_node
@@ -85,14 +84,6 @@ def hierarchical_bytes(layout: HierarchicalLayout) -> dict[str, tuple[int, int]]
     }
 
 
-@contextmanager
-def _timed(timings: dict[str, float] | None, key: str) -> Iterator[None]:
-    t0 = time.perf_counter()
-    yield
-    if timings is not None:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-
 def _unpack(wire: torch.Tensor, layout: HierarchicalLayout, out: torch.Tensor) -> None:
     """Dequantize the gathered bytes [node_size, nodes * inner.row_bytes] into the flat ``out``."""
     outer, inner = layout.outer, layout.inner
@@ -126,15 +117,15 @@ def all_reduce_hierarchical(
     op = parse_op(op)
     counter = COMM_COUNTER if counter is None else counter
     layout = hierarchical_layout(tensor.numel(), groups.node_size, groups.nodes, intra_fmt, inter_fmt)
-    with _timed(timings, HOP_NAMES[0]):
+    with timed_phase(timings, HOP_NAMES[0]):
         hop1 = EightBitReduction(quantize_rows(tensor, layout.outer), layout.outer, op, groups.intra, counter=counter, name=HOP_NAMES[0])
         partial = hop1.reduce()[: layout.outer.chunk]
-    with _timed(timings, HOP_NAMES[1]):
+    with timed_phase(timings, HOP_NAMES[1]):
         hop2 = EightBitReduction(quantize_rows(partial, layout.inner), layout.inner, op, groups.inter, counter=counter, name=HOP_NAMES[1])
         del partial
         hop2.reduce_and_gather()
         chunk_bytes = hop2.gathered().reshape(-1)
-    with _timed(timings, HOP_NAMES[2]):
+    with timed_phase(timings, HOP_NAMES[2]):
         inner = layout.inner
         counter.record(
             HOP_NAMES[2],
@@ -142,7 +133,7 @@ def all_reduce_hierarchical(
             (groups.node_size - 1) * inner.world_size * inner.row_scale_bytes,
         )
         wire = gather_within_node(chunk_bytes, groups)
-    with _timed(timings, "dequantize"):
+    with timed_phase(timings, "dequantize"):
         flat = (
             tensor.view(-1)
             if tensor.is_contiguous() and tensor.dtype == torch.float32

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import Group, int8_gradient_format, inter_node_name, world_of
+from agoq.gradient.collectives import INTER_NODE_SUFFIX, Group, int8_gradient_format, world_of
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.hierarchical import HOP_NAMES, all_reduce_hierarchical
@@ -318,7 +318,7 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
     def link_bytes_last_step(self) -> dict[str, int]:
         if self.nodes is None:
             return {}
-        inter = sum(self.counter.bytes(name) for name in self.counter.as_dict() if name.endswith(inter_node_name("")))
+        inter = sum(self.counter.bytes(name) for name in self.counter.as_dict() if name.endswith(INTER_NODE_SUFFIX))
         return {"intra_node": self.counter.bytes() - inter, "inter_node": inter}
 
     def units(self) -> list[tuple[int, int]]:
