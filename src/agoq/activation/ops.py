@@ -233,34 +233,38 @@ class _SwiGLULinear(torch.autograd.Function):
         grad_gate = torch.empty(gshape, dtype=gdtype, device=gp.device)
         grad_up = torch.empty(ushape, dtype=udtype, device=gp.device)
         gate_rows, up_rows = _tokens(grad_gate), _tokens(grad_up)
-        grad_down: torch.Tensor | None = None
+        # The gradient of SiLU(gate) * up in one GEMM, the tensor the bf16 policy's backward makes
+        # too. Each chunk's recomputed SiLU(gate) * up then overwrites the rows it was computed
+        # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
+        # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost the small model's layer
+        # 32.5 ms against the bf16 policy's 26.1 ms; benchmarks.op_overhead).
+        grad_act = F.linear(go, down_weight.t())
         for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
-            grad_act = F.linear(go[r0:r1], down_weight.t())
+            grad_act_rows = grad_act[r0:r1]
             g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
             if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
-                act, gg, gu = kernels.swiglu_backward(grad_act, g_chunk, u_chunk, gdtype, act_dtype)
+                act, gg, gu = kernels.swiglu_backward(grad_act_rows, g_chunk, u_chunk, gdtype, act_dtype)
             elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
-                act, gg, gu = of_codes(grad_act, g_chunk, u_chunk)
+                act, gg, gu = of_codes(grad_act_rows, g_chunk, u_chunk)
             else:
-                # Arguments passed without names, so the formula can drop each after its last use.
                 into = {"out": (gate_rows[r0:r1], up_rows[r0:r1])} if eager else {}
-                act, gg, gu = formula(grad_act, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32), **into)
-            del grad_act
+                act, gg, gu = formula(grad_act_rows, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32), **into)
             if not eager:
                 gate_rows[r0:r1].copy_(gg)
                 up_rows[r0:r1].copy_(gu)
             del gg, gu
             if act is not None:
-                grad_down = _accumulate_product(grad_down, go[r0:r1], act)
-        return grad_gate, grad_up, None if grad_down is None else grad_down.to(down_weight.dtype), None
+                grad_act_rows.copy_(act)
+            del act, grad_act_rows
+        grad_down = go.t().mm(grad_act).to(down_weight.dtype) if need_act else None
+        return grad_gate, grad_up, grad_down, None
 
 
 # Rows of the SwiGLU backward computed at once: its fp32 temporaries (the output gradient, gate
-# and up dequantized, sigmoid and SiLU) are a chunk's rows, not every token's. Each chunk costs a
-# pass over the fp32 down-weight gradient it adds into (measured small model, 512 tokens: 25.2 ms
-# per layer backward at 64-row chunks, 20.9 at 188, 19.4 whole), so on a CPU a chunk is about
-# 128K values (512 KiB of fp32 each, in cache between the formula's passes); a GPU takes far
-# larger chunks, so that the chunk's GEMMs stay large. At least MIN_CHUNK_ROWS rows.
+# and up dequantized, sigmoid and SiLU) are a chunk's rows, not every token's. The GEMMs stay
+# whole, so a chunk costs only a call: on a CPU a chunk is about 128K values (512 KiB of fp32
+# each, in cache between the formula's passes); a GPU takes far larger chunks, fewer launches.
+# At least MIN_CHUNK_ROWS rows.
 SWIGLU_CHUNK_VALUES = {"cpu": 1 << 17, "device": 1 << 24}
 MIN_CHUNK_ROWS = 64
 

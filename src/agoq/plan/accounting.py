@@ -57,9 +57,9 @@ STEP_BYTES = 4  # AdamW's per-parameter step counter (a 0-dim fp32 tensor)
 # of the product, gate and up and SiLU's derivative in the compute dtype; the fused op's backward
 # (_swiglu_backward), per element of the chunk of rows it works on, at its peak holds gate and up
 # dequantized to fp32, the output gradient in fp32, sigmoid, SiLU and the gate gradient's first
-# product in fp32, and the up gradient and the output gradient as computed in the compute dtype
-# (besides the whole gate and up gradients it writes the chunks into).
-SWIGLU_BACKWARD_VALUES = {"baseline": (0, 4), "quantized": (6, 2)}  # (fp32 values, compute-dtype values)
+# product in fp32, and the up gradient as computed in the compute dtype (besides the whole gate and
+# up gradients it writes the chunks into, and the whole output gradient, computed in one GEMM).
+SWIGLU_BACKWARD_VALUES = {"baseline": (0, 4), "quantized": (6, 1)}  # (fp32 values, compute-dtype values)
 # The paper's measured cost of its quantization kernels per layer: +2% forward, +3% backward.
 QUANT_OVERHEAD = (0.02, 0.03)
 BACKWARD_OVER_FORWARD = 2.0  # backward does two GEMMs per forward GEMM
@@ -295,9 +295,10 @@ class TemporaryBytes:
         m, es = sh.m, sh.es
         fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["quantized" if setup.activations else "baseline"]
         if setup.activations:
-            # The fused backward works a chunk of rows at a time beside its two whole outputs.
+            # The fused backward works a chunk of rows at a time beside its two whole outputs and
+            # the whole output gradient.
             rows = chunk_rows(sh.tokens_tp, m.intermediate, sh.fmt.block_size, sh.device, SWIGLU_CHUNK_VALUES)
-            swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 2 * sh.tokens_tp * m.intermediate * es
+            swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 3 * sh.tokens_tp * m.intermediate * es
             # Then the fused norm + gate/up backward: those two gradients, the two weight gradients
             # it returns, and the norm's fp32 recompute and backward (about six [rows, hidden] of
             # the chunk of rows it works on).

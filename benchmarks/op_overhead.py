@@ -1,0 +1,133 @@
+"""What each fused AGoQ op adds to a decoder layer: forward + backward of the op against the bf16
+policy's plain ops on the same tensors, one op at a time.
+
+The step profile (benchmarks.step_profile) says which category of a whole step grows; this says
+which op, at a model's own shapes (one micro-batch of tokens), so that a change to one op is
+measured on that op. Both sides run interleaved in each round, on one thread; the table gives the
+median of each and the median of the per-round ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+from benchmarks._common import add_out_dir
+
+DESCRIPTION = "forward + backward time of each fused AGoQ op (norm + GEMMs, SwiGLU + GEMM) against the bf16 policy's ops, at a model's shapes"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, tokens, dtype, rounds and output folder."""
+    parser.add_argument("--model", default="small", help="model preset whose layer shapes are used (tiny, small)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of the micro-batch (the step profile's: 4 x 128)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="compute dtype")
+    parser.add_argument("--backend", default="compiled", choices=("torch", "compiled"), help="quantization backend of the AGoQ ops")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: what each worker of the default run gets on 2 cores)")
+    add_out_dir(parser)
+
+
+def _ops(model: str, tokens: int, dtype: Any) -> dict[str, Callable[[Any], None]]:
+    """Each fused op's forward + backward as a function of the format (None: the bf16 policy's ops)."""
+    import torch
+
+    from agoq.activation import ops
+    from agoq.models.config import PRESETS
+
+    m = PRESETS[model]
+    kv = m.n_kv_heads * m.head_dim
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+
+    x, norm_w = leaf(tokens, m.hidden), torch.ones(m.hidden, dtype=dtype, requires_grad=True)
+    qkv = [leaf(m.hidden, m.hidden, scale=0.02), leaf(kv, m.hidden, scale=0.02), leaf(kv, m.hidden, scale=0.02)]
+    gate_up = [leaf(m.intermediate, m.hidden, scale=0.02), leaf(m.intermediate, m.hidden, scale=0.02)]
+    gate, up, down = leaf(tokens, m.intermediate), leaf(tokens, m.intermediate), leaf(m.hidden, m.intermediate, scale=0.02)
+
+    def norm_linear(weights: list[torch.Tensor]) -> Callable[[Any], None]:
+        def step(fmt: Any) -> None:
+            outs = ops.rms_norm_linear(x, norm_w, m.norm_eps, weights, fmt)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+        return step
+
+    def swiglu(fmt: Any) -> None:
+        out = ops.swiglu_linear(gate, up, down, fmt)
+        out.backward(torch.ones_like(out))
+
+    return {"norm + q/k/v GEMMs": norm_linear(qkv), "norm + gate/up GEMMs": norm_linear(gate_up), "SwiGLU + down GEMM": swiglu}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time each op both ways, interleaved; write op_overhead.json and print the table."""
+    import torch
+
+    from benchmarks._common import write_result
+    from agoq.activation.policy import DEFAULT_ACTIVATION_FORMAT
+    from agoq.quant import backend, parse_format
+
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    fmt = parse_format(DEFAULT_ACTIVATION_FORMAT)
+    rows = []
+    with backend.use_backend(args.backend):
+        for name, step in _ops(args.model, args.tokens, dtype).items():
+            times: dict[str, list[float]] = {"bf16 policy": [], "agoq": []}
+            for r in range(args.rounds + 2):  # two warm-up rounds (compilation, allocator)
+                for side, f in (("bf16 policy", None), ("agoq", fmt)):
+                    t0 = time.perf_counter()
+                    step(f)
+                    if r >= 2:
+                        times[side].append(time.perf_counter() - t0)
+            base, agoq = (statistics.median(times[s]) for s in ("bf16 policy", "agoq"))
+            paired = statistics.median(a / b for a, b in zip(times["agoq"], times["bf16 policy"]))
+            rows.append({"op": name, "bf16_policy_ms": base * 1e3, "agoq_ms": agoq * 1e3, "ratio": agoq / base, "ratio_same_round": paired})
+    results = {
+        "model": args.model,
+        "tokens": args.tokens,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "format": fmt.name,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "rows": rows,
+    }
+    cmd = (
+        f"python -m benchmarks.op_overhead --model {args.model} --tokens {args.tokens} --dtype {args.dtype} "
+        f"--backend {args.backend} --rounds {args.rounds} --threads {args.threads}"
+    )
+    if args.out_dir:
+        cmd += f" --out-dir {args.out_dir}"
+    write_result("op_overhead", results, command=cmd, out_dir=args.out_dir)
+    print(readme_markdown(results))
+    return 0
+
+
+def readme_markdown(results: dict[str, Any]) -> str:
+    """The table of ops: each side's median and the ratios."""
+    lines = [
+        f"{results['model']} layer, {results['tokens']} tokens, {results['dtype']}, {results['backend']} quantization, "
+        f"{results['threads']} thread(s), median of {results['rounds']} interleaved rounds",
+        "",
+        "| op, forward + backward | bf16 policy ms | AGoQ ms | AGoQ / bf16 policy | same round |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        lines.append(f"| {r['op']} | {r['bf16_policy_ms']:.2f} | {r['agoq_ms']:.2f} | {r['ratio']:.2f}x | {r['ratio_same_round']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the benchmark (``python -m benchmarks.op_overhead``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.op_overhead", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
