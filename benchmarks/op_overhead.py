@@ -10,8 +10,10 @@ median of each and the median of the per-round ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks._common import add_out_dir
@@ -97,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "rows": rows,
     }
+    from benchmarks._common import RESULTS_DIR
+
+    results["history"] = history(Path(args.out_dir or RESULTS_DIR) / "op_overhead.json")
     cmd = (
         f"python -m benchmarks.op_overhead --model {args.model} --tokens {args.tokens} --dtype {args.dtype} "
         f"--backend {args.backend} --rounds {args.rounds} --threads {args.threads}"
@@ -106,6 +111,24 @@ def run(args: argparse.Namespace) -> int:
     write_result("op_overhead", results, command=cmd, out_dir=args.out_dir)
     print(readme_markdown(results))
     return 0
+
+
+def history(path: Path) -> list[dict[str, Any]]:
+    """The earlier results' headlines (revision, date, machine, each op's same-round ratio) from the
+    result file at ``path``, oldest first, with that file's own last."""
+    try:
+        previous = json.loads(path.read_text())
+        rows = previous["results"]["rows"]
+    except (OSError, ValueError, KeyError):
+        return []
+    headline = {
+        "git_revision": previous.get("git_revision"),
+        "date": previous.get("date"),
+        "processor": previous.get("machine", {}).get("processor"),
+        "cpu_flags": previous.get("machine", {}).get("cpu_flags"),
+        "ratio_same_round": {r["op"]: round(r["ratio_same_round"], 3) for r in rows},
+    }
+    return [*previous["results"].get("history", []), headline]
 
 
 def readme_markdown(results: dict[str, Any]) -> str:
@@ -119,6 +142,9 @@ def readme_markdown(results: dict[str, Any]) -> str:
     ]
     for r in results["rows"]:
         lines.append(f"| {r['op']} | {r['bf16_policy_ms']:.2f} | {r['agoq_ms']:.2f} | {r['ratio']:.2f}x | {r['ratio_same_round']:.2f}x |")
+    for h in results.get("history", []):
+        ratios = ", ".join(f"{op} {ratio:.2f}x" for op, ratio in h["ratio_same_round"].items())
+        lines.append(f"\nEarlier, revision {h['git_revision']} ({h['date'][:10]}, {h.get('processor') or '?'}), same round: {ratios}.")
     return "\n".join(lines)
 
 

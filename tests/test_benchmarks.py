@@ -174,3 +174,20 @@ def test_the_installed_package_carries_no_benchmarks():
 
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("agoq.bench")
+
+
+def test_op_overhead_times_each_fused_op_both_ways_and_keeps_the_earlier_ratios(tmp_path, capsys):
+    from benchmarks import op_overhead
+
+    argv = ["--model", "tiny", "--tokens", "128", "--rounds", "1", "--backend", "torch", "--out-dir", str(tmp_path)]
+    before = _committed()
+    assert op_overhead.main(argv) == 0 and op_overhead.main(argv) == 0
+    assert _committed() == before
+    written = json.loads((tmp_path / "op_overhead.json").read_text())["results"]
+    assert [r["op"] for r in written["rows"]] == ["norm + q/k/v GEMMs", "norm + gate/up GEMMs", "SwiGLU + down GEMM"]
+    for r in written["rows"]:
+        assert r["bf16_policy_ms"] > 0 and r["agoq_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["agoq_ms"] / r["bf16_policy_ms"])
+    # The second invocation keeps the first's ratios as its history.
+    assert len(written["history"]) == 1 and set(written["history"][0]["ratio_same_round"]) == {r["op"] for r in written["rows"]}
+    assert "Earlier, revision" in capsys.readouterr().out
