@@ -4,7 +4,10 @@ policy's plain ops on the same tensors, one op at a time.
 The step profile (benchmarks.step_profile) says which category of a whole step grows; this says
 which op, at a model's own shapes (one micro-batch of tokens), so that a change to one op is
 measured on that op. Both sides run interleaved in each round, on one thread; the table gives the
-median of each and the median of the per-round ratio.
+median of each and the median of the per-round ratio. With ``--against REV`` the fused ops of
+revision REV (``agoq/activation/ops.py`` read from git) run in the same rounds as a third side: a
+change to an op is then measured before and after in one process, where separate invocations on a
+shared machine differ by more than the change.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 from benchmarks._common import add_out_dir
@@ -29,14 +35,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="compiled", choices=("torch", "compiled"), help="quantization backend of the AGoQ ops")
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: what each worker of the default run gets on 2 cores)")
+    parser.add_argument("--against", default=None, metavar="REV", help="also time the fused ops of git revision REV in the same rounds")
     add_out_dir(parser)
 
 
-def _ops(model: str, tokens: int, dtype: Any) -> dict[str, Callable[[Any], None]]:
-    """Each fused op's forward + backward as a function of the format (None: the bf16 policy's ops)."""
+def ops_at(revision: str) -> ModuleType:
+    """agoq.activation.ops as it was at git ``revision``, loaded as a module of its own (it imports
+    the rest of agoq from this tree)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{revision}:src/agoq/activation/ops.py"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--against {revision}: cannot read src/agoq/activation/ops.py at that revision ({e})") from None
+    module = ModuleType(f"agoq_ops_at_{revision}")
+    sys.modules[module.__name__] = module  # torch.compile looks its functions' module up by name
+    exec(compile(source, f"{revision}:src/agoq/activation/ops.py", "exec"), module.__dict__)  # noqa: S102 - this repository's own history
+    return module
+
+
+def _ops(model: str, tokens: int, dtype: Any) -> dict[str, Callable[[Any, Any], None]]:
+    """Each fused op's forward + backward as a function of the format (None: the bf16 policy's ops)
+    and of the module that implements it (agoq.activation.ops, or :func:`ops_at` a revision)."""
     import torch
 
-    from agoq.activation import ops
     from agoq.models.config import PRESETS
 
     m = PRESETS[model]
@@ -51,14 +74,14 @@ def _ops(model: str, tokens: int, dtype: Any) -> dict[str, Callable[[Any], None]
     gate_up = [leaf(m.intermediate, m.hidden, scale=0.02), leaf(m.intermediate, m.hidden, scale=0.02)]
     gate, up, down = leaf(tokens, m.intermediate), leaf(tokens, m.intermediate), leaf(m.hidden, m.intermediate, scale=0.02)
 
-    def norm_linear(weights: list[torch.Tensor]) -> Callable[[Any], None]:
-        def step(fmt: Any) -> None:
+    def norm_linear(weights: list[torch.Tensor]) -> Callable[[Any, Any], None]:
+        def step(fmt: Any, ops: Any) -> None:
             outs = ops.rms_norm_linear(x, norm_w, m.norm_eps, weights, fmt)
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
         return step
 
-    def swiglu(fmt: Any) -> None:
+    def swiglu(fmt: Any, ops: Any) -> None:
         out = ops.swiglu_linear(gate, up, down, fmt)
         out.backward(torch.ones_like(out))
 
@@ -76,19 +99,27 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     fmt = parse_format(DEFAULT_ACTIVATION_FORMAT)
+    from agoq.activation import ops
+
+    sides = {"bf16 policy": (None, ops), "agoq": (fmt, ops)}
+    if args.against:
+        sides[f"agoq at {args.against}"] = (fmt, ops_at(args.against))
     rows = []
     with backend.use_backend(args.backend):
         for name, step in _ops(args.model, args.tokens, dtype).items():
-            times: dict[str, list[float]] = {"bf16 policy": [], "agoq": []}
+            times: dict[str, list[float]] = {side: [] for side in sides}
             for r in range(args.rounds + 2):  # two warm-up rounds (compilation, allocator)
-                for side, f in (("bf16 policy", None), ("agoq", fmt)):
+                for side, (f, module) in sides.items():
                     t0 = time.perf_counter()
-                    step(f)
+                    step(f, module)
                     if r >= 2:
                         times[side].append(time.perf_counter() - t0)
             base, agoq = (statistics.median(times[s]) for s in ("bf16 policy", "agoq"))
-            paired = statistics.median(a / b for a, b in zip(times["agoq"], times["bf16 policy"]))
-            rows.append({"op": name, "bf16_policy_ms": base * 1e3, "agoq_ms": agoq * 1e3, "ratio": agoq / base, "ratio_same_round": paired})
+            row = {"op": name, "bf16_policy_ms": base * 1e3, "agoq_ms": agoq * 1e3, "ratio": agoq / base, "ratio_same_round": _paired(times, "agoq")}
+            if args.against:
+                row.update(against=args.against, against_ms=statistics.median(times[f"agoq at {args.against}"]) * 1e3)
+                row["against_ratio_same_round"] = _paired(times, f"agoq at {args.against}")
+            rows.append(row)
     results = {
         "model": args.model,
         "tokens": args.tokens,
@@ -105,12 +136,17 @@ def run(args: argparse.Namespace) -> int:
     cmd = (
         f"python -m benchmarks.op_overhead --model {args.model} --tokens {args.tokens} --dtype {args.dtype} "
         f"--backend {args.backend} --rounds {args.rounds} --threads {args.threads}"
-    )
+    ) + (f" --against {args.against}" if args.against else "")
     if args.out_dir:
         cmd += f" --out-dir {args.out_dir}"
     write_result("op_overhead", results, command=cmd, out_dir=args.out_dir)
     print(readme_markdown(results))
     return 0
+
+
+def _paired(times: dict[str, list[float]], side: str) -> float:
+    """The median over rounds of the side's time over the bf16 policy's in the same round."""
+    return statistics.median(a / b for a, b in zip(times[side], times["bf16 policy"]))
 
 
 def history(path: Path) -> list[dict[str, Any]]:
@@ -137,11 +173,18 @@ def readme_markdown(results: dict[str, Any]) -> str:
         f"{results['model']} layer, {results['tokens']} tokens, {results['dtype']}, {results['backend']} quantization, "
         f"{results['threads']} thread(s), median of {results['rounds']} interleaved rounds",
         "",
-        "| op, forward + backward | bf16 policy ms | AGoQ ms | AGoQ / bf16 policy | same round |",
-        "|---|---:|---:|---:|---:|",
+    ]
+    against = results["rows"][0].get("against") if results["rows"] else None
+    extra = f" AGoQ at {against} ms | same round, AGoQ at {against} |" if against else ""
+    lines += [
+        "| op, forward + backward | bf16 policy ms | AGoQ ms | AGoQ / bf16 policy | same round |" + extra,
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if against else ""),
     ]
     for r in results["rows"]:
-        lines.append(f"| {r['op']} | {r['bf16_policy_ms']:.2f} | {r['agoq_ms']:.2f} | {r['ratio']:.2f}x | {r['ratio_same_round']:.2f}x |")
+        line = f"| {r['op']} | {r['bf16_policy_ms']:.2f} | {r['agoq_ms']:.2f} | {r['ratio']:.2f}x | {r['ratio_same_round']:.2f}x |"
+        if against:
+            line += f" {r['against_ms']:.2f} | {r['against_ratio_same_round']:.2f}x |"
+        lines.append(line)
     for h in results.get("history", []):
         ratios = ", ".join(f"{op} {ratio:.2f}x" for op, ratio in h["ratio_same_round"].items())
         lines.append(f"\nEarlier, revision {h['git_revision']} ({h['date'][:10]}, {h.get('processor') or '?'}), same round: {ratios}.")
