@@ -11,7 +11,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # The committed results beside this file (whatever the working directory), or $AGOQ_RESULTS_DIR.
 RESULTS_DIR = Path(os.environ.get("AGOQ_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
@@ -101,6 +101,25 @@ def git_revision() -> str:
         return rev + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def result_history(path: Path, ratios: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The earlier results' headlines from the result file at ``path``, oldest first, with that
+    file's own last: its revision, date and machine, and what ``ratios`` picks from its rows."""
+    try:
+        previous = json.loads(path.read_text())
+        rows = previous["results"]["rows"]
+    except (OSError, ValueError, KeyError):
+        return []
+    machine = previous.get("machine", {})
+    headline = {
+        "git_revision": previous.get("git_revision"),
+        "date": previous.get("date"),
+        "processor": machine.get("processor"),
+        "cpu_flags": machine.get("cpu_flags"),
+        **ratios(rows),
+    }
+    return [*previous["results"].get("history", []), headline]
 
 
 def write_result(name: str, results: Any, *, command: str | None = None, out_dir: Path | None = None) -> Path:

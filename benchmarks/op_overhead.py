@@ -13,7 +13,6 @@ shared machine differ by more than the change.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -150,21 +149,10 @@ def _paired(times: dict[str, list[float]], side: str) -> float:
 
 
 def history(path: Path) -> list[dict[str, Any]]:
-    """The earlier results' headlines (revision, date, machine, each op's same-round ratio) from the
-    result file at ``path``, oldest first, with that file's own last."""
-    try:
-        previous = json.loads(path.read_text())
-        rows = previous["results"]["rows"]
-    except (OSError, ValueError, KeyError):
-        return []
-    headline = {
-        "git_revision": previous.get("git_revision"),
-        "date": previous.get("date"),
-        "processor": previous.get("machine", {}).get("processor"),
-        "cpu_flags": previous.get("machine", {}).get("cpu_flags"),
-        "ratio_same_round": {r["op"]: round(r["ratio_same_round"], 3) for r in rows},
-    }
-    return [*previous["results"].get("history", []), headline]
+    """The earlier results' headlines, with each op's same-round ratio (benchmarks._common.result_history)."""
+    from benchmarks._common import result_history
+
+    return result_history(path, lambda rows: {"ratio_same_round": {r["op"]: round(r["ratio_same_round"], 3) for r in rows}})
 
 
 def readme_markdown(results: dict[str, Any]) -> str:

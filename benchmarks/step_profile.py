@@ -9,7 +9,6 @@ a few more steps groups self CPU time into categories, to show what AGoQ adds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -194,21 +193,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def history(path: Path) -> list[dict[str, Any]]:
-    """The earlier results' headlines (revision, date, CPU flags, ratio to the bf16 policy per
-    configuration) from the result file at ``path``, oldest first, with that file's own last."""
-    try:
-        previous = json.loads(path.read_text())
-        rows = previous["results"]["rows"]
-    except (OSError, ValueError, KeyError):
-        return []
-    headline = {
-        "git_revision": previous.get("git_revision"),
-        "date": previous.get("date"),
-        "processor": previous.get("machine", {}).get("processor"),
-        "cpu_flags": previous.get("machine", {}).get("cpu_flags"),
-        "vs_bf16_policy": {r["config"]: round(r["vs_bf16_policy"], 3) for r in rows},
-    }
-    return [*previous["results"].get("history", []), headline]
+    """The earlier results' headlines, with each configuration's ratio to the bf16 policy (benchmarks._common.result_history)."""
+    from benchmarks._common import result_history
+
+    return result_history(path, lambda rows: {"vs_bf16_policy": {r["config"]: round(r["vs_bf16_policy"], 3) for r in rows}})
 
 
 def readme_markdown(results: dict[str, Any]) -> str:
