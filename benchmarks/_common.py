@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -101,6 +102,12 @@ def git_revision() -> str:
         return rev + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def same_round_ratio(times: list[float], base_times: list[float]) -> float:
+    """The median over rounds of ``times[i] / base_times[i]``: the sides take turns within each
+    round, so a change in the machine's load cancels in each round's ratio."""
+    return statistics.median(t / b for t, b in zip(times, base_times))
 
 
 def result_history(path: Path, ratios: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> list[dict[str, Any]]:

@@ -415,8 +415,10 @@ def _human(n: float) -> str:
 
 def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Median over repetitions of a's time / b's time in the same repetition (the methods take
-    turns within each one, so a change in the machine's load cancels in each ratio)."""
-    return statistics.median(x / y for x, y in zip(a["times_s"], b["times_s"]))
+    turns within each one)."""
+    from benchmarks._common import same_round_ratio
+
+    return same_round_ratio(a["times_s"], b["times_s"])
 
 
 def local_table(rows: list[dict[str, Any]]) -> str:

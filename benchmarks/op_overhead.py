@@ -91,15 +91,14 @@ def run(args: argparse.Namespace) -> int:
     """Time each op both ways, interleaved; write op_overhead.json and print the table."""
     import torch
 
-    from benchmarks._common import write_result
+    from benchmarks._common import RESULTS_DIR, same_round_ratio, write_result
+    from agoq.activation import ops
     from agoq.activation.policy import DEFAULT_ACTIVATION_FORMAT
     from agoq.quant import backend, parse_format
 
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     fmt = parse_format(DEFAULT_ACTIVATION_FORMAT)
-    from agoq.activation import ops
-
     sides = {"bf16 policy": (None, ops), "agoq": (fmt, ops)}
     if args.against:
         sides[f"agoq at {args.against}"] = (fmt, ops_at(args.against))
@@ -114,10 +113,16 @@ def run(args: argparse.Namespace) -> int:
                     if r >= 2:
                         times[side].append(time.perf_counter() - t0)
             base, agoq = (statistics.median(times[s]) for s in ("bf16 policy", "agoq"))
-            row = {"op": name, "bf16_policy_ms": base * 1e3, "agoq_ms": agoq * 1e3, "ratio": agoq / base, "ratio_same_round": _paired(times, "agoq")}
+            row = {
+                "op": name,
+                "bf16_policy_ms": base * 1e3,
+                "agoq_ms": agoq * 1e3,
+                "ratio": agoq / base,
+                "ratio_same_round": same_round_ratio(times["agoq"], times["bf16 policy"]),
+            }
             if args.against:
                 row.update(against=args.against, against_ms=statistics.median(times[f"agoq at {args.against}"]) * 1e3)
-                row["against_ratio_same_round"] = _paired(times, f"agoq at {args.against}")
+                row["against_ratio_same_round"] = same_round_ratio(times[f"agoq at {args.against}"], times["bf16 policy"])
             rows.append(row)
     results = {
         "model": args.model,
@@ -129,8 +134,6 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "rows": rows,
     }
-    from benchmarks._common import RESULTS_DIR
-
     results["history"] = history(Path(args.out_dir or RESULTS_DIR) / "op_overhead.json")
     cmd = (
         f"python -m benchmarks.op_overhead --model {args.model} --tokens {args.tokens} --dtype {args.dtype} "
@@ -141,11 +144,6 @@ def run(args: argparse.Namespace) -> int:
     write_result("op_overhead", results, command=cmd, out_dir=args.out_dir)
     print(readme_markdown(results))
     return 0
-
-
-def _paired(times: dict[str, list[float]], side: str) -> float:
-    """The median over rounds of the side's time over the bf16 policy's in the same round."""
-    return statistics.median(a / b for a, b in zip(times[side], times["bf16 policy"]))
 
 
 def history(path: Path) -> list[dict[str, Any]]:

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import RESULTS_DIR, same_round_ratio, write_result
     from agoq.quant import backend
     from agoq.train.compute_dtype import cpu_bf16_flags
 
@@ -160,9 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 "step_s_median": median,
                 "step_s_all": times[name],
                 "vs_bf16_policy": median / base,
-                # The median of each round's own ratio: the rounds alternate configurations, so a
-                # slow stretch of the machine hits both sides of a round alike.
-                "vs_bf16_policy_same_round": statistics.median(t / b for t, b in zip(times[name], times[CONFIGS[0][0]])),
+                "vs_bf16_policy_same_round": same_round_ratio(times[name], times[CONFIGS[0][0]]),
                 "first_two_steps_s": compile_s[name],
                 "profile_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
             }

@@ -288,7 +288,8 @@ def _chunk_loss_and_logit_grad(
 
 
 class _WeightGradSum:
-    """The fp32 sum over chunks of g.T @ h, the LM-head weight gradient."""
+    """The sum over chunks of g.T @ h, the LM-head weight gradient: in fp32, or with one chunk
+    the product itself in g's dtype."""
 
     def __init__(self, weight: torch.Tensor, chunks: int) -> None:
         # Allocated at the first add, not before: the first chunk's logits and log-probs then never
@@ -304,7 +305,7 @@ class _WeightGradSum:
     def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
         """Add one chunk's g.T @ h ([chunk, vocab] and [chunk, hidden])."""
         w = self.weight
-        if g.dtype == torch.float32 or (self.chunks == 1 and self.total is None):
+        if g.dtype == torch.float32 or self.chunks == 1:
             # One chunk (a short micro-batch): the product is the gradient, rounded once into g's
             # dtype as the plain path's GEMM rounds it; no fp32 sum and no blocks (for a bf16
             # vocab 4096 x hidden 256 head they were 10 MiB of a 12 MiB peak of temporaries).

@@ -236,8 +236,8 @@ class _SwiGLULinear(torch.autograd.Function):
         # The gradient of SiLU(gate) * up in one GEMM, the tensor the bf16 policy's backward makes
         # too. Each chunk's recomputed SiLU(gate) * up then overwrites the rows it was computed
         # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
-        # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost the small model's layer
-        # 32.5 ms against the bf16 policy's 26.1 ms; benchmarks.op_overhead).
+        # fp32 temporaries still a chunk's rows (with row-chunked GEMMs the small model's op cost
+        # 1.14x the bf16 policy's, now 1.09x: benchmarks/results/op_overhead.json).
         grad_act = F.linear(go, down_weight.t())
         for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
             grad_act_rows = grad_act[r0:r1]
@@ -247,6 +247,7 @@ class _SwiGLULinear(torch.autograd.Function):
             elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
                 act, gg, gu = of_codes(grad_act_rows, g_chunk, u_chunk)
             else:
+                # Arguments passed without names, so the formula can drop each after its last use.
                 into = {"out": (gate_rows[r0:r1], up_rows[r0:r1])} if eager else {}
                 act, gg, gu = formula(grad_act_rows, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32), **into)
             if not eager:
