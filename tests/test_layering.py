@@ -20,6 +20,9 @@ ALLOWED = {
     # Other libraries' models and loops (transformers) get the activation ops and the 8-bit gradients.
     "integrations": {"models", "activation", "gradient", "quant"},
 }
+# Below every layer: modules of the standard library alone, so that the launcher can use them before
+# it imports torch (inductor_cache: the folder a torch held to another instruction set compiles into).
+BASE = {"inductor_cache"}
 
 
 def _agoq_imports(path: Path) -> set[str]:
@@ -60,9 +63,18 @@ def test_each_layer_imports_only_the_layers_below_it():
     violations = []
     for layer, allowed in ALLOWED.items():
         for path in (SRC / layer).rglob("*.py"):
-            for dep in _agoq_imports(path) - allowed - {layer}:
+            for dep in _agoq_imports(path) - allowed - BASE - {layer}:
                 violations.append(f"{path.relative_to(SRC)} imports agoq.{dep}")
     assert not violations, "\n".join(violations)
+
+
+def test_the_base_modules_import_only_the_standard_library():
+    import sys
+
+    for name in BASE:
+        path = SRC / f"{name}.py"
+        outside = _top_level_imports(path) - set(sys.stdlib_module_names) - {"__future__"}
+        assert not outside and not _agoq_imports(path), f"{name}.py imports {sorted(outside | _agoq_imports(path))}"
 
 
 def test_nothing_in_the_package_imports_the_benchmarks():

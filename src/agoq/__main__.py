@@ -1,7 +1,5 @@
 """``python -m agoq`` is the ``agoq`` command."""
 
-import sys
+from agoq.cli import console_main
 
-from agoq.cli import main
-
-sys.exit(main())
+console_main()

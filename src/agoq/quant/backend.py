@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from agoq.inductor_cache import use_capability_cache
 from agoq.quant.formats import QuantFormat
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
@@ -41,24 +42,7 @@ ENV_VAR = "AGOQ_QUANT_BACKEND"
 _choice: str | None = None  # set_backend's choice; None: the environment decides
 
 
-def _cache_per_capability() -> None:
-    """Keep the compiled code of a torch held to another instruction set apart from the default's.
-
-    Inductor's on-disk cache does not tell code built for AVX512 from code built under
-    ATEN_CPU_CAPABILITY=avx2: with that variable set, a cache filled without it hands back
-    AVX512 kernels that crash the process (measured: "free(): invalid pointer" in the first step).
-    So, unless the user chose a cache folder, the capability gets a subfolder of its own. Run at
-    import: inductor fixes its folder the first time anything asks for it (importing
-    torch.distributed.pipelining does), and the variable is read from then on.
-    """
-    capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"aten-cpu-capability-{capability.lower()}")
-
-
-_cache_per_capability()
+use_capability_cache()  # before anything asks inductor for its folder (agoq.inductor_cache)
 
 
 def _check_name(name: str, where: str) -> str:

@@ -3,7 +3,8 @@
 torch's TCPStore binds its listening socket to every interface, unless it is handed a socket that
 already listens (its ``master_listen_fd`` option). A local run therefore creates both of its stores
 on sockets bound to 127.0.0.1: the launcher's rendezvous store, and rank 0's process-group store.
-gloo's own connections follow ``GLOO_SOCKET_IFNAME``, set to the loopback interface. Multi-node
+gloo's own connections follow ``GLOO_SOCKET_IFNAME``, set to the loopback interface
+(agoq.train.forkserver.local_worker_env). Multi-node
 runs (torchrun) are left as torch sets them up: their stores must be reachable from other hosts.
 """
 
@@ -15,8 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-# Set by the local launcher in its workers' environment: host the process-group store on loopback.
-LOOPBACK_ENV = "AGOQ_LOOPBACK"
+
 HOST = "127.0.0.1"
 
 
@@ -51,15 +51,6 @@ def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300)) -
     )
     sock.detach()  # the store owns the descriptor now and closes it when it goes
     return store, port
-
-
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if there is one."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 _kept: list[object] = []  # rank 0's store lives as long as the process

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from agoq.train.compute_dtype import ResolvedChoices
 from agoq.train.config import TrainConfig
+from agoq.train.forkserver import adopt_launcher_env, local_worker_env, start_method, under_torchrun
 from agoq.train.lock import run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
 
@@ -364,7 +365,7 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
     launcher prints one line from the first rank that failed (:func:`failure_line`).
     """
     if launcher_env is not None:
-        _adopt_launcher_env(launcher_env)
+        adopt_launcher_env(launcher_env)
     _DeferredInterrupt.install()
     try:
         return train_worker(cfg, choices)
@@ -428,12 +429,11 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     """Run the training: in place under torchrun, else spawn pp x dp x tp local processes with torch's launcher."""
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     first = os.environ.get("RANK", "0") == "0"
     done = finished_run(cfg)
     if done is not None:
         return report_finished(cfg, done) if first else None
-    if under_torchrun:
+    if under_torchrun():
         if not first:
             return train_worker(cfg)
         with run_lock(cfg.train.out_dir):  # rank 0 holds the folder for the job
@@ -441,49 +441,6 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
             return train_worker(cfg)
     with run_lock(cfg.train.out_dir):
         return _launch_local(cfg, max_restarts)
-
-
-# The environment this module was imported with: in a worker forked from the fork server, the
-# server's; the launcher's per-rank variables are what differs from it (_adopt_launcher_env).
-_ENV_AT_IMPORT = dict(os.environ)
-# What the fork server imports once, so that every worker starts with torch, its compiler and
-# agoq loaded instead of importing them itself: four workers on two cores spent about 8 s of the
-# start importing (4 s of CPU each).
-FORKSERVER_PRELOAD = ("agoq.train.run", "agoq.train.trainer", "agoq.quant.compiled", "torch._dynamo", "torch._inductor.compile_fx")
-# Variables that libraries read when they are imported (thread pools, CPU capability, compiler
-# and cache settings): a fork server started with other values cannot serve this launch.
-_IMPORT_TIME_ENV = ("TORCH", "ATEN_", "ONEDNN", "DNNL", "OMP_", "GOMP", "KMP_", "MKL", "CUDA", "NCCL", "GLOO", "TRITON", "PYTHON", "LD_", "AGOQ")
-_forkserver_env: dict[str, str] | None = None
-
-
-def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
-
-
-def _start_method() -> str:
-    """'forkserver' (workers fork from a process that has torch and agoq imported) when this
-    process's fork server was, or is about to be, started with the variables read at import that
-    this launch has; 'spawn' otherwise (a long-lived process launching with a changed environment)."""
-    global _forkserver_env
-    import multiprocessing
-
-    if _forkserver_env is None:
-        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        _forkserver_env = _import_time_env()
-    return "forkserver" if _forkserver_env == _import_time_env() else "spawn"
-
-
-def _adopt_launcher_env(launcher_env: dict[str, str]) -> None:
-    """Make this worker's environment the launcher's, plus the per-rank variables the elastic agent set.
-
-    A worker forked from the fork server inherits the server's environment, which is the one of the
-    first launch in this process; later launches (tests, notebooks) may differ in what is read at
-    run time (AGOQ_QUANT_BACKEND, ...).
-    """
-    per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher_env)
-    os.environ.update(per_rank)
 
 
 def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
@@ -501,17 +458,10 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}", choices)
     # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store
     # is hosted here on 127.0.0.1, rank 0's store likewise, and gloo connects over loopback.
-    from agoq.train.loopback import LOOPBACK_ENV, loopback_interface, loopback_store
+    from agoq.train.loopback import loopback_store
 
     rdzv_store, rdzv_port = loopback_store()
-    iface = loopback_interface()
-    worker_env = {
-        # torch 2.13 shares one rendezvous store across restart rounds, which can hand restarted
-        # gloo workers the dead round's addresses ("Connection refused"); a fresh one per round avoids it.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
-        LOOPBACK_ENV: "1",
-        **({"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface)} if iface else {}),
-    }
+    worker_env = local_worker_env()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -530,7 +480,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         stale.unlink(missing_ok=True)
     saved = {k: os.environ.get(k) for k in worker_env}
     os.environ.update(worker_env)  # the spawned workers inherit it; this process gets its own back after
-    config.start_method = _start_method()
+    config.start_method = start_method()
     try:
         results = elastic_launch(config, worker_entry)(cfg, choices, dict(os.environ))
     finally:

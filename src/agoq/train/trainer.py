@@ -121,7 +121,8 @@ def _setup_distributed(cfg: TrainConfig) -> RankContext:
         torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))))
     owns_group = not dist.is_initialized()
     if owns_group:
-        from agoq.train.loopback import LOOPBACK_ENV, process_group_store
+        from agoq.train.forkserver import LOOPBACK_ENV
+        from agoq.train.loopback import process_group_store
 
         if os.environ.get(LOOPBACK_ENV) == "1":  # a local run: every endpoint on 127.0.0.1
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
