@@ -15,6 +15,8 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import socket
+from contextlib import contextmanager
+from typing import Iterator
 
 from agoq.inductor_cache import use_capability_cache
 
@@ -58,6 +60,22 @@ def local_worker_env() -> dict[str, str]:
     }
 
 
+@contextmanager
+def workers_environment() -> Iterator[None]:
+    """This process's environment plus :func:`local_worker_env` for the block, then as it was."""
+    extra = local_worker_env()
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _import_time_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
 
@@ -83,18 +101,9 @@ def start_early() -> None:
     if under_torchrun() or _forkserver_env is not None:
         return
     use_capability_cache()  # as agoq.quant does on import in every process: the server's variables then match the launch's
-    env = local_worker_env()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with workers_environment():
         if start_method() == "forkserver":
             multiprocessing.forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def adopt_launcher_env(launcher_env: dict[str, str]) -> None:

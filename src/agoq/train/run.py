@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from agoq.train.compute_dtype import ResolvedChoices
 from agoq.train.config import TrainConfig
-from agoq.train.forkserver import adopt_launcher_env, local_worker_env, start_method, under_torchrun
+from agoq.train.forkserver import adopt_launcher_env, start_method, under_torchrun, workers_environment
 from agoq.train.lock import run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
 
@@ -461,7 +461,6 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     from agoq.train.loopback import loopback_store
 
     rdzv_store, rdzv_port = loopback_store()
-    worker_env = local_worker_env()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -478,16 +477,10 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     # Earlier failures' logs would be mistaken for this run's.
     for stale in (Path(cfg.train.out_dir) / "logs").glob("rank*.error"):
         stale.unlink(missing_ok=True)
-    saved = {k: os.environ.get(k) for k in worker_env}
-    os.environ.update(worker_env)  # the spawned workers inherit it; this process gets its own back after
-    config.start_method = start_method()
     try:
-        results = elastic_launch(config, worker_entry)(cfg, choices, dict(os.environ))
+        with workers_environment():  # the workers inherit it; this process gets its own back after
+            config.start_method = start_method()
+            results = elastic_launch(config, worker_entry)(cfg, choices, dict(os.environ))
     finally:
         del rdzv_store  # closes its socket
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return results.get(0)
