@@ -53,9 +53,8 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     assert forkserver.LOOPBACK_ENV not in os.environ  # and only there
     assert server_env["TORCHINDUCTOR_CACHE_DIR"].endswith(os.sep + "aten-cpu-capability-avx2")
     # The launch (agoq.train.run._launch_local) sets the workers' variables and asks how to start them.
-    for k, v in forkserver.local_worker_env().items():
-        monkeypatch.setenv(k, v)
-    assert forkserver.start_method() == "forkserver"
+    with forkserver.workers_environment():
+        assert forkserver.start_method() == "forkserver"
     forkserver.start_early()  # a second launch in this process starts nothing more
     assert len(started) == 1
 
