@@ -236,6 +236,43 @@ def test_a_compiled_formula_runs_its_variants_without_dynamo_and_compiles_one_mo
         kernel._dynamo = dynamo
 
 
+def test_one_block_takes_the_graph_compiled_for_many(codes_as_floats: bool, monkeypatch) -> None:
+    """A tensor of one block (a norm weight's gradient) runs the graph that many blocks compiled, with the reference's results."""
+    # Compiled here, not read from inductor's on-disk caches: a graph that an older revision cached
+    # keeps that compile's size guards (two blocks or more), and would be compiled once more for one.
+    import torch._functorch.config as aot_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False):
+        _one_block_against_many(parse_format("int8/512"), monkeypatch)  # a block size no other test compiles in this process
+
+
+def _one_block_against_many(fmt, monkeypatch) -> None:
+    compiles: list[str] = []
+    dynamo_calls = C._Variants.__call__
+
+    def counted(self, *tensors):
+        if not any(guard.check({"tensors": tensors}) for guard, _ in self._variants):
+            compiles.append(self._fn.__name__)
+        return dynamo_calls(self, *tensors)
+
+    monkeypatch.setattr(C._Variants, "__call__", counted)
+    for blocks in (12, 1):
+        n = blocks * fmt.block_size
+        x = _data(n, torch.float32, seed=blocks)
+        q, ref = C.quantize(x, fmt), _reference(quantize, x, fmt)
+        assert torch.equal(q.payload, ref.payload) and torch.equal(q.scales, ref.scales), (fmt.name, blocks)
+        assert torch.equal(C.dequantize(q), _reference(dequantize, ref)), (fmt.name, blocks)
+        payload, scales = q.payload.clone(), q.scales.clone()
+        C.accumulate_(payload, scales, x, fmt, first=False)  # x + x: twice each value, requantized
+        twice = _reference(quantize, _reference(dequantize, ref) + x, fmt)
+        assert torch.equal(payload, twice.payload) and torch.equal(scales, twice.scales), (fmt.name, blocks)
+        if blocks == 12:
+            first = list(compiles)
+    assert first, "nothing was compiled for 12 blocks"
+    assert compiles == first, f"one block compiled {compiles[len(first) :]} again"
+
+
 @pytest.mark.parametrize("spec", ["int8/256", "int4/128", "nf4/64"])
 def test_sum_of_squares_reads_whole_blocks_in_one_pass_and_equals_the_dequantized_sum(spec: str, codes_as_floats: bool) -> None:
     fmt = parse_format(spec)

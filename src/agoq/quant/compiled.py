@@ -22,6 +22,7 @@ function. Shapes are compiled dynamically: one compile per function and format, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, Iterator
@@ -35,8 +36,8 @@ from agoq.quant.qtensor import QTensor
 from agoq.quant.qtensor import quantize as reference_quantize
 
 # Each (formula, constants) pair has a code object of its own (see _compiled), so recompiles are
-# only shape families (size 1 vs larger, contiguous or not): the default limit of 8 would do; this
-# leaves headroom for input dtypes.
+# only shape families (contiguous or not; size 1 or larger, outside the whole-block formulas): the
+# default limit of 8 would do; this leaves headroom for input dtypes.
 _RECOMPILE_LIMIT = 64
 # Values per call where a formula first unpacks codes eagerly: keeps that slab's codes in cache.
 SLAB_VALUES = 1 << 20
@@ -62,7 +63,7 @@ def _literal(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+def _compiled(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...], any_size: bool = False) -> Callable[..., Any]:
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -79,7 +80,7 @@ def _compiled(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...]) -> Ca
     namespace: dict[str, Any] = {"formula": fn, "torch": torch}
     exec(f"def {name}(*tensors):\n    return formula(*tensors, {arguments})\n", namespace)  # noqa: S102 - source built from literals above
     _KERNELS.append(namespace[name])
-    return _Variants(torch.compile(namespace[name], dynamic=True, fullgraph=True), namespace[name])
+    return _Variants(torch.compile(namespace[name], dynamic=True, fullgraph=True), namespace[name], any_size)
 
 
 class _Variants:
@@ -95,9 +96,10 @@ class _Variants:
     and the list is read again. The code that runs, and so every result, is torch.compile's.
     """
 
-    def __init__(self, dynamo: Callable[..., Any], fn: Callable[..., Any]) -> None:
+    def __init__(self, dynamo: Callable[..., Any], fn: Callable[..., Any], any_size: bool) -> None:
         self._dynamo = dynamo
         self._fn = fn
+        self._any_size = any_size
         self._variants: list[tuple[Any, Callable[..., Any]]] = []
 
     def __call__(self, *tensors: Any) -> Any:
@@ -105,9 +107,24 @@ class _Variants:
         for guard, run in self._variants:
             if guard.check(frame):
                 return run(*tensors)
-        result = self._dynamo(*tensors)
+        with _sizes_0_and_1_general() if self._any_size else contextlib.nullcontext():
+            result = self._dynamo(*tensors)
         self._variants = _cache_entries(self._fn)
         return result
+
+
+def _sizes_0_and_1_general() -> contextlib.AbstractContextManager[None]:
+    """Dynamo's sizes treated as any size, 0 and 1 included (backed_size_oblivious), while a formula compiles.
+
+    Dynamo otherwise compiles a size of 1 as a constant, so a tensor of one block (a norm weight's
+    gradient of 256 values, its one scale) got graphs of its own: four more compiles per process
+    in the default run, 1-4 s each on a machine's first run. Only for the whole-block formulas
+    below, whose sizes never broadcast (a size-1 dimension that broadcasts, like a norm's
+    [rows, 1] statistics, must stay a constant).
+    """
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def _cache_entries(fn: Callable[..., Any]) -> list[tuple[Any, Callable[..., Any]]]:
@@ -125,6 +142,11 @@ def _cache_entries(fn: Callable[..., Any]) -> list[tuple[Any, Callable[..., Any]
 def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
     """``fn`` with keyword ``constants`` fixed, compiled by torch.compile once and reused (dynamic shapes)."""
     return _compiled(fn, tuple(sorted(constants.items())))
+
+
+def _block_kernel(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
+    """:func:`compiled` for a formula over whole blocks: one graph for every block count, one block included."""
+    return _compiled(fn, tuple(sorted(constants.items())), any_size=True)
 
 
 # ---- the formulas (traced by torch.compile; each also runs eagerly) ------------------------------------
@@ -240,7 +262,7 @@ def _byte_table(bits: int, book: tuple) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _byte_table_kernel(fmt: QuantFormat) -> Callable[..., Any]:
     """The compiled _dequantize_bytes of a codebook format, built once: its table takes about 0.2 ms to build and hash."""
-    return compiled(_dequantize_bytes, block=fmt.block_size, per_byte=8 // fmt.bits, table=_byte_table(fmt.bits, _book(fmt.kind)))
+    return _block_kernel(_dequantize_bytes, block=fmt.block_size, per_byte=8 // fmt.bits, table=_byte_table(fmt.bits, _book(fmt.kind)))
 
 
 def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> None:
@@ -437,7 +459,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
     n, whole = x.numel(), flat.numel()
-    kernel = compiled(_quantize_blocks, max_value=fmt.max_value, **_constants(fmt))
+    kernel = _block_kernel(_quantize_blocks, max_value=fmt.max_value, **_constants(fmt))
     if fmt.bits == 8 or whole <= SLAB_VALUES:
         codes, scales = kernel(flat) if n else (flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=SCALE_DTYPE))
         payload = _pack_codes(codes, fmt.bits)
@@ -518,7 +540,7 @@ def _slabs(fmt: QuantFormat, blocks: int, per_slab: int) -> Iterator[tuple[int, 
 def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, fmt: QuantFormat) -> None:
     """Writes the values of whole blocks into ``values`` [blocks, block], from codes unpacked a slab at a time."""
     blocks = scales.numel()
-    kernel = compiled(_dequantize_blocks, **_constants(fmt))
+    kernel = _block_kernel(_dequantize_blocks, **_constants(fmt))
     # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
     # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4 at
     # 64M values, slabs of 1M 2x faster).
@@ -543,7 +565,7 @@ def _fold_region(
         )
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
-    kernel = compiled(formula, first=first, max_value=fmt.max_value, **_constants(fmt))
+    kernel = _block_kernel(formula, first=first, max_value=fmt.max_value, **_constants(fmt))
     # A first fold reads no codes: its graph gets the payload as it is (no conversion).
     new_codes, new_scales, *rest = kernel(payload if first and fmt.bits == 8 else _codes(payload, fmt), scales, g)
     _pack_codes(new_codes, fmt.bits, payload)
@@ -577,7 +599,7 @@ def sum_of_squares(q: QTensor) -> torch.Tensor:
         raise ValueError(f"sum_of_squares needs whole blocks of {fmt.block_size} values, got {q.numel} values")
     if q.numel == 0:
         return torch.zeros((), dtype=torch.float64, device=q.device)
-    kernel = compiled(_sum_of_squares, **_constants(fmt))
+    kernel = _block_kernel(_sum_of_squares, **_constants(fmt))
     return kernel(_codes(q.payload, fmt).view(-1, fmt.block_size), q.scales)
 
 
@@ -591,7 +613,7 @@ def reduce_rows(
         raise ValueError(
             f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}"
         )
-    kernel = compiled(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
+    kernel = _block_kernel(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
     acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt).view(w, -1), scale_rows)
     q = QTensor(_pack_codes(codes, fmt.bits), scales, torch.Size([n]), torch.float32, fmt) if requantize else None
     if q is not None and not bool(torch.isfinite(scales).all()):
