@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -236,41 +239,58 @@ def test_a_compiled_formula_runs_its_variants_without_dynamo_and_compiles_one_mo
         kernel._dynamo = dynamo
 
 
-def test_one_block_takes_the_graph_compiled_for_many(codes_as_floats: bool, monkeypatch) -> None:
-    """A tensor of one block (a norm weight's gradient) runs the graph that many blocks compiled, with the reference's results."""
-    # Compiled here, not read from inductor's on-disk caches: a graph that an older revision cached
-    # keeps that compile's size guards (two blocks or more), and would be compiled once more for one.
+@contextmanager
+def _compiles_counted(monkeypatch) -> Iterator[list[str]]:
+    """The names of the formulas compiled inside the block, compiled there and not read from
+    inductor's on-disk caches: a graph that an older revision cached keeps that compile's guards."""
     import torch._functorch.config as aot_config
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False):
-        _one_block_against_many(parse_format("int8/512"), monkeypatch)  # a block size no other test compiles in this process
-
-
-def _one_block_against_many(fmt, monkeypatch) -> None:
     compiles: list[str] = []
-    dynamo_calls = C._Variants.__call__
+    call = C._Variants.__call__
 
     def counted(self, *tensors):
         if not any(guard.check({"tensors": tensors}) for guard, _ in self._variants):
             compiles.append(self._fn.__name__)
-        return dynamo_calls(self, *tensors)
+        return call(self, *tensors)
 
     monkeypatch.setattr(C._Variants, "__call__", counted)
-    for blocks in (12, 1):
-        n = blocks * fmt.block_size
-        x = _data(n, torch.float32, seed=blocks)
-        q, ref = C.quantize(x, fmt), _reference(quantize, x, fmt)
-        assert torch.equal(q.payload, ref.payload) and torch.equal(q.scales, ref.scales), (fmt.name, blocks)
-        assert torch.equal(C.dequantize(q), _reference(dequantize, ref)), (fmt.name, blocks)
-        payload, scales = q.payload.clone(), q.scales.clone()
-        C.accumulate_(payload, scales, x, fmt, first=False)  # x + x: twice each value, requantized
-        twice = _reference(quantize, _reference(dequantize, ref) + x, fmt)
-        assert torch.equal(payload, twice.payload) and torch.equal(scales, twice.scales), (fmt.name, blocks)
-        if blocks == 12:
-            first = list(compiles)
-    assert first, "nothing was compiled for 12 blocks"
-    assert compiles == first, f"one block compiled {compiles[len(first) :]} again"
+    with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False):
+        yield compiles
+
+
+def _quantize_dequantize_fold(fmt, blocks: int) -> None:
+    """Quantize, dequantize and fold ``blocks`` blocks of ``fmt`` on the compiled path, each equal to the reference."""
+    x = _data(blocks * fmt.block_size, torch.float32, seed=blocks)
+    q, ref = C.quantize(x, fmt), _reference(quantize, x, fmt)
+    assert torch.equal(q.payload, ref.payload) and torch.equal(q.scales, ref.scales), (fmt.name, blocks)
+    assert torch.equal(C.dequantize(q), _reference(dequantize, ref)), (fmt.name, blocks)
+    payload, scales = q.payload.clone(), q.scales.clone()
+    C.accumulate_(payload, scales, x, fmt, first=False)  # x + x: twice each value, requantized
+    twice = _reference(quantize, _reference(dequantize, ref) + x, fmt)
+    assert torch.equal(payload, twice.payload) and torch.equal(scales, twice.scales), (fmt.name, blocks)
+
+
+def test_one_block_takes_the_graph_compiled_for_many(codes_as_floats: bool, monkeypatch) -> None:
+    """A tensor of one block (a norm weight's gradient) runs the graph that many blocks compiled, with the reference's results."""
+    fmt = parse_format("int8/512")  # a block size no other test compiles in this process
+    with _compiles_counted(monkeypatch) as compiles:
+        _quantize_dequantize_fold(fmt, 12)
+        many = list(compiles)
+        _quantize_dequantize_fold(fmt, 1)
+    assert many, "nothing was compiled for 12 blocks"
+    assert compiles == many, f"one block compiled {compiles[len(many) :]} again"
+
+
+def test_every_int_width_at_one_block_size_shares_each_graph(codes_as_floats: bool, monkeypatch) -> None:
+    """int4, int6 and int8 at one block size (two pipeline stages' activations under DBCA) compile each formula once, with the reference's results."""
+    with _compiles_counted(monkeypatch) as compiles:
+        _quantize_dequantize_fold(parse_format("int4/384"), 5)  # a block size no other test compiles in this process
+        int4 = list(compiles)
+        for spec in ("int6/384", "int8/384"):
+            _quantize_dequantize_fold(parse_format(spec), 5)
+    assert int4, "nothing was compiled for int4"
+    assert compiles == int4, f"int6 / int8 compiled {compiles[len(int4) :]} again"
 
 
 @pytest.mark.parametrize("spec", ["int8/256", "int4/128", "nf4/64"])

@@ -63,22 +63,27 @@ def _literal(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...], any_size: bool = False) -> Callable[..., Any]:
+def _compiled(
+    fn: Callable[..., Any], static: tuple[tuple[str, Any], ...], any_size: bool = False, runtime: tuple[str, ...] = ()
+) -> Callable[..., Any]:
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < _RECOMPILE_LIMIT:
             setattr(dynamo_config, name, _RECOMPILE_LIMIT)
     # The constants are written into the source of a small function of their own: torch.compile
-    # specializes on literals (the formulas branch on bits and size by the block), while tensor
+    # specializes on literals (the formulas branch on the kind and size by the block), while tensor
     # arguments get dynamic shapes, so one compile serves every size. A code object per (formula,
     # constants) also keeps each one's compiled variants and their limit apart. (Passing them as
     # values would make them symbolic under dynamic=True, and patching the config per call to
-    # prevent that cost 23 us a call.)
+    # prevent that cost 23 us a call.) The keywords named in ``runtime`` are the exception: integers
+    # passed after the tensors, symbolic in the graph, so that one graph serves all their values.
     name = f"agoq_{fn.__name__.lstrip('_')}_{len(_KERNELS)}"
-    arguments = ", ".join(f"{k}={_literal(v)}" for k, v in static)
+    k = len(runtime)
+    arguments = [f"{key}=tensors[{i - k}]" for i, key in enumerate(runtime)] + [f"{key}={_literal(v)}" for key, v in static]
     namespace: dict[str, Any] = {"formula": fn, "torch": torch}
-    exec(f"def {name}(*tensors):\n    return formula(*tensors, {arguments})\n", namespace)  # noqa: S102 - source built from literals above
+    source = f"def {name}(*tensors):\n    return formula(*tensors{f'[:-{k}]' if k else ''}, {', '.join(arguments)})\n"
+    exec(source, namespace)  # noqa: S102 - source built from literals above
     _KERNELS.append(namespace[name])
     return _Variants(torch.compile(namespace[name], dynamic=True, fullgraph=True), namespace[name], any_size)
 
@@ -149,6 +154,33 @@ def _block_kernel(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any
     return _compiled(fn, tuple(sorted(constants.items())), any_size=True)
 
 
+# The keywords of an int format's formulas that reach its graphs as values, not literals: they are
+# all that tells int4 from int8 there (codes are one per byte or float in the graph, packing is
+# outside it), so one graph serves every int width at a block size. The default run's two pipeline
+# stages (int4 and int8 activations, DBCA) then share their quantize, dequantize and SwiGLU
+# backward graphs instead of compiling three each. Dividing by a symbolic integer is dividing by
+# the same float, so codes and scales do not change (tests).
+_INT_RUNTIME = ("zero", "max_value")
+
+
+@functools.lru_cache(maxsize=None)
+def _format_kernel(fn: Callable[..., Any], fmt: QuantFormat, any_size: bool = True, **constants: Any) -> Callable[..., Any]:
+    """The compiled ``fn`` for ``fmt`` (its :func:`_constants` and ``constants`` fixed; an int format's
+    zero code and max value passed as values), called with the tensors alone. ``any_size``: as
+    :func:`_block_kernel` (the whole-block formulas), else as :func:`compiled`."""
+    keywords = {**_constants(fmt), **constants}
+    runtime = tuple(key for key in _INT_RUNTIME if key in keywords) if fmt.kind == "int" else ()
+    values = tuple(int(keywords.pop(key)) for key in runtime)  # exact: small integers
+    kernel = _compiled(fn, tuple(sorted(keywords.items())), any_size, runtime)
+    if not values:
+        return kernel
+
+    def call(*tensors: torch.Tensor) -> Any:
+        return kernel(*tensors, *values)
+
+    return call
+
+
 # ---- the formulas (traced by torch.compile; each also runs eagerly) ------------------------------------
 #
 # Codes are computed as exact small integers in fp32 (inductor vectorizes float arithmetic well and
@@ -156,10 +188,10 @@ def _block_kernel(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any
 # path's work (agoq.quant.packing), outside the graph, on contiguous words.
 
 
-def _encode(y: torch.Tensor, kind: str, bits: int, book: tuple) -> torch.Tensor:
-    """Codes (as floats) of scaled values |y| <= max_value: the reference's _encode, whole-tensor."""
+def _encode(y: torch.Tensor, kind: str, zero: int, book: tuple) -> torch.Tensor:
+    """Codes (as floats) of scaled values |y| <= max_value: the reference's _encode, whole-tensor (``zero``: an int format's code of 0)."""
     if kind == "int":
-        return torch.round(y) + (1 << (bits - 1))
+        return torch.round(y) + zero
     if kind == "fp8":
         return y.to(torch.float8_e4m3fn).view(torch.uint8).float()
     # Value i wins iff exactly i boundaries lie below y: a binary search finds i's bits (4
@@ -197,7 +229,7 @@ def _select(bits: list[torch.Tensor], table: tuple) -> torch.Tensor | float:
     return torch.where(bits[0], _select(bits[1:], high), _select(bits[1:], low))
 
 
-def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, bits: int, max_value: float, book: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, zero: int, max_value: float, book: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """(one uint8 code per value, fp32 scales) of flat ``x`` of whole blocks, assuming finite input.
 
     Packing is left to the caller (_pack_codes): packing inside the graph reads the codes with a
@@ -214,17 +246,17 @@ def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, bits: int, max_v
     low = s.double() * max_value < absmax.double()
     s = torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
     y = y / torch.where(s > 0, s, 1.0).unsqueeze(1)
-    return _encode(y, kind, bits, book).to(torch.uint8).view(-1), s
+    return _encode(y, kind, zero, book).to(torch.uint8).view(-1), s
 
 
-def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, bits: int, book: tuple) -> torch.Tensor:
+def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, zero: int, book: tuple) -> torch.Tensor:
     """fp32 [blocks, block] values of whole blocks from one uint8 code per value: format value times block scale."""
     if kind == "fp8":  # the codes are float8_e4m3fn bit patterns: a bitcast and an exact cast
         v = codes.view(torch.float8_e4m3fn).float().view(-1, block)
     else:
         c = codes.float().view(-1, block)
         if kind == "int":
-            v = c - (1 << (bits - 1))
+            v = c - zero
         else:  # 16 codes: select against literal values (vectorizes; a gather does not)
             # One equality per code: 1.6x faster here than the binary search _encode uses (measured
             # nf4, 1M values), which needs a select of the threshold at each step.
@@ -265,14 +297,14 @@ def _byte_table_kernel(fmt: QuantFormat) -> Callable[..., Any]:
     return _block_kernel(_dequantize_bytes, block=fmt.block_size, per_byte=8 // fmt.bits, table=_byte_table(fmt.bits, _book(fmt.kind)))
 
 
-def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> None:
+def _dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int, kind: str, zero: int, book: tuple) -> None:
     """Writes into ``out`` ([blocks, block]) the values of whole blocks, multiplied in fp32 and rounded once.
 
     Written in place and in the blocks' shape: a 1-D result split the graph's loop in two, with an
     fp32 buffer of every value between them, and returning a slab's values cost a copy into the
     whole (measured fp4 at 16M values: 0.36x -> 0.5x of a copy).
     """
-    out.copy_(_values(codes, scales, block, kind, bits, book))
+    out.copy_(_values(codes, scales, block, kind, zero, book))
 
 
 def _accumulate(
@@ -283,7 +315,7 @@ def _accumulate(
     first: bool,
     block: int,
     kind: str,
-    bits: int,
+    zero: int,
     max_value: float,
     book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,8 +328,8 @@ def _accumulate(
     """
     x = grad.float()
     if not first:
-        x = _values(codes, scales, block, kind, bits, book).view(-1) + x
-    new_codes, new_scales = _quantize_blocks(x, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+        x = _values(codes, scales, block, kind, zero, book).view(-1) + x
+    new_codes, new_scales = _quantize_blocks(x, block=block, kind=kind, zero=zero, max_value=max_value, book=book)
     return new_codes, torch.where(torch.isfinite(new_scales), new_scales, math.nan)
 
 
@@ -317,23 +349,23 @@ def _reduce_rows(
     rows: int,
     block: int,
     kind: str,
-    bits: int,
+    zero: int,
     max_value: float,
     book: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 sum of W rows in row order (/ W if ``average``), its requantized codes and scales)."""
-    acc = _values(code_rows[0], scale_rows[0], block, kind, bits, book).view(-1)
+    acc = _values(code_rows[0], scale_rows[0], block, kind, zero, book).view(-1)
     for i in range(1, rows):
-        acc = acc + _values(code_rows[i], scale_rows[i], block, kind, bits, book).view(-1)
+        acc = acc + _values(code_rows[i], scale_rows[i], block, kind, zero, book).view(-1)
     if average:
         acc = acc / rows
-    codes, scales = _quantize_blocks(acc, block=block, kind=kind, bits=bits, max_value=max_value, book=book)
+    codes, scales = _quantize_blocks(acc, block=block, kind=kind, zero=zero, max_value=max_value, book=book)
     return acc, codes, scales
 
 
-def _sum_of_squares(codes: torch.Tensor, scales: torch.Tensor, *, block: int, kind: str, bits: int, book: tuple) -> torch.Tensor:
+def _sum_of_squares(codes: torch.Tensor, scales: torch.Tensor, *, block: int, kind: str, zero: int, book: tuple) -> torch.Tensor:
     """fp64 sum of the squares of the values of whole blocks: one pass that writes nothing value-sized."""
-    return _values(codes, scales, block, kind, bits, book).double().square().sum()
+    return _values(codes, scales, block, kind, zero, book).double().square().sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,12 +373,12 @@ def _reading_codes(fn: Callable[..., Any], positions: tuple[int, ...]) -> Callab
     """Elementwise ``fn`` taking, at each of ``positions``, a (codes, scales) pair of whole blocks in
     place of an argument, which it receives as fp32 values [blocks, block] computed in the graph."""
 
-    def formula(*tensors: torch.Tensor, block: int, kind: str, bits: int, book: tuple, **constants: Any) -> Any:
+    def formula(*tensors: torch.Tensor, block: int, kind: str, zero: int, book: tuple, **constants: Any) -> Any:
         args, parts = [], iter(tensors)
         for i in range(len(tensors) - len(positions)):
             if i in positions:
                 codes, scales = next(parts), next(parts)
-                args.append(_values(codes, scales, block, kind, bits, book))
+                args.append(_values(codes, scales, block, kind, zero, book))
             else:
                 args.append(next(parts))
         return fn(*args, **constants)
@@ -366,7 +398,7 @@ def reading_codes(fn: Callable[..., Any], fmt: QuantFormat, positions: tuple[int
     vectorize (measured: SwiGLU backward of 512 x 1376 int4 values, 34 ms in rows of 1376, 1.9 ms
     in blocks, 2.3 ms dequantizing first).
     """
-    kernel = compiled(_reading_codes(fn, positions), **_constants(fmt), **constants)
+    kernel = _format_kernel(_reading_codes(fn, positions), fmt, any_size=False, **constants)
 
     def call(*args: Any) -> Any:
         shape = args[0].shape
@@ -400,7 +432,8 @@ def _book(kind: str) -> tuple:
 
 
 def _constants(fmt: QuantFormat) -> dict[str, Any]:
-    return {"block": fmt.block_size, "kind": fmt.kind, "bits": fmt.bits, "book": _book(fmt.kind)}
+    """The keywords of ``fmt``'s formulas: block size, kind, the code of 0 (int formats: 2**(bits-1); else unused) and codebook."""
+    return {"block": fmt.block_size, "kind": fmt.kind, "zero": 1 << (fmt.bits - 1) if fmt.kind == "int" else 0, "book": _book(fmt.kind)}
 
 
 @functools.cache
@@ -459,7 +492,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
     n, whole = x.numel(), flat.numel()
-    kernel = _block_kernel(_quantize_blocks, max_value=fmt.max_value, **_constants(fmt))
+    kernel = _format_kernel(_quantize_blocks, fmt, max_value=fmt.max_value)
     if fmt.bits == 8 or whole <= SLAB_VALUES:
         codes, scales = kernel(flat) if n else (flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=SCALE_DTYPE))
         payload = _pack_codes(codes, fmt.bits)
@@ -540,7 +573,7 @@ def _slabs(fmt: QuantFormat, blocks: int, per_slab: int) -> Iterator[tuple[int, 
 def _dequantize_codes(payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, fmt: QuantFormat) -> None:
     """Writes the values of whole blocks into ``values`` [blocks, block], from codes unpacked a slab at a time."""
     blocks = scales.numel()
-    kernel = _block_kernel(_dequantize_blocks, **_constants(fmt))
+    kernel = _format_kernel(_dequantize_blocks, fmt)
     # Packed codes are unpacked a slab at a time, so the one-byte codes of a slab are still in
     # cache when the kernel reads them (whole-tensor unpacking measured 0.28x of a copy for int4 at
     # 64M values, slabs of 1M 2x faster).
@@ -565,7 +598,7 @@ def _fold_region(
         )
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
-    kernel = _block_kernel(formula, first=first, max_value=fmt.max_value, **_constants(fmt))
+    kernel = _format_kernel(formula, fmt, first=first, max_value=fmt.max_value)
     # A first fold reads no codes: its graph gets the payload as it is (no conversion).
     new_codes, new_scales, *rest = kernel(payload if first and fmt.bits == 8 else _codes(payload, fmt), scales, g)
     _pack_codes(new_codes, fmt.bits, payload)
@@ -599,7 +632,7 @@ def sum_of_squares(q: QTensor) -> torch.Tensor:
         raise ValueError(f"sum_of_squares needs whole blocks of {fmt.block_size} values, got {q.numel} values")
     if q.numel == 0:
         return torch.zeros((), dtype=torch.float64, device=q.device)
-    kernel = _block_kernel(_sum_of_squares, **_constants(fmt))
+    kernel = _format_kernel(_sum_of_squares, fmt)
     return kernel(_codes(q.payload, fmt).view(-1, fmt.block_size), q.scales)
 
 
@@ -613,7 +646,7 @@ def reduce_rows(
         raise ValueError(
             f"reduce_rows needs payload rows of {fmt.payload_bytes(n)} bytes for {nblocks} blocks of {fmt.name}, got {tuple(payload_rows.shape)}"
         )
-    kernel = _block_kernel(_reduce_rows, average=average, rows=w, max_value=fmt.max_value, **_constants(fmt))
+    kernel = _format_kernel(_reduce_rows, fmt, average=average, rows=w, max_value=fmt.max_value)
     acc, codes, scales = kernel(_codes(payload_rows.contiguous(), fmt).view(w, -1), scale_rows)
     q = QTensor(_pack_codes(codes, fmt.bits), scales, torch.Size([n]), torch.float32, fmt) if requantize else None
     if q is not None and not bool(torch.isfinite(scales).all()):
