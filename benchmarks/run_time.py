@@ -38,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out_dir(parser)  # the runs themselves go to temporary folders
 
 
+def _graphs_cached(cache_dir: str) -> tuple[int, int]:
+    """(distinct graphs, entries) in inductor's FX graph cache in ``cache_dir``: after a cold run, the
+    graphs it compiled, and how many compiles wrote one (processes that compiled a graph at the same
+    time each write an entry; a process that finds one loads it and writes nothing)."""
+    import os
+
+    root = os.path.join(cache_dir, "fxgraph")
+    if not os.path.isdir(root):
+        return 0, 0
+    keys = [os.path.join(root, p, k) for p in os.listdir(root) for k in os.listdir(os.path.join(root, p))]
+    return len(keys), sum(len(os.listdir(k)) for k in keys)
+
+
 def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, Any]:
     import os
 
@@ -49,7 +62,10 @@ def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, A
     if proc.returncode:
         raise RuntimeError(f"{label} failed:\n{proc.stderr[-2000:]}")
     opening = [line for line in proc.stdout.splitlines() if line.startswith("agoq train:")]
-    return {"run": label, "overrides": overrides, "env": env, "wall_s": wall, "opening_lines": opening}
+    row = {"run": label, "overrides": overrides, "env": env, "wall_s": wall, "opening_lines": opening}
+    if "TORCHINDUCTOR_CACHE_DIR" in env:  # a cold cache of its own: what it holds now, the run compiled
+        row["graphs_compiled"], row["compiles"] = _graphs_cached(env["TORCHINDUCTOR_CACHE_DIR"])
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,13 +109,14 @@ def run(args: argparse.Namespace) -> int:
 
 def readme_markdown(results: dict[str, Any]) -> str:
     """The runs' wall times as a markdown table."""
-    lines = ["| `agoq train` run | wall s | what it chose (its opening lines) |", "|---|---:|---|"]
+    lines = ["| `agoq train` run | wall s | graphs compiled (compiles) | what it chose (its opening lines) |", "|---|---:|---:|---|"]
     for r in results["rows"]:
         # The lines that say what this machine got and why; the full opening lines are in the JSON.
         chosen = [line.removeprefix("agoq train: ") for line in r["opening_lines"]]
         chosen = [line for line in chosen if line.startswith(("compute dtype", "quantization", "activations"))]
         env = "".join(f" `{k}={v}`" for k, v in r["env"].items() if k != "TORCHINDUCTOR_CACHE_DIR")
-        lines.append(f"| {r['run']}{env} | {r['wall_s']:.0f} | {'; '.join(chosen).replace('|', '/')} |")
+        graphs = f"{r['graphs_compiled']} ({r['compiles']})" if "graphs_compiled" in r else ""
+        lines.append(f"| {r['run']}{env} | {r['wall_s']:.0f} | {graphs} | {'; '.join(chosen).replace('|', '/')} |")
     return "\n".join(lines)
 
 

@@ -271,7 +271,7 @@ def _quantize_dequantize_fold(fmt, blocks: int) -> None:
     assert torch.equal(payload, twice.payload) and torch.equal(scales, twice.scales), (fmt.name, blocks)
 
 
-def test_one_block_takes_the_graph_compiled_for_many(codes_as_floats: bool, monkeypatch) -> None:
+def test_one_block_takes_the_graph_compiled_for_many(monkeypatch) -> None:
     """A tensor of one block (a norm weight's gradient) runs the graph that many blocks compiled, with the reference's results."""
     fmt = parse_format("int8/512")  # a block size no other test compiles in this process
     with _compiles_counted(monkeypatch) as compiles:
