@@ -17,7 +17,8 @@ Bit-identical to the reference, by construction and by test (tests/test_compiled
 Why torch.compile and not a hand-written extension: it needs only the C++ compiler that inductor
 already uses, it keeps the formulas in Python beside the reference they must equal, and compiled
 code is cached on disk (inductor's FX graph cache), so later runs start in about a second per
-function. Shapes are compiled dynamically: one compile per function and format, not per size.
+function. Shapes are compiled dynamically: one compile per function, kind and block size (int
+widths share it), not per size.
 """
 
 from __future__ import annotations
