@@ -123,7 +123,7 @@ def _sizes_0_and_1_general() -> contextlib.AbstractContextManager[None]:
     """Dynamo's sizes treated as any size, 0 and 1 included (backed_size_oblivious), while a formula compiles.
 
     Dynamo otherwise compiles a size of 1 as a constant, so a tensor of one block (a norm weight's
-    gradient of 256 values, its one scale) got graphs of its own: four more compiles per process
+    gradient of 256 values, its one scale) got graphs of its own: three more compiles per process
     in the default run, 1-4 s each on a machine's first run. Only for the whole-block formulas
     below, whose sizes never broadcast (a size-1 dimension that broadcasts, like a norm's
     [rows, 1] statistics, must stay a constant).
