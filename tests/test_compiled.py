@@ -239,6 +239,71 @@ def test_a_compiled_formula_runs_its_variants_without_dynamo_and_compiles_one_mo
         kernel._dynamo = dynamo
 
 
+def test_a_formula_whose_build_fails_runs_eagerly_with_one_warning_and_the_same_results() -> None:
+    from torch._inductor.exc import CppCompileError
+
+    fmt = parse_format("int8/64")
+    calls = []
+
+    def agoq_quantize_blocks(*tensors):
+        return C._quantize_blocks(*tensors, max_value=fmt.max_value, **C._constants(fmt))
+
+    def failing(*tensors):
+        calls.append(len(tensors))
+        raise CppCompileError(["g++", "kernel.cpp"], "error: unrecognized command-line option '-mavx512f'")
+
+    kernel = C._Variants(failing, agoq_quantize_blocks, any_size=False)
+    x = torch.randn(64 * 10)
+    ref = C._quantize_blocks(x, max_value=fmt.max_value, **C._constants(fmt))
+    with pytest.warns(RuntimeWarning, match="could not build agoq_quantize_blocks.*eager torch path"):
+        codes, scales = kernel(x)
+    assert torch.equal(codes, ref[0]) and torch.equal(scales, ref[1])
+    codes, scales = kernel(x)  # no second attempt, no second warning
+    assert calls == [1] and torch.equal(codes, ref[0]) and torch.equal(scales, ref[1])
+
+
+def test_other_errors_of_a_compiled_formula_are_raised() -> None:
+    def failing(*tensors):
+        raise ValueError("a bug in the formula")
+
+    kernel = C._Variants(failing, C._quantize_blocks, any_size=False)
+    with pytest.raises(ValueError, match="a bug in the formula"):
+        kernel(torch.randn(64))
+
+
+def test_inductor_takes_the_listed_vector_isa_without_its_build_checks_and_a_user_choice_stands() -> None:
+    # Inductor builds and dlopen-probes a test library per listed ISA in every process unless told
+    # the ISA is fine; agoq tells it so once the compiler accepted the chosen ISA's flags. It must
+    # pick the same ISA either way (the same kernels are built). On an AVX-512 CPU inductor still
+    # probes its extensions (bf16, VNNI, AMX) itself; on an AVX2-only CPU nothing is left to probe.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch._inductor.config as c, torch._inductor.cpu_vec_isa as v\n"
+        "from agoq.quant import compiled\n"
+        "probes = []\n"
+        "v.VecISA._probe_load = lambda self, path: probes.append(path) or True\n"
+        "trusted = compiled.trust_listed_vector_isa() if sys.argv[1] == 'agoq' else False\n"
+        "print(trusted, c.cpp.vec_isa_ok, str(v.pick_vec_isa()), len(probes), sep='|')\n"
+    )
+
+    def run(who: str, **env: str) -> list[str]:
+        base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
+        out = subprocess.run([sys.executable, "-c", code, who], env={**base, **env}, capture_output=True, text=True, check=True)
+        return out.stdout.strip().split("|")
+
+    for held in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        trusted, inductor = run("agoq", **held), run("inductor", **held)
+        assert trusted[:2] == ["True", "True"] and inductor[:2] == ["False", "None"], (trusted, inductor)
+        assert trusted[2] == inductor[2], (trusted, inductor)  # the same ISA, so the same kernels
+        assert int(trusted[3]) < int(inductor[3]), (trusted, inductor)  # fewer test libraries probed
+        if held:
+            assert trusted[2] == "avx2"
+    assert run("agoq", TORCHINDUCTOR_VEC_ISA_OK="0")[:2] == ["False", "False"]  # the user's setting stands
+
+
 @contextmanager
 def _compiles_counted(monkeypatch) -> Iterator[list[str]]:
     """The names of the formulas compiled inside the block, compiled there and not read from
