@@ -283,3 +283,68 @@ def test_bad_arguments_raise_a_message_that_names_them(kwargs, message):
     args = {"hidden": h, "weight": w, "targets": t, **kwargs}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         chunked_lm_head_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+
+
+def _hooked_weight(w: torch.Tensor) -> tuple[nn.Parameter, list[torch.Tensor]]:
+    """A leaf copy of ``w`` whose post-accumulate hook records each gradient and drops it, as a gradient buffer's fold does."""
+    leaf = nn.Parameter(w.clone())
+    delivered: list[torch.Tensor] = []
+
+    def fold(p: torch.Tensor) -> None:
+        delivered.append(p.grad)
+        p.grad = None
+
+    leaf.register_post_accumulate_grad_hook(fold)
+    return leaf, delivered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [16, None])  # several chunks, and one
+def test_the_weight_gradient_delivered_in_forward_is_the_recompute_paths_bit_for_bit(dtype, chunk_size):
+    h, w, t = _problem(dtype, shape=(2, 37), hidden=32, vocab=300)
+    divisor = 3
+    hr = h.clone().requires_grad_()
+    wr, from_recompute = _hooked_weight(w)
+    loss_r = chunked_lm_head_cross_entropy(hr, wr, t, chunk_size=chunk_size, recompute=True) / divisor
+    loss_r.backward()
+
+    hf = h.clone().requires_grad_()
+    wf, in_forward = _hooked_weight(w)
+    loss_f = chunked_lm_head_cross_entropy(hf, wf, t, chunk_size=chunk_size, weight_grad_in_forward=True, divisor=divisor)
+    assert len(in_forward) == 1, "the weight's gradient reaches its hook during forward"
+    loss_f.backward()
+    assert len(in_forward) == 1, "and only then: backward delivers nothing more"
+    assert len(from_recompute) == 1
+    assert torch.equal(in_forward[0], from_recompute[0])
+    assert torch.equal(hf.grad, hr.grad)
+    assert torch.equal(loss_f.detach(), loss_r.detach())
+
+
+def test_a_loss_whose_weight_gradient_went_in_forward_refuses_another_grad_output():
+    h, w, t = _problem(torch.float32)
+    leaf, delivered = _hooked_weight(w)
+    loss = chunked_lm_head_cross_entropy(h.clone().requires_grad_(), leaf, t, weight_grad_in_forward=True, divisor=2)
+    with pytest.raises(RuntimeError, match="grad_output of 1.*divisor="):
+        (loss * 2).backward()
+
+
+def test_without_gradients_nothing_is_delivered_in_forward():
+    h, w, t = _problem(torch.float32)
+    leaf, delivered = _hooked_weight(w)
+    with torch.no_grad():
+        loss = chunked_lm_head_cross_entropy(h, leaf, t, weight_grad_in_forward=True, divisor=2)
+    ref = chunked_lm_head_cross_entropy(h, w, t) / 2
+    assert delivered == [] and torch.equal(loss, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_saved_bytes_with_the_weight_gradient_in_forward_equals_measured_bytes(dtype):
+    tokens, hidden, vocab = 96, 32, 500
+    h, w, t = _problem(dtype, shape=(tokens,), hidden=hidden, vocab=vocab)
+    h.requires_grad_()
+    leaf, _ = _hooked_weight(w)
+    measured, _ = saved_bytes(
+        lambda: chunked_lm_head_cross_entropy(h, leaf, t, chunk_size=40, weight_grad_in_forward=True, divisor=4), exclude=[leaf]
+    )
+    assert measured == loss_saved_bytes(tokens, hidden, vocab, dtype, True, recompute=True, weight_grad_in_forward=True)
+    assert measured < loss_saved_bytes(tokens, hidden, vocab, dtype, True, recompute=True)  # the targets are not kept

@@ -332,3 +332,37 @@ def test_the_bf16_baseline_is_measured_in_the_same_run_and_keeps_more(runs):
     # uniform4 ran with train.baseline=true: one more forward/backward under the bf16 policy.
     for stats in runs["results"][0]["uniform4"]["all_stats"]:
         assert stats["baseline_peak_saved_bytes"] > 2 * stats["peak_saved_bytes"] > 0, stats
+
+
+def _with_and_without_the_head_gradient_in_forward(rank: int, world: int, cfg) -> dict:
+    import agoq.parallel.inflight as inflight
+    from agoq.train.run import train_worker
+
+    out = {}
+    for name, in_forward in (("in_forward", inflight.loss_weight_grad_in_forward), ("recompute", lambda pp, tp: False)):
+        original = inflight.loss_weight_grad_in_forward
+        inflight.loss_weight_grad_in_forward = in_forward
+        try:
+            res = train_worker(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=f"{cfg.train.out_dir}/{name}")))
+        finally:
+            inflight.loss_weight_grad_in_forward = original
+        out[name] = {"records": res["records"], "ranks": res.get("ranks")}
+    return out
+
+
+def test_the_last_stage_handing_the_head_gradient_over_in_forward_trains_bit_for_bit_as_the_recompute(tmp_path):
+    # pp=2: the last stage computes the loss's gradients once, in forward, instead of recomputing
+    # the logits in backward. The same bits, through the schedule's first step and the one after
+    # an eval() (each runs the loss once more for torch's metadata pass), and the baseline step.
+    cfg = _cfg(
+        tmp_path, "hf", "--parallel.dp=1", "--train.steps=4", "--train.eval_every=2", "--train.baseline=true", "--precision.compute_dtype=fp32"
+    )
+    results = run_distributed(_with_and_without_the_head_gradient_in_forward, 2, cfg)
+    got, ref = results[0]["in_forward"], results[0]["recompute"]
+    assert [r["loss"] for r in got["records"]] == [r["loss"] for r in ref["records"]]
+    assert [r["grad_norm"] for r in got["records"]] == [r["grad_norm"] for r in ref["records"]]
+    assert len(got["records"]) == 4
+    # The last stage keeps the hidden-state gradient in place of the hidden states: the same bytes
+    # (the targets are the batch's own tensor, allocated before the step).
+    last = 1
+    assert got["ranks"][last]["peak_saved_bytes"] == ref["ranks"][last]["peak_saved_bytes"]

@@ -16,6 +16,13 @@ the gradient the backward would create at that point anyway).
 With ``recompute=True`` (forced for ``reduction="none"``, whose per-token ``grad_output`` cannot
 scale a precomputed weight gradient) the forward keeps the hidden states and targets instead and
 the backward recomputes each chunk's logits: nothing vocab-sized is kept at all, for one more GEMM.
+
+With ``weight_grad_in_forward=True`` nothing vocab-sized is kept and no GEMM is repeated: the
+caller promises to backpropagate the returned loss with grad_output 1 (dividing it by ``divisor``
+happens inside), so both gradients are computed in forward with their final scale, the weight's is
+accumulated into ``weight.grad`` at once (through autograd: its post-accumulate hooks run, and an
+8-bit gradient buffer folds it there and then), and backward returns the kept hidden-state
+gradient after checking that promise. The bits are those of the recompute path.
 """
 
 from __future__ import annotations
@@ -99,18 +106,32 @@ def chunked_lm_head_cross_entropy(
     label_smoothing: float = 0.0,
     chunk_size: int | None = None,
     recompute: bool = False,
+    weight_grad_in_forward: bool = False,
+    divisor: int = 1,
 ) -> torch.Tensor:
-    """Cross-entropy of hidden @ weight.T against targets, equal to the plain path, keeping no logits."""
+    """Cross-entropy of hidden @ weight.T against targets (divided by ``divisor``), equal to the plain path, keeping no logits.
+
+    ``weight_grad_in_forward``: see the module docstring; it applies where the weight is a leaf
+    that needs a gradient and the reduction is not 'none' (else the other paths run).
+    """
     _check_args(hidden, weight, targets, reduction, label_smoothing, chunk_size)
+    if not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"divisor must be a positive integer (the micro-batches a loss is averaged over), got {divisor!r}")
     vocab = weight.shape[0]
     _check_targets(targets, vocab, ignore_index)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(vocab, weight.shape[1])
     grad_on = torch.is_grad_enabled()
     need_hidden = grad_on and hidden.requires_grad
     need_weight = grad_on and weight.requires_grad
+    if weight_grad_in_forward and need_weight and weight.is_leaf and reduction != "none":
+        # The weight goes in a tuple, out of autograd's sight: as an input of the Function its
+        # post-accumulate hooks would run again in backward (on the gradient already delivered).
+        return _WeightGradInForwardLoss.apply(hidden, weight.detach(), targets, (weight,), ignore_index, reduction, label_smoothing, chunk, divisor)
     if recompute or reduction == "none":
-        return _RecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
-    return _PrecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
+        loss = _RecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
+    else:
+        loss = _PrecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
+    return loss if divisor == 1 else loss / divisor
 
 
 def normed_lm_head_cross_entropy(
@@ -161,7 +182,9 @@ class _NormedLoss(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None, None)
 
 
-def loss_saved_bytes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, fused: bool, *, recompute: bool = False) -> int:
+def loss_saved_bytes(
+    tokens: int, hidden: int, vocab: int, dtype: torch.dtype, fused: bool, *, recompute: bool = False, weight_grad_in_forward: bool = False
+) -> int:
     """Bytes autograd keeps for the LM head + cross-entropy of ``tokens`` tokens (no label smoothing, trainable head)."""
     if min(tokens, hidden, vocab) < 0:
         raise ValueError(f"tokens, hidden and vocab must be >= 0, got {tokens}, {hidden}, {vocab}")
@@ -171,6 +194,8 @@ def loss_saved_bytes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, f
         # The head GEMM keeps its input; log_softmax keeps its fp32 output; nll_loss keeps the
         # targets and a 0-dim fp32 total weight.
         return tokens * hidden * es + tokens * vocab * 4 + tokens * index + 4
+    if weight_grad_in_forward:  # the hidden-state gradient only
+        return tokens * hidden * es
     if recompute:
         return tokens * hidden * es + tokens * index
     # The hidden-state gradient, and the weight gradient in the weight's dtype (not per token).
@@ -211,6 +236,50 @@ class _PrecomputedLoss(torch.autograd.Function):
         gh = None if grad_h is None else (grad_h * grad_out).view(ctx.hidden_shape)
         gw = None if grad_w is None else grad_w * grad_out
         return gh, gw, None, None, None, None, None, None, None
+
+
+class _WeightGradInForwardLoss(torch.autograd.Function):
+    """Loss whose gradients are computed in forward with their final scale; the weight's is delivered
+    to ``weight.grad`` there, the hidden states' kept for backward (grad_output must be 1)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, leaf, ignore_index, reduction, label_smoothing, chunk, divisor):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        scale = _reduction_scale(valid, reduction)
+        # What autograd's division by the divisor hands the recompute path as grad_output (1 / divisor
+        # in fp32), times the reduction's scale in the same order: the same coefficient, so the
+        # same gradients bit for bit.
+        grad_out = torch.ones((), dtype=torch.float32, device=h.device) / divisor
+        coef = grad_out * scale
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk))
+        losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # summed at once, as the other paths do
+        for s in range(0, h.shape[0], chunk):
+            h_c = h[s : s + chunk]
+            losses[s : s + chunk], g = _chunk_loss_and_logit_grad(h_c, weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, coef)
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[s : s + chunk])
+            grad_w.add(g, h_c)
+            del g
+        torch.autograd.backward([leaf[0]], [grad_w.result(weight.dtype)])
+        del grad_w
+        ctx.save_for_backward(grad_h)
+        ctx.hidden_shape = hidden.shape
+        return losses.sum() * scale / divisor
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not bool((grad_out == 1).all()):
+            raise RuntimeError(
+                "the loss was built with weight_grad_in_forward=True, which delivers the LM-head weight's gradient "
+                f"in forward for a grad_output of 1, but backward got {grad_out.flatten()[:1].tolist()}; "
+                "pass divisor= instead of scaling the loss, or use recompute=True"
+            )
+        (grad_h,) = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h.view(ctx.hidden_shape)
+        return gh, None, None, None, None, None, None, None, None
 
 
 class _RecomputedLoss(torch.autograd.Function):

@@ -47,6 +47,12 @@ class ActivationPolicy:
     # precomputed [vocab, hidden] weight gradient per in-flight micro-batch: the loss then keeps
     # only the hidden states (tokens x hidden), for one more LM-head GEMM in backward.
     loss_recompute: bool = True
+    # Instead of recomputing, compute both gradients in forward and accumulate the LM-head weight's
+    # into ``weight.grad`` there (its post-accumulate hooks fold it into the gradient buffer at
+    # once): nothing vocab-sized is kept either, and no second LM-head GEMM is run. For a caller
+    # that backpropagates the loss with grad_output 1 (the trainer's pipelined last stage); see
+    # agoq.activation.loss.chunked_lm_head_cross_entropy.
+    loss_weight_grad_in_forward: bool = False
 
     def layer(self, index: int) -> LayerPrecision:
         """The formats of decoder layer ``index``."""
@@ -72,6 +78,7 @@ def make_policy(
     fused_loss: bool | None = None,
     loss_recompute: bool = True,
     fmt: str | QuantFormat = DEFAULT_ACTIVATION_FORMAT,
+    loss_weight_grad_in_forward: bool = False,
 ) -> ActivationPolicy:
     """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits.
 
@@ -103,4 +110,5 @@ def make_policy(
         layer_bits=layer_bits,
         fused_loss=(name != "bf16") if fused_loss is None else fused_loss,
         loss_recompute=loss_recompute,
+        loss_weight_grad_in_forward=loss_weight_grad_in_forward,
     )

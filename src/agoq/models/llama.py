@@ -194,16 +194,27 @@ class Llama(nn.Module):
             raise RuntimeError("this module is not the last pipeline stage: it has no LM head")
         return self.head(hidden)
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of final hidden states; the fused chunked path under fused_loss."""
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, divisor: int = 1, weight_grad_in_forward: bool = True) -> torch.Tensor:
+        """Mean next-token cross-entropy of final hidden states, divided by ``divisor`` (micro-batches
+        averaged); the fused chunked path under fused_loss, which hands the head's gradient over in
+        forward where the policy says so and ``weight_grad_in_forward`` allows it."""
         if self.head is None:
             raise RuntimeError("this module is not the last pipeline stage: it has no LM head")
         if self.policy.fused_loss:
             from agoq.activation.loss import chunked_lm_head_cross_entropy
 
-            return chunked_lm_head_cross_entropy(hidden, self.head.weight, targets, ignore_index=IGNORE_INDEX, recompute=self.policy.loss_recompute)
+            return chunked_lm_head_cross_entropy(
+                hidden,
+                self.head.weight,
+                targets,
+                ignore_index=IGNORE_INDEX,
+                recompute=self.policy.loss_recompute,
+                weight_grad_in_forward=self.policy.loss_weight_grad_in_forward and weight_grad_in_forward,
+                divisor=divisor,
+            )
         logits = self.head(hidden)
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return loss if divisor == 1 else loss / divisor
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (inner stage), logits (last stage), or the loss when targets are given."""

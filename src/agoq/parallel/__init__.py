@@ -11,7 +11,15 @@ from agoq.parallel.dbca import (
     stage_saved_bytes,
 )
 from agoq.parallel.layout import PipelineLayout
-from agoq.parallel.inflight import InFlight, count_inflight, inflight_microbatches, loss_recompute_needed, peak_inflight_bytes, schedule_order
+from agoq.parallel.inflight import (
+    InFlight,
+    count_inflight,
+    inflight_microbatches,
+    loss_recompute_needed,
+    loss_weight_grad_in_forward,
+    peak_inflight_bytes,
+    schedule_order,
+)
 from agoq.parallel.pipeline import (
     SCHEDULES,
     build_schedule,
@@ -64,6 +72,7 @@ __all__ = [
     "gather_state_dict",
     "inflight_microbatches",
     "loss_recompute_needed",
+    "loss_weight_grad_in_forward",
     "is_multi_stage",
     "layer_bits",
     "make_mesh",

@@ -124,7 +124,15 @@ def stage_saved_bytes(
 
         loss = vocab_parallel_loss_saved_bytes(micro_batch * seq_len * tp, c.hidden, dtype, tp)
     else:
-        loss = loss_saved_bytes(micro_batch * seq_len, c.hidden, c.vocab_size, dtype, policy.fused_loss, recompute=policy.loss_recompute)
+        loss = loss_saved_bytes(
+            micro_batch * seq_len,
+            c.hidden,
+            c.vocab_size,
+            dtype,
+            policy.fused_loss,
+            recompute=policy.loss_recompute,
+            weight_grad_in_forward=policy.loss_weight_grad_in_forward,
+        )
     return len(layers) * per_layer + loss
 
 

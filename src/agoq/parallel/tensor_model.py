@@ -225,14 +225,16 @@ class TensorParallelLlama(nn.Module):
             x = rms_norm(x, replicated(self.norm.weight, self.group, self.counter), self.cfg.norm_eps)
         return x
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of the final hidden states' sequence shard (vocab-parallel, keeps no
-        logits; the loss gathers the sequence and keeps only the shard)."""
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, divisor: int = 1, weight_grad_in_forward: bool = False) -> torch.Tensor:
+        """Mean next-token loss of the final hidden states' sequence shard, divided by ``divisor``
+        (vocab-parallel, keeps no logits; the loss gathers the sequence and keeps only the shard;
+        ``weight_grad_in_forward`` does not apply to it)."""
         if self.head is None:
             raise RuntimeError("this shard is not of the last pipeline stage: it has no LM head")
-        return vocab_parallel_cross_entropy(
+        loss = vocab_parallel_cross_entropy(
             hidden, self.head.weight, targets, self.vocab_start, self.group, self.counter, ignore_index=IGNORE_INDEX, sequence_parallel=True
         )
+        return loss if divisor == 1 else loss / divisor
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (inner stage), or the mean next-token loss when targets are given (the

@@ -36,7 +36,7 @@ from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.gradient.collectives import reduce_piece
 from agoq.parallel.dbca import stage_layer_bits, stage_saved_bytes
-from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, peak_inflight_bytes
+from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, loss_weight_grad_in_forward, peak_inflight_bytes
 from agoq.parallel.layout import PipelineLayout
 from agoq.parallel.pipeline import rank_stages
 from agoq.plan.config import DTYPES, PlanConfig, Setup
@@ -197,7 +197,8 @@ class ActivationBytes:
             return make_policy("bf16")
         spec = self.shape.fmt.name
         recompute = loss_recompute_needed(self.cfg.pp)
-        return make_policy("agoq", fmt=spec, loss_recompute=recompute)
+        in_forward = loss_weight_grad_in_forward(self.cfg.pp, self.cfg.tp)
+        return make_policy("agoq", fmt=spec, loss_recompute=recompute, loss_weight_grad_in_forward=in_forward)
 
     def layer_bytes(self, policy: ActivationPolicy, bits: int) -> int:
         """What one decoder layer keeps for one micro-batch on one tp rank at ``bits``."""
@@ -434,5 +435,6 @@ class PlanAccounting:
             n = len(sh.ranges[s])
             total += n * layer * (fwd_bwd + quant) + min(recompute, n) * layer
             if s == sh.num_stages - 1:
-                total += head * fwd_bwd + (head if policy.fused_loss and policy.loss_recompute else 0)
+                recomputes = policy.fused_loss and policy.loss_recompute and not policy.loss_weight_grad_in_forward
+                total += head * fwd_bwd + (head if recomputes else 0)
         return total
