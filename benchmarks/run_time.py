@@ -51,6 +51,19 @@ def _graphs_cached(cache_dir: str) -> tuple[int, int]:
     return len(keys), sum(len(os.listdir(k)) for k in keys)
 
 
+def _nothing_compiled(folder: str) -> dict[str, str]:
+    """The environment of a run on a machine where nothing was compiled yet, in ``folder``.
+
+    Inductor keeps its precompiled headers under the default cache folder (the temporary folder's
+    ``torchinductor_<user>``) even when TORCHINDUCTOR_CACHE_DIR names another: a fresh
+    TORCHINDUCTOR_CACHE_DIR alone left them built, and a first run on a new machine builds them
+    too. So the temporary folder itself is a fresh one, and the graph cache a folder inside it.
+    """
+    import os
+
+    return {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor")}
+
+
 def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, Any]:
     import os
 
@@ -63,7 +76,7 @@ def _timed(label: str, overrides: list[str], env: dict[str, str]) -> dict[str, A
         raise RuntimeError(f"{label} failed:\n{proc.stderr[-2000:]}")
     opening = [line for line in proc.stdout.splitlines() if line.startswith("agoq train:")]
     row = {"run": label, "overrides": overrides, "env": env, "wall_s": wall, "opening_lines": opening}
-    if "TORCHINDUCTOR_CACHE_DIR" in env:  # a cold cache of its own: what it holds now, the run compiled
+    if "TORCHINDUCTOR_CACHE_DIR" in env:  # nothing compiled before it: what the cache holds now, the run compiled
         row["graphs_compiled"], row["compiles"] = _graphs_cached(env["TORCHINDUCTOR_CACHE_DIR"])
     return row
 
@@ -83,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 _timed(
                     "default, held to AVX2, cold cache",
                     [f"--train.steps={args.steps}"],
-                    {**AVX2_ONLY_ENV, "TORCHINDUCTOR_CACHE_DIR": held_cold_cache},
+                    {**AVX2_ONLY_ENV, **_nothing_compiled(held_cold_cache)},
                 )
             )
         rows += [
@@ -92,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             _timed(
                 f"{args.short_steps} steps, compiled, cold cache",
                 [*short, "--precision.quant_backend=compiled"],
-                {"TORCHINDUCTOR_CACHE_DIR": cold_cache},
+                _nothing_compiled(cold_cache),
             ),
         ]
     results = {"rows": rows}
@@ -114,7 +127,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
         # The lines that say what this machine got and why; the full opening lines are in the JSON.
         chosen = [line.removeprefix("agoq train: ") for line in r["opening_lines"]]
         chosen = [line for line in chosen if line.startswith(("compute dtype", "quantization", "activations"))]
-        env = "".join(f" `{k}={v}`" for k, v in r["env"].items() if k != "TORCHINDUCTOR_CACHE_DIR")
+        env = "".join(f" `{k}={v}`" for k, v in r["env"].items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR"))
         graphs = f"{r['graphs_compiled']} ({r['compiles']})" if "graphs_compiled" in r else ""
         lines.append(f"| {r['run']}{env} | {r['wall_s']:.0f} | {graphs} | {'; '.join(chosen).replace('|', '/')} |")
     return "\n".join(lines)
