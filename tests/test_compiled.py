@@ -281,27 +281,28 @@ def test_inductor_takes_the_listed_vector_isa_without_its_build_checks_and_a_use
     import sys
 
     code = (
-        "import sys, torch._inductor.config as c, torch._inductor.cpu_vec_isa as v\n"
+        "import torch._inductor.config as c, torch._inductor.cpu_vec_isa as v\n"
         "from agoq.quant import compiled\n"
         "probes = []\n"
         "v.VecISA._probe_load = lambda self, path: probes.append(path) or True\n"
-        "trusted = compiled.trust_listed_vector_isa() if sys.argv[1] == 'agoq' else False\n"
-        "print(trusted, c.cpp.vec_isa_ok, str(v.pick_vec_isa()), len(probes), sep='|')\n"
+        "own = str(v.pick_vec_isa()), len(probes)\n"  # inductor's own check first
+        "probes.clear()\n"
+        "trusted = compiled.trust_listed_vector_isa()\n"
+        "print(own[0], own[1], trusted, c.cpp.vec_isa_ok, str(v.pick_vec_isa()), len(probes), sep='|')\n"
+        "compiled.trust_listed_vector_isa.cache_clear()\n"
+        "c.cpp.vec_isa_ok = False\n"  # as TORCHINDUCTOR_VEC_ISA_OK=0 sets it
+        "print(compiled.trust_listed_vector_isa(), c.cpp.vec_isa_ok, sep='|')\n"
     )
-
-    def run(who: str, **env: str) -> list[str]:
-        base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
-        out = subprocess.run([sys.executable, "-c", code, who], env={**base, **env}, capture_output=True, text=True, check=True)
-        return out.stdout.strip().split("|")
-
+    base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
     for held in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
-        trusted, inductor = run("agoq", **held), run("inductor", **held)
-        assert trusted[:2] == ["True", "True"] and inductor[:2] == ["False", "None"], (trusted, inductor)
-        assert trusted[2] == inductor[2], (trusted, inductor)  # the same ISA, so the same kernels
-        assert int(trusted[3]) < int(inductor[3]), (trusted, inductor)  # fewer test libraries probed
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **held}, capture_output=True, text=True, check=True).stdout.splitlines()
+        own_isa, own_probes, trusted, ok, isa, probes = out[0].split("|")
+        assert trusted == ok == "True", out
+        assert isa == own_isa, out  # the same ISA, so the same kernels
+        assert int(probes) < int(own_probes), out  # fewer test libraries probed
+        assert out[1] == "False|False", out  # the user's setting stands
         if held:
-            assert trusted[2] == "avx2"
-    assert run("agoq", TORCHINDUCTOR_VEC_ISA_OK="0")[:2] == ["False", "False"]  # the user's setting stands
+            assert isa == "avx2"
 
 
 @contextmanager

@@ -152,5 +152,9 @@ def loss_weight_grad_in_forward(pp: int, tp: int) -> bool:
     about a quarter of its last stage's time held to AVX2), and what is kept is the hidden-state
     gradient, the size of the hidden states the recompute kept. The tensor-parallel stage has a
     vocab-parallel loss of its own and keeps its path.
+
+    When torch's schedule (re)initializes (its first step, and the first after an eval()), it runs
+    the last stage's loss once more, first, on placeholder values, for a backward that reaches no
+    parameter; the trainer gives that call the recompute path, which hands nothing over.
     """
     return loss_recompute_needed(pp) and tp == 1

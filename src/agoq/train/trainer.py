@@ -310,7 +310,7 @@ class Trainer:
         self.pipelined = p.pp > 1
         if self.pipelined:
             self.stages, self.schedule = build_pipeline(cfg, ctx, self.modules, num_stages, self._stage_loss)
-            self._schedule_initializing = True  # see _stage_loss
+            self._schedule_initializing = True
         self.sync, self.optimizer = build_gradient_path(cfg, self.params, ctx)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = (
@@ -327,14 +327,9 @@ class Trainer:
     # ---------------------------------------------------------------------------- one step
 
     def _stage_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The micro-batch loss, computed by the last stage (fused chunked path under agoq)."""
+        """The micro-batch loss on the last stage, divided there: it sees grad_output 1 (see inflight.loss_weight_grad_in_forward)."""
         if self.last is None:
             raise RuntimeError("the loss runs on the last pipeline stage only")
-        # Divided inside: the pipelined last stage's fused loss then sees grad_output 1, and hands
-        # the LM-head weight's gradient over in forward (policy.loss_weight_grad_in_forward). When
-        # the schedule (re)initializes (its first step, and the first after an eval()), torch runs
-        # the last stage's loss once more, first, on placeholder values, for a backward that
-        # reaches no parameter: that call keeps the recompute path, which hands nothing over.
         in_forward, self._schedule_initializing = not self._schedule_initializing, False
         return self.last.loss(hidden, targets, divisor=self.cfg.parallel.microbatches, weight_grad_in_forward=in_forward)
 
@@ -490,7 +485,7 @@ class Trainer:
                 out: list[torch.Tensor] = []
                 args = (x.to(self.ctx.device),) if 0 in self.ctx.stages else ()
                 self.schedule.eval(*args, target=y.to(self.ctx.device) if self.last is not None else None, losses=out)
-                self._schedule_initializing = True  # the next training step initializes it again
+                self._schedule_initializing = True  # again at the next training step
                 local = float(torch.stack([l.float() for l in out]).sum()) if out else None
             else:
                 local = float(self.modules[0](x.to(self.ctx.device), y.to(self.ctx.device)))
