@@ -46,20 +46,28 @@ def _losses(result: dict) -> list[float]:
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
+    import agoq.parallel.inflight as inflight
     from agoq.train.run import train_worker
 
     torch.manual_seed(0)
     out = {}
+    in_forward = inflight.loss_weight_grad_in_forward
     for name, cfg in cfgs.items():
         asked = cfg.to_dict()
-        res = train_worker(cfg)
+        # A run named *_loss_recompute takes the fused loss's recompute path on its last stage.
+        inflight.loss_weight_grad_in_forward = (lambda pp, tp: False) if name.endswith("_loss_recompute") else in_forward
+        try:
+            res = train_worker(cfg)
+        finally:
+            inflight.loss_weight_grad_in_forward = in_forward
         # The tokenizer's vocabulary goes into the LlamaConfig the trainer builds, and the auto
         # choices into the value beside the config: the config stays as validated.
         assert cfg.to_dict() == asked, f"{name}: the run changed its config"
         if "config" in res:  # what the summary records: the decided compute dtype in place of auto
             dtype = res["config"]["precision"]["compute_dtype"]
             assert dtype == asked["precision"]["compute_dtype"] or (asked["precision"]["compute_dtype"] == "auto" and dtype in ("bf16", "fp32"))
-        out[name] = {"losses": _losses(res), "stats": res["ranks"][rank] if "ranks" in res else res["stats"]}
+        out[name] = {"losses": _losses(res), "grad_norms": [r["grad_norm"] for r in res["records"]]}
+        out[name]["stats"] = res["ranks"][rank] if "ranks" in res else res["stats"]
         if "config" in res:
             out[name]["vocab"] = res["model"]["vocab_size"]
         if "ranks" in res:
@@ -81,6 +89,10 @@ def runs(tmp_path_factory):
     cfgs = {
         "1f1b_fp32": _cfg(tmp, "a", "--train.steps=4", *fp32_plain),
         "gpipe_agoq": _cfg(tmp, "b", "--train.steps=3", "--parallel.schedule=gpipe"),
+        # The same 1F1B run twice, the last stage's loss handing the head's gradient over in forward
+        # or recomputing its logits in backward, through an eval() (the schedule initializes again).
+        "1f1b_agoq": _cfg(tmp, "i", "--train.steps=3", "--train.eval_every=2", "--precision.compute_dtype=fp32"),
+        "1f1b_agoq_loss_recompute": _cfg(tmp, "j", "--train.steps=3", "--train.eval_every=2", "--precision.compute_dtype=fp32"),
         "interleaved_agoq": _cfg(tmp, "c", "--train.steps=3", "--parallel.schedule=interleaved-1f1b", "--parallel.virtual_stages=2"),
         "ring8_recompute": _cfg(
             tmp, "g", "--train.steps=3", "--precision.activations=bf16", "--precision.gradients=ring8", "--precision.recompute_layers=1"
@@ -334,35 +346,13 @@ def test_the_bf16_baseline_is_measured_in_the_same_run_and_keeps_more(runs):
         assert stats["baseline_peak_saved_bytes"] > 2 * stats["peak_saved_bytes"] > 0, stats
 
 
-def _with_and_without_the_head_gradient_in_forward(rank: int, world: int, cfg) -> dict:
-    import agoq.parallel.inflight as inflight
-    from agoq.train.run import train_worker
-
-    out = {}
-    for name, in_forward in (("in_forward", inflight.loss_weight_grad_in_forward), ("recompute", lambda pp, tp: False)):
-        original = inflight.loss_weight_grad_in_forward
-        inflight.loss_weight_grad_in_forward = in_forward
-        try:
-            res = train_worker(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=f"{cfg.train.out_dir}/{name}")))
-        finally:
-            inflight.loss_weight_grad_in_forward = original
-        out[name] = {"records": res["records"], "ranks": res.get("ranks")}
-    return out
-
-
-def test_the_last_stage_handing_the_head_gradient_over_in_forward_trains_bit_for_bit_as_the_recompute(tmp_path):
+def test_the_last_stage_handing_the_head_gradient_over_in_forward_trains_bit_for_bit_as_the_recompute(runs):
     # pp=2: the last stage computes the loss's gradients once, in forward, instead of recomputing
     # the logits in backward. The same bits, through the schedule's first step and the one after
-    # an eval() (each runs the loss once more for torch's metadata pass), and the baseline step.
-    cfg = _cfg(
-        tmp_path, "hf", "--parallel.dp=1", "--train.steps=4", "--train.eval_every=2", "--train.baseline=true", "--precision.compute_dtype=fp32"
-    )
-    results = run_distributed(_with_and_without_the_head_gradient_in_forward, 2, cfg)
-    got, ref = results[0]["in_forward"], results[0]["recompute"]
-    assert [r["loss"] for r in got["records"]] == [r["loss"] for r in ref["records"]]
-    assert [r["grad_norm"] for r in got["records"]] == [r["grad_norm"] for r in ref["records"]]
-    assert len(got["records"]) == 4
+    # an eval() (each runs the loss once more for torch's metadata pass).
+    got, ref = runs["results"][0]["1f1b_agoq"], runs["results"][0]["1f1b_agoq_loss_recompute"]
+    assert len(got["losses"]) == 3 and got["losses"] == ref["losses"]
+    assert got["grad_norms"] == ref["grad_norms"]
     # The last stage keeps the hidden-state gradient in place of the hidden states: the same bytes
     # (the targets are the batch's own tensor, allocated before the step).
-    last = 1
-    assert got["ranks"][last]["peak_saved_bytes"] == ref["ranks"][last]["peak_saved_bytes"]
+    assert got["all_stats"][2]["peak_saved_bytes"] == ref["all_stats"][2]["peak_saved_bytes"]
