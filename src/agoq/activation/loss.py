@@ -27,6 +27,8 @@ gradient after checking that promise. The bits are those of the recompute path.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -216,16 +218,8 @@ class _PrecomputedLoss(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_hidden else None
         grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk)) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            h_c = h[s : s + chunk]
-            coef = scale if need_grad else None
-            loss_c, g = _chunk_loss_and_logit_grad(h_c, weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, coef)
+        for _, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, scale if need_grad else None, grad_h, grad_w):
             total += loss_c.sum()
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[s : s + chunk])
-            if grad_w is not None:
-                grad_w.add(g, h_c)
-            del g, loss_c
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.result(weight.dtype))
         ctx.hidden_shape = shape
         return total * scale
@@ -256,13 +250,8 @@ class _WeightGradInForwardLoss(torch.autograd.Function):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk))
         losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # summed at once, as the other paths do
-        for s in range(0, h.shape[0], chunk):
-            h_c = h[s : s + chunk]
-            losses[s : s + chunk], g = _chunk_loss_and_logit_grad(h_c, weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, coef)
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[s : s + chunk])
-            grad_w.add(g, h_c)
-            del g
+        for s, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, coef, grad_h, grad_w):
+            losses[s : s + chunk] = loss_c
         torch.autograd.backward([leaf[0]], [grad_w.result(weight.dtype)])
         del grad_w
         ctx.save_for_backward(grad_h)
@@ -291,10 +280,8 @@ class _RecomputedLoss(torch.autograd.Function):
         t = targets.reshape(-1)
         valid = t != ignore_index
         losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            losses[s : s + chunk], _ = _chunk_loss_and_logit_grad(
-                h[s : s + chunk], weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, None
-            )
+        for s, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, None, None, None):
+            losses[s : s + chunk] = loss_c
         ctx.save_for_backward(hidden, weight, targets)
         ctx.args = (ignore_index, reduction, label_smoothing, chunk)
         if reduction == "none":
@@ -312,18 +299,38 @@ class _RecomputedLoss(torch.autograd.Function):
         coef = grad_out.reshape(-1) if reduction == "none" else grad_out * _reduction_scale(valid, reduction)
         grad_h = torch.empty_like(h) if need_hidden else None
         grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk)) if need_weight else None
-        for s in range(0, h.shape[0], chunk):
-            h_c = h[s : s + chunk]
-            coef_c = coef[s : s + chunk] if reduction == "none" else coef
-            _, g = _chunk_loss_and_logit_grad(h_c, weight, t[s : s + chunk], valid[s : s + chunk], label_smoothing, coef_c)
+        for _ in _by_chunk(h, weight, t, valid, label_smoothing, chunk, coef, grad_h, grad_w):
+            pass
+        gh = None if grad_h is None else grad_h.view(hidden.shape)
+        gw = None if grad_w is None else grad_w.result(weight.dtype)
+        return gh, gw, None, None, None, None, None
+
+
+def _by_chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    label_smoothing: float,
+    chunk: int,
+    coef: torch.Tensor | None,
+    grad_h: torch.Tensor | None,
+    grad_w: "_WeightGradSum | None",
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, per-token fp32 losses) of each chunk of ``h`` in turn: the one walk over the chunks
+    of every path. Given ``coef`` (0-dim, or one per token), each chunk's logit gradient has gone into
+    its rows of ``grad_h`` and into ``grad_w`` (where given) before the chunk is yielded, and is freed."""
+    for s in range(0, h.shape[0], chunk):
+        h_c = h[s : s + chunk]
+        coef_c = coef[s : s + chunk] if coef is not None and coef.dim() else coef
+        loss_c, g = _chunk_loss_and_logit_grad(h_c, weight, targets[s : s + chunk], valid[s : s + chunk], label_smoothing, coef_c)
+        if g is not None:
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[s : s + chunk])
             if grad_w is not None:
                 grad_w.add(g, h_c)
             del g
-        gh = None if grad_h is None else grad_h.view(hidden.shape)
-        gw = None if grad_w is None else grad_w.result(weight.dtype)
-        return gh, gw, None, None, None, None, None
+        yield s, loss_c
 
 
 def _chunk_loss_and_logit_grad(
