@@ -12,6 +12,7 @@ width, on as many threads as each worker will use) runs at least ``BF16_MIN_SPEE
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -121,15 +122,42 @@ def compute_dtype_for(cfg: "TrainConfig", device_type: str, threads: int) -> Dty
     return choose_compute_dtype(cfg.precision.compute_dtype, device_type, mc.hidden, mc.intermediate, threads)
 
 
-# The compiled CPU path saves about 0.19 s per step of the default run (4 workers on a 2-core
-# Xeon) and costs 10-12 s of compiling per run with inductor's on-disk cache warm, about 50 s cold
-# (the first run on a machine): `python -m benchmarks.run_time`, benchmarks/results/run_time.json. Below this
-# many steps, eager wins.
+# The compiled CPU path saves about 0.12 s per step of the default run held to AVX2 (4 workers on a
+# 2-core AMD EPYC: 0.81 s eager, 0.69 s compiled) and 0.19 s on a 2-core Xeon. It costs about 9 s of
+# each run where inductor's on-disk cache holds its kernels already, and about 45 s where nothing is
+# compiled yet (the first compiled run of a configuration on a machine): `python -m benchmarks.run_time`,
+# benchmarks/results/run_time.json. So a run compiles where its kernels are cached and it has
+# COMPILE_MIN_STEPS steps, and where they are not only from FIRST_COMPILE_MIN_STEPS steps, below
+# which eager is faster overall (46 s / 0.12 s a step).
 COMPILE_MIN_STEPS = 100
+FIRST_COMPILE_MIN_STEPS = 400
 
 
-def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeChoice:
-    """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason."""
+def compiled_kernels_key(cfg: "TrainConfig", compute_dtype: str) -> str:
+    """What decides which kernels a run compiles: torch, the instruction set it runs at, the compute
+    dtype and everything that picks formats or ops (the sizes are dynamic, but a model's are kept too)."""
+    pr = {k: v for k, v in cfg.to_dict()["precision"].items() if k not in ("compute_dtype", "quant_backend")}
+    p = cfg.parallel
+    return json.dumps(
+        {
+            "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "compute_dtype": compute_dtype,
+            "precision": pr,
+            "parallel": [p.pp, p.tp, p.schedule, p.virtual_stages, p.zero1],
+            "optimizer": cfg.optim.name,
+            "model": cfg.model_config().to_dict(),
+        },
+        sort_keys=True,
+    )
+
+
+def choose_quant_backend(requested: str, device_type: str, steps: int, compiled_before: bool = False) -> DtypeChoice:
+    """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason.
+
+    ``compiled_before``: whether an earlier run of this configuration left its compiled kernels in
+    inductor's cache on this machine (agoq.inductor_cache.compiled_before).
+    """
     from agoq.quant import backend
 
     if requested != "auto":
@@ -144,7 +172,24 @@ def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeC
         return DtypeChoice("torch", "no C++ compiler for torch.compile")
     if steps < COMPILE_MIN_STEPS:
         return DtypeChoice("torch", f"eager: a {steps}-step run is shorter than the {COMPILE_MIN_STEPS} steps that repay compiling")
-    return DtypeChoice("compiled", "torch.compile'd kernels, cached on disk after the first run on this machine")
+    if compiled_before:
+        return DtypeChoice("compiled", "torch.compile'd kernels, from inductor's cache on this machine")
+    if steps < FIRST_COMPILE_MIN_STEPS:
+        return DtypeChoice(
+            "torch",
+            f"eager: this configuration's kernels are not compiled on this machine yet, and compiling them (about 45 s) repays "
+            f"only from {FIRST_COMPILE_MIN_STEPS} steps; a run of that length, or with precision.quant_backend=compiled, "
+            f"compiles them for the next runs of {COMPILE_MIN_STEPS}+ steps",
+        )
+    return DtypeChoice("compiled", "torch.compile'd kernels, compiled in this first run and cached on disk for the next ones")
+
+
+def quant_backend_for(cfg: "TrainConfig", device_type: str, compute_dtype: str) -> DtypeChoice:
+    """choose_quant_backend for a training config, knowing whether its kernels are compiled on this machine."""
+    from agoq.inductor_cache import compiled_before
+
+    warm = device_type == "cpu" and compiled_before(compiled_kernels_key(cfg, compute_dtype))
+    return choose_quant_backend(cfg.precision.quant_backend, device_type, cfg.train.steps, warm)
 
 
 @dataclass(frozen=True)
@@ -180,12 +225,15 @@ __all__ = [
     "BF16_MIN_SPEEDUP",
     "COMPILE_MIN_STEPS",
     "DtypeChoice",
+    "FIRST_COMPILE_MIN_STEPS",
     "ResolvedChoices",
     "choose_compute_dtype",
     "choose_quant_backend",
+    "compiled_kernels_key",
     "compute_dtype_for",
     "cpu_bf16_flags",
     "cpu_flags",
     "probe_seconds",
+    "quant_backend_for",
     "worker_threads",
 ]

@@ -126,10 +126,21 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> di
         summary = summarize(cfg, trainer.choices, trainer.model_cfg, records, gathered, baseline is not None)
         _write_summary(cfg, summary)
     trainer.metrics.close()
+    _note_compiled_kernels(cfg, trainer)
     dist.barrier()
     if ctx.owns_group:
         dist.destroy_process_group()
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
+
+
+def _note_compiled_kernels(cfg: TrainConfig, trainer: Any) -> None:
+    """After a run whose kernels were compiled on the CPU: note it beside them, so that the next
+    runs of this configuration know they load from the cache (agoq.train.compute_dtype)."""
+    if trainer.choices.quant_backend == "compiled" and trainer.ctx.device.type == "cpu":
+        from agoq.inductor_cache import note_compiled
+        from agoq.train.compute_dtype import compiled_kernels_key
+
+        note_compiled(compiled_kernels_key(cfg, trainer.choices.compute_dtype))
 
 
 def _resume(trainer: Any, cfg: TrainConfig) -> None:
@@ -414,14 +425,14 @@ def failure_line(out_dir: str | os.PathLike[str], ranks: list[int]) -> str:
 def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
     """The compute dtype and quantization backend of the run: the config's, with 'auto' decided for this
     machine and run (saying which and why); the config itself is left as validated."""
-    from agoq.train.compute_dtype import choose_quant_backend, compute_dtype_for, worker_threads
+    from agoq.train.compute_dtype import compute_dtype_for, quant_backend_for, worker_threads
 
     pr = cfg.precision
     device = "cuda" if torch.cuda.is_available() else "cpu"
     choice = compute_dtype_for(cfg, device, worker_threads(cfg.world_size))
     if pr.compute_dtype == "auto":
         print(f"agoq train: compute dtype {choice.name} ({choice.reason})", flush=True)
-    quant = choose_quant_backend(pr.quant_backend, device, cfg.train.steps)
+    quant = quant_backend_for(cfg, device, choice.name)
     if pr.quant_backend == "auto":
         print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
     return ResolvedChoices(choice.name, quant.name)
