@@ -1,8 +1,13 @@
 """Session-wide test setup."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
+
+from tests._data import ENV_VAR as DATA_CACHE_ENV
 
 # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen before
 # anything imports triton (torch.compile in the 8-bit AdamW tests does): kernels bind to the
@@ -15,3 +20,8 @@ if not torch.cuda.is_available():
 # folds and sums.
 # Compiling every format in every spawned worker would cost minutes of the suite's time.
 os.environ.setdefault("AGOQ_QUANT_BACKEND", "torch")
+
+# One tokenizer and token cache for the suite's training runs (tests/_data.py).
+if DATA_CACHE_ENV not in os.environ:
+    os.environ[DATA_CACHE_ENV] = tempfile.mkdtemp(prefix="agoq_test_data_")
+    atexit.register(shutil.rmtree, os.environ[DATA_CACHE_ENV], ignore_errors=True)

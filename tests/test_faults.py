@@ -11,6 +11,7 @@ import time
 import pytest
 
 from agoq.train.lock import LOCK_NAME, FolderInUse, run_lock
+from tests._data import data_cache
 
 HOLD = "import sys, time; from agoq.train.lock import run_lock\nwith run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
 
@@ -92,7 +93,7 @@ def test_a_corpus_shorter_than_one_batch_and_an_unwritable_out_dir_are_refused(t
 
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("In the beginning. " * 40)
-    args = [f"--data.corpus={tiny}", f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}"]
+    args = [f"--data.corpus={tiny}", f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp_path / 'run'}"]
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err
     assert "fewer than one batch of data.batch_size=16 x (data.seq_len=128 + 1) = 2064" in err and err.count("\n") == 1, err
@@ -269,7 +270,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_
 
     out = tmp_path / "run"
     args = SMALL + [
-        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--data.cache_dir={data_cache()}",
         f"--train.out_dir={out}",
         "--train.steps=8",
         "--optim.lr=1e30",
@@ -299,7 +300,7 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     # Eager quantization: a 100000-step run would otherwise compile, and inductor's compile workers
     # share the process group (a Ctrl-C in the middle of a compile is not what this checks).
     args = SMALL + [
-        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--data.cache_dir={data_cache()}",
         f"--train.out_dir={out}",
         "--train.steps=100000",
         "--checkpoint.every=0",
@@ -384,7 +385,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, capsys):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        args = SMALL + [f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}", "--train.steps=3", "--checkpoint.every=0"]
+        args = SMALL + [f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp_path / 'run'}", "--train.steps=3", "--checkpoint.every=0"]
         assert main(["train", *args]) == 0
     finally:
         done.set()
@@ -399,7 +400,7 @@ def test_a_resumed_run_says_which_checkpoint_it_continues_from(tmp_path, capfd):
 
     # One process with eager quantization: what is checked is the message, not the layout.
     args = SMALL + [
-        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--data.cache_dir={data_cache()}",
         f"--train.out_dir={tmp_path / 'run'}",
         "--checkpoint.every=2",
         "--parallel.pp=1",

@@ -17,6 +17,7 @@ import torch
 
 from agoq.train.config import load_config
 from tests._dist import run_distributed
+from tests._data import data_cache
 
 STEPS = 40
 BASE = [
@@ -55,7 +56,7 @@ TOLERANCE = SEED_STD / 2
 
 def _cfg(tmp: Path, name: str, seed: int):
     return load_config(
-        None, BASE + POLICIES[name] + [f"--train.seed={seed}", f"--data.cache_dir={tmp / 'cache'}", f"--train.out_dir={tmp / f'{name}_s{seed}'}"]
+        None, BASE + POLICIES[name] + [f"--train.seed={seed}", f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp / f'{name}_s{seed}'}"]
     )
 
 
@@ -76,7 +77,7 @@ def measure(tmp: Path, seeds: list[int], names: list[str]) -> dict:
     """Train each (policy, seed) on one 4-rank group; rank 0's losses keyed by 'policy_sSEED'."""
     from agoq.train.data import prepare_data
 
-    prepare_data(None, None, 512, tmp / "cache", 0.01)  # build the cache once, before the ranks start
+    prepare_data(None, None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
     cfgs = {f"{n}_s{s}": _cfg(tmp, n, s) for s in seeds for n in names}
     return run_distributed(_runs, 4, cfgs)[0]
 

@@ -18,6 +18,7 @@ import pytest
 from agoq.plan import from_train_config, plan_memory
 from agoq.train.config import load_config
 from tests._dist import run_distributed
+from tests._data import data_cache
 
 TOLERANCE = 0.05
 # tiny: hidden 256, 4 layers; medium: the "small" preset's layer (hidden 512, intermediate 1376), 2 layers.
@@ -46,7 +47,7 @@ def _configs(tmp, layout: str) -> dict:
     pp, dp, microbatches, steps = LAYOUTS[layout]
     common = [
         f"--data.corpus={tmp / 'corpus.txt'}",
-        f"--data.cache_dir={tmp / 'cache'}",
+        f"--data.cache_dir={data_cache()}",
         "--data.vocab_size=512",
         "--data.seq_len=64",
         "--data.batch_size=4",
@@ -74,7 +75,7 @@ def measured(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("plan_train")
     (tmp / "corpus.txt").write_text("\n\n".join(pydoc_data.topics.topics.values())[:200_000])
-    prepare_data(str(tmp / "corpus.txt"), None, 512, tmp / "cache", 0.01)  # once, before any rank starts
+    prepare_data(str(tmp / "corpus.txt"), None, 512, data_cache(), 0.01)  # once, before any rank starts
     out = {}
     for layout, (pp, dp, _, _) in LAYOUTS.items():
         cfgs = _configs(tmp, layout)
