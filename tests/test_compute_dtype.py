@@ -83,7 +83,9 @@ def test_quantization_compiles_only_for_runs_that_repay_it(monkeypatch):
 
 
 def test_a_compiled_run_is_noted_in_inductors_cache_for_its_configuration_only(monkeypatch, tmp_path):
-    from agoq.inductor_cache import compiled_before, inductor_cache_folder, note_compiled
+    import tempfile
+
+    from agoq.inductor_cache import _user, compiled_before, inductor_cache_folder, note_compiled
     from agoq.quant import backend
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -104,6 +106,11 @@ def test_a_compiled_run_is_noted_in_inductors_cache_for_its_configuration_only(m
     assert not compiled_before(cd.compiled_kernels_key(cfg, "bf16"))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # held to another instruction set
     assert not compiled_before(cd.compiled_kernels_key(cfg, "fp32"))
+    # Held by ATEN_CPU_CAPABILITY with no folder chosen, the note goes to the capability's own folder.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    assert inductor_cache_folder() == tmp_path / "tmp" / f"agoq_inductor_{_user()}" / "aten-cpu-capability-avx2"
     # A folder that cannot be written: nothing noted, nothing raised.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file"))
     (tmp_path / "file").write_text("")

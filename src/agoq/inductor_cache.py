@@ -40,6 +40,7 @@ def use_capability_cache() -> None:
 def inductor_cache_folder() -> Path:
     """The folder inductor keeps its compiled code in: TORCHINDUCTOR_CACHE_DIR, else its default
     (the temporary folder's ``torchinductor_<user>``), found without importing inductor."""
+    use_capability_cache()  # a held capability's own folder, whatever was imported before
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen:
         return Path(chosen).absolute()
