@@ -93,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     short = [f"--train.steps={args.short_steps}", "--checkpoint.every=0"]
     steps = [f"--train.steps={args.steps}"]
     compiled = ["--precision.quant_backend=compiled"]
-    folders = [tempfile.TemporaryDirectory() for _ in range(3)]
-    with folders[0] as first, folders[1] as held_first, folders[2] as cold_cache:
+    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as held_first, tempfile.TemporaryDirectory() as cold_cache:
         rows = [_timed("default, first run", steps, _first_run(first), count_graphs=True)]
         if not args.no_avx2_row and cpu_flags(("avx512f",)):
             held = {**AVX2_ONLY_ENV, **_first_run(held_first)}

@@ -124,11 +124,12 @@ def compute_dtype_for(cfg: "TrainConfig", device_type: str, threads: int) -> Dty
 
 # The compiled CPU path saves about 0.12 s per step of the default run held to AVX2 (4 workers on a
 # 2-core AMD EPYC: 0.81 s eager, 0.69 s compiled) and 0.19 s on a 2-core Xeon. It costs about 9 s of
-# each run where inductor's on-disk cache holds its kernels already, and about 45 s where nothing is
+# each run where inductor's on-disk cache holds its kernels already, and 35-45 s where nothing is
 # compiled yet (the first compiled run of a configuration on a machine): `python -m benchmarks.run_time`,
-# benchmarks/results/run_time.json. So a run compiles where its kernels are cached and it has
+# benchmarks/results/run_time.json (held to AVX2: the eager first run 166 s, a compiling run 180 s,
+# the run after it 156 s). So a run compiles where its kernels are cached and it has
 # COMPILE_MIN_STEPS steps, and where they are not only from FIRST_COMPILE_MIN_STEPS steps, below
-# which eager is faster overall (46 s / 0.12 s a step).
+# which eager is faster overall (35-45 s / 0.12 s a step: 300-400 steps).
 COMPILE_MIN_STEPS = 100
 FIRST_COMPILE_MIN_STEPS = 400
 
@@ -216,6 +217,20 @@ class ResolvedChoices:
         return out
 
 
+def resolve_choices(cfg: "TrainConfig", device_type: str, threads: int) -> ResolvedChoices:
+    """The config's compute dtype and quantization backend with ``auto`` decided for this machine and
+    run, each ``auto`` saying which and why in the run's opening lines (``threads``: each worker's,
+    for the dtype probe). The config itself is left as validated."""
+    pr = cfg.precision
+    dtype = compute_dtype_for(cfg, device_type, threads)
+    if pr.compute_dtype == "auto":
+        print(f"agoq train: compute dtype {dtype.name} ({dtype.reason})", flush=True)
+    quant = quant_backend_for(cfg, device_type, dtype.name)
+    if pr.quant_backend == "auto":
+        print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
+    return ResolvedChoices(dtype.name, quant.name)
+
+
 def worker_threads(world_size: int) -> int:
     """Threads each of ``world_size`` local CPU workers gets (the cores shared evenly)."""
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
@@ -235,5 +250,6 @@ __all__ = [
     "cpu_flags",
     "probe_seconds",
     "quant_backend_for",
+    "resolve_choices",
     "worker_threads",
 ]

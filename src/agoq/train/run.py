@@ -423,19 +423,11 @@ def failure_line(out_dir: str | os.PathLike[str], ranks: list[int]) -> str:
 
 
 def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
-    """The compute dtype and quantization backend of the run: the config's, with 'auto' decided for this
-    machine and run (saying which and why); the config itself is left as validated."""
-    from agoq.train.compute_dtype import compute_dtype_for, quant_backend_for, worker_threads
+    """The compute dtype and quantization backend of a local run, decided by the launcher for its
+    workers (agoq.train.compute_dtype.resolve_choices, saying which and why)."""
+    from agoq.train.compute_dtype import resolve_choices, worker_threads
 
-    pr = cfg.precision
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    choice = compute_dtype_for(cfg, device, worker_threads(cfg.world_size))
-    if pr.compute_dtype == "auto":
-        print(f"agoq train: compute dtype {choice.name} ({choice.reason})", flush=True)
-    quant = quant_backend_for(cfg, device, choice.name)
-    if pr.quant_backend == "auto":
-        print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
-    return ResolvedChoices(choice.name, quant.name)
+    return resolve_choices(cfg, "cuda" if torch.cuda.is_available() else "cpu", worker_threads(cfg.world_size))
 
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from agoq.activation import ActivationPolicy, make_policy
 from agoq.models import Llama, LlamaConfig
 from agoq.parallel.layout import PipelineLayout
 from agoq.gradient.counter import CommCounter
-from agoq.train.compute_dtype import ResolvedChoices, compute_dtype_for, quant_backend_for, worker_threads
+from agoq.train.compute_dtype import ResolvedChoices, resolve_choices, worker_threads
 from agoq.train.config import TrainConfig
 from agoq.gradient.sync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, peak_rss_bytes
@@ -169,21 +169,11 @@ def worker_choices(cfg: TrainConfig, device: torch.device, choices: ResolvedChoi
     on every rank. The config is left as validated.
     """
     if choices is None:
-        pr = cfg.precision
         # rank 0 decides (the dtype from a timed probe, the backend from what this machine has
         # compiled), so that every rank computes alike.
-        decided: list[Any] = [None]
-        if dist.get_rank() == 0:
-            dtype = compute_dtype_for(cfg, device.type, torch.get_num_threads()) if pr.compute_dtype == "auto" else None
-            quant = quant_backend_for(cfg, device.type, dtype.name if dtype else pr.compute_dtype)
-            decided = [(dtype, quant)]
-            if dtype is not None:
-                print(f"agoq train: compute dtype {dtype.name} ({dtype.reason})", flush=True)
-            if pr.quant_backend == "auto":
-                print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
+        decided = [resolve_choices(cfg, device.type, torch.get_num_threads()) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(decided, src=0)
-        dtype, quant = decided[0]
-        choices = ResolvedChoices(dtype.name if dtype else pr.compute_dtype, quant.name)
+        choices = decided[0]
     # Process-wide: every quantize, fold and reduction of this worker takes this path.
     from agoq.quant import backend as quant_backend
 
