@@ -441,6 +441,90 @@ def test_step_optimizer_steps_after_groups_of_bounded_bytes_and_reads_each_gradi
     assert Optimizer.events == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), ("step",)]
 
 
+def test_a_unit_larger_than_a_group_is_read_and_stepped_a_slice_at_a_time_where_the_optimizer_can() -> None:
+    from agoq.gradient.sync import GradientSync
+
+    class Units(GradientSync):
+        sizes = {0: 300, 1: 2100, 2: 100}
+        slice_quantum = 64
+        reads: list[tuple] = []
+
+        def units(self):
+            return list(self.sizes.items())
+
+        def read(self, unit):
+            self.reads.append((unit,))
+            return torch.ones(self.sizes[unit])
+
+        def read_slice(self, unit, start, end):
+            self.reads.append((unit, start, end))
+            return torch.ones(end - start)
+
+    class SlicingOptimizer:
+        steps_slices = True
+        events: list[tuple] = []
+
+        def set_grad(self, unit, grad):
+            self.events.append((unit, float(grad[0])))
+
+        def step(self):
+            self.events.append(("step",))
+
+        def step_slices(self, unit, slices):
+            for start, end, grad in slices:  # each slice read only as it is used
+                assert Units.reads[-1] == (unit, start, end) and float(grad[0]) == 0.5
+                self.events.append((unit, start, end))
+            self.events.append(("stepped", unit))
+
+    Units().step_optimizer(SlicingOptimizer(), scale=0.5, group_bytes=4 * 1000)  # 1000 values: 960 in whole 64-value quanta
+    assert SlicingOptimizer.events == [(0, 0.5), ("step",), (1, 0, 960), (1, 960, 1920), (1, 1920, 2100), ("stepped", 1), (2, 0.5), ("step",)]
+    assert (1,) not in Units.reads
+
+
+def test_sliced_optimizer_steps_from_the_8bit_buffer_match_whole_tensor_steps_exactly() -> None:
+    from agoq.gradient.sync import make_gradient_sync
+    from agoq.train.config import OptimSection
+    from agoq.train.optim import MasterWeightOptimizer
+
+    results = []
+    for group_bytes in (None, 4 * 1024):  # 1024 values a slice: the 300 x 70 weight goes in 21 slices
+        model = _mlp()
+        params = list(model.named_parameters())
+        sync = make_gradient_sync("int8", params, None, torch.device("cpu"), microbatches=1, block=256)
+        opt = MasterWeightOptimizer(params, OptimSection(lr=1e-2))
+        sliced: list[int] = []
+        step_slices = opt.step_slices
+        opt.step_slices = lambda unit, slices: (sliced.append(unit), step_slices(unit, slices))  # type: ignore[method-assign]
+        for step in range(2):
+            sync.start_step()
+            torch.manual_seed(step)
+            model(torch.randn(8, 24)).square().mean().backward()
+            assert sync.reduce()
+            sync.step_optimizer(opt, 0.5, group_bytes)
+            sync.finish_step()
+        names = [n for n, _ in params]
+        assert sorted({names[u] for u in sliced}) == ([] if group_bytes is None else ["0.weight", "2.weight"])
+        results.append([p.detach().clone() for p in model.parameters()])
+    for whole, by_slices in zip(*results):
+        assert torch.equal(whole, by_slices)
+
+
+def test_grad_slice_reads_a_range_of_one_parameter_across_buckets() -> None:
+    model = _mlp()
+    buf = QuantGradBuffer(model, microbatches=1, bucket_numel=5000)  # the 300 x 70 weight spans buckets
+    model(torch.randn(8, 24)).square().mean().backward()
+    buf.finish()
+    name = "2.weight"
+    assert len(buf.layout.segments[buf.names.index(name)]) > 1
+    whole = buf.grad(name).reshape(-1)
+    for start, end in [(0, 256), (4864, 9000), (20736, 21000), (0, 21000)]:
+        assert torch.equal(buf.grad_slice(name, start, end), whole[start:end])
+    with pytest.raises(ValueError, match="must start on a block of 256 values"):
+        buf.grad_slice(name, 100, 400)
+    with pytest.raises(ValueError, match="lie inside it"):
+        buf.grad_slice(name, 0, 21001)
+
+
 def test_bucket_storage_lives_on_the_parameters_device():
     # Buckets were allocated on the CPU whatever the parameters' device: on a GPU the 8-bit
     # buffer then sat in host memory and the collective got CPU tensors. The meta device stands in.

@@ -61,3 +61,44 @@ def test_adamw8bit_takes_a_scheduled_lr_and_keeps_8bit_state():
     assert not torch.equal(model.weight, before)
     # 2 bytes per value for both moments (1 byte each) plus block scales, far below AdamW's 8.
     assert opt.state_bytes() < 256 * 256 * 3
+
+
+def test_a_parameter_stepped_a_slice_at_a_time_matches_a_whole_tensor_step_bit_for_bit():
+    # Large tensors (a 128K x 4096 embedding) are stepped a slice of their gradient at a time so
+    # that no whole fp32 gradient is read back from 8 bits; the update must not change for it.
+    whole_model, sliced_model = _model(torch.bfloat16), _model(torch.bfloat16)
+    cfg = OptimSection(lr=1e-2, weight_decay=0.1)
+    whole = MasterWeightOptimizer(whole_model.named_parameters(), cfg)
+    sliced = MasterWeightOptimizer(sliced_model.named_parameters(), cfg)
+    assert sliced.steps_slices
+    for _ in range(3):
+        grads = [torch.randn_like(m) for m in whole.masters]
+        for i, g in enumerate(grads):
+            whole.set_grad(i, g.clone())
+        whole.step()
+        for i, g in enumerate(grads):
+            flat, n = g.reshape(-1), g.numel()
+            # Uneven slices on whole blocks, as the gradient syncs cut them. (A slice ending inside a
+            # SIMD vector may round exp_avg_sq's last bit differently in the kernel's scalar tail.)
+            bounds = [0, 256, 4096, n] if n > 4096 else [0, 64, n]
+            sliced.step_slices(i, ((a, b, flat[a:b].clone()) for a, b in zip(bounds, bounds[1:])))
+    for i, (a, b) in enumerate(zip(whole.masters, sliced.masters)):
+        assert torch.equal(a, b)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(whole.optimizer.state[a][key], sliced.optimizer.state[b][key]), key
+    for p, q in zip(whole_model.parameters(), sliced_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_slices_must_cover_the_parameter_in_order_and_need_fused_adamw():
+    opt = MasterWeightOptimizer(_model(torch.float32).named_parameters(), OptimSection())
+    n = opt.masters[0].numel()
+    with pytest.raises(ValueError, match="cover it in order"):
+        opt.step_slices(0, [(0, 10, torch.zeros(10)), (20, n, torch.zeros(n - 20))])
+    with pytest.raises(ValueError, match=f"covered 10 of its {n} values"):
+        opt.step_slices(0, [(0, 10, torch.zeros(10))])
+    pytest.importorskip("torchao", reason="8-bit AdamW needs torchao (the dev extra installs it)")
+    opt8 = MasterWeightOptimizer(_model(torch.float32).named_parameters(), OptimSection(name="adamw8bit"))
+    assert not opt8.steps_slices
+    with pytest.raises(RuntimeError, match="adamw8bit"):
+        opt8.step_slices(0, [(0, n, torch.zeros(n))])

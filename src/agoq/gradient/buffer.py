@@ -224,6 +224,10 @@ class QuantGradBuffer:
         """The stored gradient of one parameter, dequantized, in the parameter's shape."""
         return self.reader.grad(param, dtype)
 
+    def grad_slice(self, param: int | str | torch.nn.Parameter, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Values ``start``..``end`` of one parameter's flattened gradient, dequantized (``start`` on a block boundary)."""
+        return self.reader.grad_slice(param, start, end, dtype)
+
     def grads(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """(name, parameter, fp32 gradient) one parameter at a time, in bucket order."""
         return self.reader.grads()

@@ -13,10 +13,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from agoq.quant import backend, dequantize
+from agoq.quant import QTensor, backend, dequantize
 
 from agoq.gradient.bucket import Bucket
-from agoq.gradient.layout import GradLayout, param_index
+from agoq.gradient.layout import GradLayout, Segment, param_index
 from agoq.gradient.pipeline import BucketPipeline
 
 
@@ -100,15 +100,37 @@ class GradReader:
         self.check_readable()
         pi = param_index(self.names, self.params, param)
         p = self.params[pi]
-        segments = self.layout.segments[pi]
-        if len(segments) == 1:  # the common case: dequantize straight into the result
-            seg = segments[0]
-            return dequantize(self.buckets[seg.bucket].values.blocks(seg.offset, seg.numel, dtype))[: seg.numel].view(p.shape)
-        out = torch.empty(p.numel(), dtype=dtype, device=self.device)
-        for seg in segments:
-            vals = dequantize(self.buckets[seg.bucket].values.blocks(seg.offset, seg.numel))
-            out[seg.param_offset : seg.param_offset + seg.numel] = vals[: seg.numel]
-        return out.view(p.shape)
+        return self._read(pi, 0, p.numel(), dtype).view(p.shape)
+
+    def grad_slice(self, param: int | str | torch.nn.Parameter, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Values ``start``..``end`` of one parameter's flattened stored gradient, dequantized; only
+        the blocks holding them are read. ``start`` is a multiple of the block size."""
+        self.check_readable()
+        pi = param_index(self.names, self.params, param)
+        numel, block = self.params[pi].numel(), self.layout.fmt.block_size
+        if not 0 <= start < end <= numel or start % block:
+            raise ValueError(f"slice {start}..{end} of {self.names[pi]!r} ({numel} values) must start on a block of {block} values and lie inside it")
+        return self._read(pi, start, end, dtype)
+
+    def _read(self, pi: int, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        # Segments start on block boundaries of the parameter (GradLayout), so a start on a block
+        # boundary is one in every segment, and each segment's values are read as whole blocks.
+        parts = [
+            (seg, max(start, seg.param_offset), min(end, seg.param_offset + seg.numel))
+            for seg in self.layout.segments[pi]
+            if seg.param_offset < end and start < seg.param_offset + seg.numel
+        ]
+
+        def blocks(seg: Segment, lo: int, hi: int, dtype: torch.dtype | None = None) -> QTensor:
+            return self.buckets[seg.bucket].values.blocks(seg.offset + lo - seg.param_offset, hi - lo, dtype)
+
+        if len(parts) == 1:  # the common case: dequantize straight into the result
+            seg, lo, hi = parts[0]
+            return dequantize(blocks(seg, lo, hi, dtype))[: hi - lo]
+        out = torch.empty(end - start, dtype=dtype, device=self.device)
+        for seg, lo, hi in parts:
+            out[lo - start : hi - start] = dequantize(blocks(seg, lo, hi))[: hi - lo]
+        return out
 
     def grads(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """(name, parameter, fp32 gradient) one parameter at a time, in bucket order."""

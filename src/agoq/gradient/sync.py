@@ -85,6 +85,13 @@ class GradientSync:
         """The reduced fp32 gradient of one unit; the caller may scale it in place."""
         raise NotImplementedError
 
+    # Values a slice of a unit starts on a multiple of (the 8-bit buffer's block: slices read whole blocks).
+    slice_quantum: int = 1
+
+    def read_slice(self, unit: int, start: int, end: int) -> torch.Tensor:
+        """Values ``start``..``end`` of one unit's flattened reduced fp32 gradient; the caller may scale it in place."""
+        return self.read(unit).reshape(-1)[start:end]
+
     def unit_groups(self, group_bytes: int | None = None) -> Iterator[list[int]]:
         """The units in reading order, in groups of at most ``group_bytes`` of fp32 gradients (a larger
         unit alone; None: one group of every unit)."""
@@ -104,9 +111,31 @@ class GradientSync:
         at most ``group_bytes`` of fp32 gradients (see :meth:`unit_groups`); every dp rank groups alike.
 
         A gradient is read only as it is handed over, so where gradients are read back from 8 bits
-        only one group of them exists at a time (the optimizer's step drops what it was handed).
+        only one group of them exists at a time (the optimizer's step drops what it was handed). A
+        unit larger than a group is read and stepped a slice at a time where the optimizer can
+        (``step_slices``), so no read-back gradient is ever larger than ``group_bytes``: without
+        slices a 128K x 4096 embedding's would be 2 GiB.
         """
-        step_in_groups(self.unit_groups(group_bytes), self.read, optimizer.set_grad, optimizer.step, scale)
+        sizes = dict(self.units())
+        slice_values = self._slice_values(optimizer, group_bytes)
+        for units in self.unit_groups(group_bytes):
+            unit = units[0]
+            if slice_values and len(units) == 1 and sizes[unit] > slice_values:
+                bounds = [(a, min(a + slice_values, sizes[unit])) for a in range(0, sizes[unit], slice_values)]
+                optimizer.step_slices(unit, ((a, b, self._scaled(self.read_slice(unit, a, b), scale)) for a, b in bounds))
+            else:
+                step_in_groups([units], self.read, optimizer.set_grad, optimizer.step, scale)
+
+    def _slice_values(self, optimizer: PairedOptimizer, group_bytes: int | None) -> int:
+        """Values per slice of a unit too large for a group: ``group_bytes`` of fp32 in whole slice
+        quanta; 0 where the optimizer steps whole tensors only or groups are unbounded."""
+        if group_bytes is None or not getattr(optimizer, "steps_slices", False):
+            return 0
+        return max(1, group_bytes // 4 // self.slice_quantum) * self.slice_quantum
+
+    @staticmethod
+    def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+        return grad.mul_(scale) if scale != 1.0 else grad
 
     def finish_step(self) -> None:
         """Drop this step's gradients."""
@@ -327,6 +356,13 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
 
     def read(self, unit: int) -> torch.Tensor:
         return self.buffer.grad(self._buffer_index[unit])
+
+    @property
+    def slice_quantum(self) -> int:
+        return self.buffer.fmt.block_size
+
+    def read_slice(self, unit: int, start: int, end: int) -> torch.Tensor:
+        return self.buffer.grad_slice(self._buffer_index[unit], start, end)
 
     def finish_step(self) -> None:
         self.buffer.zero_grad()

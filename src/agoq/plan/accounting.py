@@ -366,9 +366,10 @@ class TemporaryBytes:
             reduction = max(reduction, shards)
             optimizer = shards + es * (bucket + chunk)
         elif setup.gradients:
-            # Gradients read back from 8 bits in fp32 for one group of parameters (at most
-            # STEP_GROUP_BYTES, or the largest tensor alone), dequantized in place.
-            optimizer = max(STEP_GROUP_BYTES, 4 * largest)
+            # Gradients read back from 8 bits in fp32 for one group of parameters, at most
+            # STEP_GROUP_BYTES: fused AdamW steps a larger tensor a slice at a time
+            # (MasterWeightOptimizer.step_slices), the 8-bit AdamW steps it whole.
+            optimizer = max(STEP_GROUP_BYTES, 4 * largest) if setup.optimizer else STEP_GROUP_BYTES
         if setup.optimizer:
             optimizer += ADAM_MOMENTS * 4 * largest  # one tensor's moments dequantized for its update
         return max(backward, reduction, optimizer)

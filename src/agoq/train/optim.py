@@ -7,6 +7,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.optim.adamw import adamw
 
 from agoq.train.config import OptimSection
 
@@ -102,6 +103,64 @@ class MasterWeightOptimizer:
                 if m is not p:
                     p.copy_(m)
                 m.grad = None
+
+    @property
+    def steps_slices(self) -> bool:
+        """Whether :meth:`step_slices` can step one parameter a slice of its gradient at a time (fused AdamW)."""
+        return isinstance(self.optimizer, torch.optim.AdamW) and bool(self.optimizer.defaults.get("fused"))
+
+    @torch.no_grad()
+    def step_slices(self, index: int, slices: Iterable[tuple[int, int, torch.Tensor]]) -> None:
+        """One AdamW step of parameter ``index``, from ``(start, end, fp32 gradient values)`` slices of its
+        flattened gradient that cover it once, in order, each used as it comes.
+
+        The same arithmetic as :meth:`step` (torch's fused AdamW, element by element, on views of the
+        master and its moments), so a caller reading gradients back from 8 bits needs one slice in
+        fp32 at a time, not the whole tensor. The step count advances once. Bit-identical to
+        :meth:`step` where slices end on whole SIMD vectors (the syncs cut whole 256-value blocks);
+        a slice ending inside one goes through the kernel's scalar tail, which may round
+        ``exp_avg_sq``'s last bit differently.
+        """
+        if not self.steps_slices:
+            raise RuntimeError(f"step_slices needs torch's fused AdamW; optim.name={self.cfg.name!r} steps whole tensors (use set_grad and step)")
+        master, param = self.masters[index], self.params[index]
+        group = next(g for g in self.optimizer.param_groups if any(m is master for m in g["params"]))
+        state = self.optimizer.state[master]
+        if not state:  # as torch's AdamW starts a parameter's state (so checkpoints stay alike)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        m, exp_avg, exp_avg_sq = (t.view(-1) for t in (master, state["exp_avg"], state["exp_avg_sq"]))
+        beta1, beta2 = group["betas"]
+        covered = 0
+        for start, end, grad in slices:
+            if start != covered or grad.numel() != end - start:
+                raise ValueError(
+                    f"slices of {self.names[index]!r} must cover it in order: got {start}..{end} with {grad.numel()} values after {covered}"
+                )
+            # The functional AdamW advances the step it is given: each slice gets its own copy.
+            adamw(
+                [m[start:end]],
+                [grad.to(torch.float32)],
+                [exp_avg[start:end]],
+                [exp_avg_sq[start:end]],
+                [],
+                [state["step"].clone()],
+                fused=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+            if master is not param:
+                param.view(-1)[start:end].copy_(m[start:end])
+            covered = end
+        if covered != master.numel():
+            raise ValueError(f"slices of {self.names[index]!r} covered {covered} of its {master.numel()} values")
+        state["step"] += 1
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state plus fp32 master copies (not counting the model's own weights)."""

@@ -434,8 +434,8 @@ class Trainer:
         clip = self.cfg.optim.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         self.optimizer.set_lr(lr)
-        # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor alone), so
-        # fp32 gradients read back from 8 bits never all exist at once.
+        # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor a slice at a
+        # time where the optimizer can), so fp32 gradients read back from 8 bits never all exist at once.
         self.sync.step_optimizer(self.optimizer, coef, STEP_GROUP_BYTES)  # each step drops the gradients it was handed
 
     def measure_baseline(self) -> dict[str, Any]:
