@@ -63,18 +63,25 @@ def test_adamw8bit_takes_a_scheduled_lr_and_keeps_8bit_state():
     assert opt.state_bytes() < 256 * 256 * 3
 
 
-def test_a_parameter_stepped_a_slice_at_a_time_matches_a_whole_tensor_step_bit_for_bit():
-    # Large tensors (a 128K x 4096 embedding) are stepped a slice of their gradient at a time so
-    # that no whole fp32 gradient is read back from 8 bits; the update must not change for it.
-    whole_model, sliced_model = _model(torch.bfloat16), _model(torch.bfloat16)
+def test_steps_whole_and_by_slices_match_torchs_own_fused_adamw_step_bit_for_bit():
+    # MasterWeightOptimizer.step updates only the handed masters (torch's step looks at every
+    # parameter), and large tensors (a 128K x 4096 embedding) are stepped a slice of their gradient
+    # at a time so that no whole fp32 gradient is read back from 8 bits; neither may change the update.
+    torch_model, whole_model, sliced_model = _model(torch.bfloat16), _model(torch.bfloat16), _model(torch.bfloat16)
     cfg = OptimSection(lr=1e-2, weight_decay=0.1)
+    reference = MasterWeightOptimizer(torch_model.named_parameters(), cfg)
     whole = MasterWeightOptimizer(whole_model.named_parameters(), cfg)
     sliced = MasterWeightOptimizer(sliced_model.named_parameters(), cfg)
     assert sliced.steps_slices
     for _ in range(3):
         grads = [torch.randn_like(m) for m in whole.masters]
         for i, g in enumerate(grads):
+            reference.masters[i].grad = g.clone()
+        reference.optimizer.step()  # torch's own fused AdamW step over every group
+        for i, g in enumerate(grads[:2]):
             whole.set_grad(i, g.clone())
+        whole.step()  # two groups' worth of steps, as the syncs hand them
+        whole.set_grad(2, grads[2].clone())
         whole.step()
         for i, g in enumerate(grads):
             flat, n = g.reshape(-1), g.numel()
@@ -82,12 +89,13 @@ def test_a_parameter_stepped_a_slice_at_a_time_matches_a_whole_tensor_step_bit_f
             # SIMD vector may round exp_avg_sq's last bit differently in the kernel's scalar tail.)
             bounds = [0, 256, 4096, n] if n > 4096 else [0, 64, n]
             sliced.step_slices(i, ((a, b, flat[a:b].clone()) for a, b in zip(bounds, bounds[1:])))
-    for i, (a, b) in enumerate(zip(whole.masters, sliced.masters)):
-        assert torch.equal(a, b)
+    for ref, a, b in zip(reference.masters, whole.masters, sliced.masters):
+        assert torch.equal(ref, a) and torch.equal(ref, b)
         for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(whole.optimizer.state[a][key], sliced.optimizer.state[b][key]), key
-    for p, q in zip(whole_model.parameters(), sliced_model.parameters()):
-        assert torch.equal(p, q)
+            expected = reference.optimizer.state[ref][key]
+            assert torch.equal(expected, whole.optimizer.state[a][key]) and torch.equal(expected, sliced.optimizer.state[b][key]), key
+    for ref, p, q in zip(reference.masters, whole_model.parameters(), sliced_model.parameters()):
+        assert torch.equal(p, ref.to(torch.bfloat16)) and torch.equal(p, q)
 
 
 def test_slices_must_cover_the_parameter_in_order_and_need_fused_adamw():
@@ -102,3 +110,22 @@ def test_slices_must_cover_the_parameter_in_order_and_need_fused_adamw():
     assert not opt8.steps_slices
     with pytest.raises(RuntimeError, match="adamw8bit"):
         opt8.step_slices(0, [(0, n, torch.zeros(n))])
+
+
+def test_step_slices_lets_each_slice_go_before_the_next_is_read():
+    # The slices are gradients read back from 8 bits: two alive at once would double the optimizer
+    # phase's temporaries.
+    import weakref
+
+    opt = MasterWeightOptimizer(_model(torch.float32).named_parameters(), OptimSection())
+    n = opt.masters[0].numel()
+    alive: list[weakref.ref] = []
+
+    def read(numel: int) -> torch.Tensor:
+        assert all(ref() is None for ref in alive), "the previous slice is still referenced"
+        grad = torch.ones(numel)
+        alive.append(weakref.ref(grad))
+        return grad
+
+    opt.step_slices(0, ((a, min(a + 1024, n), read(min(a + 1024, n) - a)) for a in range(0, n, 1024)))
+    assert len(alive) == -(-n // 1024) > 1

@@ -43,7 +43,7 @@ from agoq.plan.config import DTYPES, PlanConfig, Setup
 from agoq.plan.result import RankMemory
 from agoq.quant import QuantFormat, parse_format
 
-from agoq.train.optim import STEP_GROUP_BYTES
+from agoq.train.optim import step_group_bytes
 
 INDEX_BYTES = 8  # int64 token ids / targets
 ADAM_MOMENTS = 2
@@ -367,9 +367,10 @@ class TemporaryBytes:
             optimizer = shards + es * (bucket + chunk)
         elif setup.gradients:
             # Gradients read back from 8 bits in fp32 for one group of parameters, at most
-            # STEP_GROUP_BYTES: fused AdamW steps a larger tensor a slice at a time
+            # step_group_bytes: fused AdamW steps a larger tensor a slice at a time
             # (MasterWeightOptimizer.step_slices), the 8-bit AdamW steps it whole.
-            optimizer = max(STEP_GROUP_BYTES, 4 * largest) if setup.optimizer else STEP_GROUP_BYTES
+            group = step_group_bytes(self.shape.device)
+            optimizer = max(group, 4 * largest) if setup.optimizer else group
         if setup.optimizer:
             optimizer += ADAM_MOMENTS * 4 * largest  # one tensor's moments dequantized for its update
         return max(backward, reduction, optimizer)

@@ -29,7 +29,7 @@ from agoq.train.compute_dtype import ResolvedChoices, resolve_choices, worker_th
 from agoq.train.config import TrainConfig
 from agoq.gradient.sync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, peak_rss_bytes
-from agoq.train.optim import STEP_GROUP_BYTES, MasterWeightOptimizer, lr_at
+from agoq.train.optim import MasterWeightOptimizer, lr_at, step_group_bytes
 from agoq.train.saved import SavedActivationTracker, StepAllocations
 
 
@@ -434,9 +434,9 @@ class Trainer:
         clip = self.cfg.optim.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         self.optimizer.set_lr(lr)
-        # Step in groups of at most STEP_GROUP_BYTES of gradients (a larger tensor a slice at a
+        # Step in groups of at most step_group_bytes of gradients (a larger tensor a slice at a
         # time where the optimizer can), so fp32 gradients read back from 8 bits never all exist at once.
-        self.sync.step_optimizer(self.optimizer, coef, STEP_GROUP_BYTES)  # each step drops the gradients it was handed
+        self.sync.step_optimizer(self.optimizer, coef, step_group_bytes(self.ctx.device))  # each step drops the gradients it was handed
 
     def measure_baseline(self) -> dict[str, Any]:
         """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
