@@ -58,7 +58,7 @@ def test_first_micro_batch_only_quantizes_and_k_micro_batches_stay_within_the_su
             if j == 0:
                 assert torch.equal(buf.grad(i), dequantize(quantize(g, "int8/256"), torch.float32))
             seg = buf.segments[i][0]
-            scales = buf.buckets[seg.bucket].scales[seg.offset // BLOCK :][: -(-p.numel() // BLOCK)]
+            scales = buf.buckets[seg.bucket].flat().scales[seg.offset // BLOCK :][: -(-p.numel() // BLOCK)]
             bound[i] += (scales / 2).repeat_interleave(BLOCK)[: p.numel()].double()
     for i in range(2):
         err = (buf.grad(i).double().reshape(-1) - exact[i]).abs()
@@ -326,10 +326,8 @@ def _group_checks(rank: int, world: int) -> dict:
 
 
 def _bucket_qtensor(bucket, fmt):
-    from agoq.quant import QTensor
-
-    n = bucket.layout.world_size * bucket.layout.padded_chunk
-    return QTensor(bucket.payload, bucket.scales, torch.Size([n]), torch.float32, fmt)
+    assert bucket.layout.fmt == fmt
+    return bucket.flat()
 
 
 @pytest.fixture(scope="module")
@@ -529,4 +527,4 @@ def test_bucket_storage_lives_on_the_parameters_device():
     # Buckets were allocated on the CPU whatever the parameters' device: on a GPU the 8-bit
     # buffer then sat in host memory and the collective got CPU tensors. The meta device stands in.
     buf = QuantGradBuffer(torch.nn.Linear(300, 70, device="meta"), microbatches=1)
-    assert buf.buckets and all(b.payload.device.type == "meta" and b.scales.device.type == "meta" for b in buf.buckets)
+    assert buf.buckets and all(b.wire.device.type == "meta" for b in buf.buckets)

@@ -34,9 +34,7 @@ def _filled_buckets(seed: int = 0, world: int = 2):
     buckets = allocate_buckets(GradLayout([1000, 3000], STORAGE, 4096, world))
     g = torch.Generator().manual_seed(seed)
     for b in buckets:
-        q = quantize(torch.randn(b.values.numel, generator=g), STORAGE)
-        b.payload.copy_(q.payload)
-        b.scales.copy_(q.scales)
+        b.load_flat(quantize(torch.randn(b.numel, generator=g), STORAGE))
     return buckets
 
 
@@ -44,7 +42,7 @@ def test_sent_plus_residual_is_what_the_bucket_holds():
     buckets = _filled_buckets()
     enc = WireEncoder(buckets, gradient_format(WIRE), error_feedback=True)
     b = buckets[0]
-    held = dequantize(b.values, torch.float32)
+    held = dequantize(b.flat(), torch.float32)
     wire, layout = enc.encode(b)
     assert layout.fmt.name == WIRE and layout.padded_chunk == b.layout.padded_chunk
     enc.commit()
@@ -61,7 +59,7 @@ def test_error_feedback_sends_the_true_mean_over_steps_and_plain_rounding_keeps_
     fed, plain = _filled_buckets(), _filled_buckets()
     with_ef = WireEncoder(fed, gradient_format(WIRE), error_feedback=True)
     without = WireEncoder(plain, gradient_format(WIRE), error_feedback=False)
-    true = dequantize(fed[0].values, torch.float32)
+    true = dequantize(fed[0].flat(), torch.float32)
     sum_ef, sum_plain = torch.zeros_like(true), torch.zeros_like(true)
     for _ in range(steps):
         sum_ef += dequantize(with_ef.encode(fed[0])[0], torch.float32)

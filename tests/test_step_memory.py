@@ -154,3 +154,57 @@ def test_the_8bit_gradient_path_holds_a_few_buckets_of_temporaries_whatever_the_
         # buckets, plus the received 8-bit rows of the bucket whose chunk is being summed and
         # requantized piece by piece (they stay until its last piece is done).
         assert large["peak"] <= 4 * (4 * 256 * 256) + (256 * 256 + 4 * 256), large
+
+
+def _bucket_sized_allocations(rank: int, world: int) -> dict:
+    import hashlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from agoq.gradient import QuantGradBuffer
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nbytes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):  # storages the operator created (not views or in-place results)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.nbytes.append(t.untyped_storage().nbytes())
+            return out
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512, bias=False)
+    buf = QuantGradBuffer(model)  # one bucket
+    bucket = buf.buckets[0]
+    storage = bucket.wire.data_ptr()
+    loss = model(torch.randn(4, 512)).square().mean()
+    with Sizes() as sizes:
+        loss.backward()  # the bucket's all-to-all starts here
+        assert buf.finish()
+    return {
+        "bucket_bytes": bucket.wire.numel(),
+        "row_bytes": bucket.layout.row_bytes,
+        "sizes": sizes.nbytes,
+        "same_storage": bucket.wire.data_ptr() == storage,
+        "grad_sha256": hashlib.sha256(buf.grad(model.weight).numpy().tobytes()).hexdigest(),
+    }
+
+
+def test_a_bucket_is_sent_from_its_storage_and_gathered_back_into_it() -> None:
+    """The bucket's storage is the all-to-all's wire layout: it is sent as it is and the reduced
+    rows are gathered into it, so the reduction allocates only the received rows and the gather's
+    send rows (on gloo within a host, this rank's row repeated for an all-to-all) of a bucket's
+    size, where a wire copy and a gathered copy made four."""
+    from tests._dist import run_distributed
+
+    results = run_distributed(_bucket_sized_allocations, 2)
+    for r in results:
+        assert r["same_storage"]
+        assert r["sizes"].count(r["bucket_bytes"]) == 2, r["sizes"]
+    # Every rank holds the same reduced gradient, bit for bit.
+    assert results[0]["grad_sha256"] == results[1]["grad_sha256"]

@@ -1,14 +1,19 @@
 """One bucket of the 8-bit gradient buffer: its storage and where it stands in the step's reduction.
 
-The storage (packed codes and fp32 block scales, in the layout of the 8-bit collective) is
-allocated once and only ever written in place, so views of it (the fold regions) stay valid and
-the bucket goes on the wire as it is. Its state runs open -> launched (all-to-all in flight) ->
-reducing (all-gather in flight) -> done, and back to open at ``reset``.
+The storage is the 8-bit collective's wire layout itself: one row per rank's chunk, its packed codes
+then its fp32 block scales (uint8 [W, row bytes]). It is allocated once and only ever written in
+place, so views of it (the fold regions) stay valid, the all-to-all sends it as it is (no wire copy
+beside it), and the all-gather writes the reduced rows straight back into it. Values are addressed
+by their flat offset in the bucket (rank r's chunk is values r * padded_chunk ...); a region must
+lie in one row (:meth:`Bucket.ranges` cuts a span at the row boundaries). Its state runs open ->
+launched (all-to-all in flight) -> reducing (all-gather in flight) -> done, and back to open at
+``reset``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -21,12 +26,11 @@ from agoq.gradient.layout import GradLayout, Segment
 
 @dataclass
 class Bucket:
-    """One bucket's 8-bit storage, its segments, and this step's reduction state."""
+    """One bucket's 8-bit storage (in wire rows), its segments, and this step's reduction state."""
 
     index: int
     layout: ChunkLayout
-    payload: torch.Tensor
-    scales: torch.Tensor
+    wire: torch.Tensor  # uint8 [world_size, row_bytes]: per rank's chunk, codes then fp32 scales
     segments: list[Segment] = field(default_factory=list)
     pending: int = 0  # segments still waiting for their last micro-batch's gradient
     state: str = "open"  # open -> launched -> reducing -> done
@@ -34,15 +38,51 @@ class Bucket:
     shard: torch.Tensor | None = None
 
     @property
-    def values(self) -> QTensor:
-        """The whole bucket (world_size x padded_chunk values) as one flat QTensor over its storage."""
-        n = self.layout.world_size * self.layout.padded_chunk
-        return QTensor(self.payload, self.scales, torch.Size([n]), torch.float32, self.layout.fmt)
+    def numel(self) -> int:
+        """Values the bucket holds, padding included (world_size x padded_chunk)."""
+        return self.layout.world_size * self.layout.padded_chunk
+
+    def row(self, r: int) -> QTensor:
+        """Rank ``r``'s chunk (padded_chunk values) as a QTensor over the storage."""
+        pb = self.layout.row_payload_bytes
+        size = torch.Size([self.layout.padded_chunk])
+        return QTensor(self.wire[r, :pb], self.wire[r, pb:].view(torch.float32), size, torch.float32, self.layout.fmt)
+
+    def blocks(self, start: int, numel: int, dtype: torch.dtype | None = None) -> QTensor:
+        """Values start..start+numel (rounded up to whole blocks, within one row) as a QTensor over the storage."""
+        r, offset = divmod(start, self.layout.padded_chunk)
+        if offset + numel > self.layout.padded_chunk:
+            raise ValueError(f"values {start}..{start + numel} of bucket {self.index} cross a row boundary; cut them with ranges()")
+        return self.row(r).blocks(offset, numel, dtype)
+
+    def ranges(self, start: int, numel: int, piece: int | None = None) -> Iterator[tuple[int, int]]:
+        """(a, b) spans covering values start..start+numel in order, none crossing a row boundary
+        and none longer than ``piece`` values."""
+        end, chunk = start + numel, self.layout.padded_chunk
+        while start < end:
+            stop = min(end, (start // chunk + 1) * chunk)
+            if piece is not None:
+                stop = min(stop, start + piece)
+            yield start, stop
+            start = stop
+
+    def flat(self) -> QTensor:
+        """A copy of the whole bucket as one flat QTensor (every row's codes, then every row's scales)."""
+        rows = [self.row(r) for r in range(self.layout.world_size)]
+        payload = torch.cat([q.payload for q in rows])
+        scales = torch.cat([q.scales for q in rows])
+        return QTensor(payload, scales, torch.Size([self.numel]), torch.float32, self.layout.fmt)
+
+    def load_flat(self, q: QTensor) -> None:
+        """Write a whole-bucket flat QTensor (as :meth:`flat` gives) into the storage."""
+        pb, w = self.layout.row_payload_bytes, self.layout.world_size
+        self.wire[:, :pb].copy_(q.payload.view(w, pb))
+        self.wire[:, pb:].view(torch.float32).copy_(q.scales.view(w, -1))
 
     def reset(self) -> None:
         """Empty the bucket for the next step."""
         # A zero scale makes every code decode to 0, whatever the payload holds.
-        self.scales.zero_()
+        self.wire[:, self.layout.row_payload_bytes :].zero_()
         self.pending = len(self.segments)
         self.state = "open"
         self.reduction = None
@@ -57,8 +97,7 @@ def allocate_buckets(layout: GradLayout, device: torch.device | str = "cpu") -> 
     zero = reference_quantize(torch.zeros(fmt.block_size), fmt).payload[:1].to(device)
     buckets = []
     for b, (chunks, segs) in enumerate(zip(layout.chunks, layout.bucket_segments)):
-        n = chunks.world_size * chunks.padded_chunk
-        payload = zero.expand(fmt.payload_bytes(n)).clone()
-        scales = torch.zeros(fmt.num_blocks(n), dtype=torch.float32, device=device)
-        buckets.append(Bucket(b, chunks, payload, scales, segs))
+        wire = torch.zeros(chunks.world_size, chunks.row_bytes, dtype=torch.uint8, device=device)
+        wire[:, : chunks.row_payload_bytes] = zero
+        buckets.append(Bucket(b, chunks, wire, segs))
     return buckets

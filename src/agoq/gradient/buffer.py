@@ -3,8 +3,9 @@
 :class:`QuantGradBuffer` composes four pieces, each in its own module:
 
 - layout (:mod:`agoq.gradient.layout`): parameters in backward order, each on a quantization-block
-  boundary, in buckets padded to W x whole blocks, the layout of the 8-bit collective, so a
-  bucket's storage (:mod:`agoq.gradient.bucket`) goes on the wire as it is;
+  boundary, in buckets padded to W x whole blocks, the layout of the 8-bit collective; a
+  bucket's storage (:mod:`agoq.gradient.bucket`) is kept in wire rows, so it is sent as it is and
+  the reduced rows are gathered back into it;
 - accumulation (:mod:`agoq.gradient.fold`): a ``post_accumulate_grad`` hook folds each
   full-precision gradient in as soon as autograd produces it and drops ``p.grad``;
 - communication (:mod:`agoq.gradient.pipeline`): a bucket whose parameters are complete starts its
@@ -22,7 +23,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from agoq.quant import SCALE_BYTES, QuantFormat
+from agoq.quant import QuantFormat
 
 from agoq.gradient.bucket import Bucket, allocate_buckets
 from agoq.gradient.collectives import Group, gradient_format, parse_op, world_of
@@ -156,7 +157,7 @@ class QuantGradBuffer:
         """Bytes the buffer stores: packed codes plus fp32 scales, padding included, and the
         error-feedback residuals where there are any."""
         residuals = self.encoder.residual_bytes() if self.encoder is not None else 0
-        return sum(b.payload.numel() + b.scales.numel() * SCALE_BYTES for b in self.buckets) + residuals
+        return sum(b.wire.numel() for b in self.buckets) + residuals
 
     def state_dict(self) -> dict:
         """What must survive a restart: the error-feedback residuals (empty without error feedback)."""

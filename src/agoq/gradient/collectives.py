@@ -224,13 +224,16 @@ def gathers_by_node(nodes: NodeGroups | None) -> bool:
 class EightBitReduction:
     """One 8-bit reduction in flight: :meth:`reduce` (steps 2-3), then :meth:`start_gather` (4-5).
 
-    Construction starts the all-to-all (async). Every rank must call the methods of its reductions
-    in the same order, as for any torch.distributed collective.
+    ``rows`` is the quantized tensor (W x padded_chunk values), or already its wire rows (uint8
+    [W, row_bytes], as :func:`to_wire` lays them out), which are then sent as they are: the caller
+    must leave them unchanged until :meth:`reduce`. Construction starts the all-to-all (async).
+    Every rank must call the methods of its reductions in the same order, as for any
+    torch.distributed collective.
     """
 
     def __init__(
         self,
-        rows: QTensor,
+        rows: QTensor | torch.Tensor,
         layout: ChunkLayout,
         op: str | dist.ReduceOp = "sum",
         group: Group = None,
@@ -254,14 +257,18 @@ class EightBitReduction:
         if self.nodes is not None and self.nodes.world_size != self.world_size:
             raise ValueError(f"the nodes cover {self.nodes.world_size} ranks but the group has {self.world_size}")
         w = layout.world_size
-        if rows.fmt != layout.fmt or rows.numel != w * layout.padded_chunk or not (rows.payload.is_contiguous() and rows.scales.is_contiguous()):
+        if isinstance(rows, torch.Tensor):
+            if rows.dtype != torch.uint8 or rows.shape != (w, layout.row_bytes) or not rows.is_contiguous():
+                raise ValueError(f"wire rows must be contiguous uint8 [{w}, {layout.row_bytes}], got {rows.dtype} {list(rows.shape)}")
+        elif rows.fmt != layout.fmt or rows.numel != w * layout.padded_chunk or not (rows.payload.is_contiguous() and rows.scales.is_contiguous()):
             raise ValueError(
                 f"the rows must be {w} x {layout.padded_chunk} values in {layout.fmt} with contiguous payload and scales, "
                 f"got {rows.numel} values in {rows.fmt}"
             )
         # One message per destination rank, payload then scales: a second all-to-all would cost a
-        # whole collective's latency again (about 3 ms on 4 gloo ranks over loopback). The wire
-        # copy is 1/4 of the fp32 tensor and lives only until the all-to-all completes.
+        # whole collective's latency again (about 3 ms on 4 gloo ranks over loopback). A QTensor's
+        # rows are copied into that layout (1/4 of the fp32 tensor, until the all-to-all
+        # completes); a gradient bucket's storage is that layout and goes as it is.
         self._gather_work: dist.Work | None = None
         self._gather_send: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
@@ -269,12 +276,15 @@ class EightBitReduction:
         # Of the W - 1 rows sent, the W - L bound for other nodes cross between nodes.
         self._record(w - 1, w - self.nodes.node_size if self.nodes is not None else 0)
         self._a2a: dist.Work | None = None
-        if w == 1:
-            self._recv: torch.Tensor | None = None
-            self._rows: QTensor | None = rows
+        self._recv: torch.Tensor | None = None
+        self._rows: QTensor | None = None
+        if w == 1:  # its own rows are the received ones
+            if isinstance(rows, torch.Tensor):
+                self._recv = rows
+            else:
+                self._rows = rows
             return
-        self._rows = None
-        self._send: torch.Tensor | None = to_wire(rows, w)
+        self._send: torch.Tensor | None = rows if isinstance(rows, torch.Tensor) else to_wire(rows, w)
         self._recv = torch.empty_like(self._send)
         with timed_phase(timings, "all_to_all"):
             self._a2a = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
@@ -345,12 +355,14 @@ class EightBitReduction:
                 self._sum(recv, start, end, out=acc[start:end])
         return acc
 
-    def reduce_and_gather(self) -> None:
+    def reduce_and_gather(self, out: torch.Tensor | None = None) -> None:
         """reduce() and start_gather() for an all-reduce, without this rank's whole chunk in fp32.
 
         Each piece of the chunk is summed and requantized straight into the bytes to send; blocks
         are quantized independently, so the bytes equal those of requantizing the whole sum. The
         sync phase's temporaries shrink by the fp32 chunk (4 bytes per value of the chunk).
+        ``out`` (uint8 [W, row_bytes], e.g. the rows this reduction sent, free once received)
+        receives the gathered rows in place of a new tensor.
         """
         recv = self._take_received()
         layout = self.layout
@@ -370,7 +382,7 @@ class EightBitReduction:
                 payload[p0:p1].copy_(q.payload)
                 scales[b0:b1].copy_(q.scales)
         del recv
-        self._all_gather(send)
+        self._all_gather(send, out)
 
     def start_gather(self, reduced: torch.Tensor) -> None:
         """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
@@ -382,8 +394,9 @@ class EightBitReduction:
             send = to_wire(q, 1)
         self._all_gather(send.reshape(-1))
 
-    def _all_gather(self, send: torch.Tensor) -> None:
-        """Start the all-gather of every rank's requantized chunk (``send``: this rank's row_bytes)."""
+    def _all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Start the all-gather of every rank's requantized chunk (``send``: this rank's row_bytes),
+        into ``out`` where given (the two-step gather over nodes reorders into a tensor of its own)."""
         layout = self.layout
         w = self.world_size
         # Two steps: N - 1 rows to the peers on other nodes, then (L - 1) N rows within the node.
@@ -398,7 +411,7 @@ class EightBitReduction:
                 self._gather_work = dist.all_gather_single(flat, send, group=self.nodes.inter, async_op=True)
                 self._gathered = flat
             else:
-                flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
+                flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device) if out is None else out.view(-1)
                 self._gathered = flat.view(w, layout.row_bytes)
                 if gathers_by_all_to_all(self.group):
                     # Every rank's row sent to every rank: the same bytes per rank as a ring, in one round.

@@ -44,10 +44,12 @@ def _store(q: QTensor, into: QTensor, start: int) -> None:
     into.scales[b0 : b0 + q.scales.numel()].copy_(q.scales)
 
 
-def _empty_like(values: QTensor, zero: bool = False) -> QTensor:
-    """A QTensor of the same layout; with ``zero``, all zeros (a zero scale decodes any code to 0)."""
-    scales = torch.zeros_like(values.scales) if zero else torch.empty_like(values.scales)
-    return QTensor(torch.empty_like(values.payload), scales, values.shape, values.dtype, values.fmt)
+def _flat(bucket: Bucket, fmt: QuantFormat, zero: bool = False) -> QTensor:
+    """A flat QTensor of the bucket's values in ``fmt``, in storage of its own; with ``zero``, all
+    zeros (a zero scale decodes any code to 0)."""
+    n, device = bucket.numel, bucket.wire.device
+    scales = (torch.zeros if zero else torch.empty)(fmt.num_blocks(n), dtype=torch.float32, device=device)
+    return QTensor(torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=device), scales, torch.Size([n]), torch.float32, fmt)
 
 
 class WireEncoder:
@@ -65,7 +67,7 @@ class WireEncoder:
         self.wire_fmt = wire_fmt
         self.error_feedback = error_feedback
         self.layouts = [self._layout(b) for b in buckets]
-        self.residuals = [_empty_like(b.values, zero=True) for b in buckets] if error_feedback else []
+        self.residuals = [_flat(b, storage, zero=True) for b in buckets] if error_feedback else []
         self._staged: dict[int, QTensor] = {}
 
     def _layout(self, bucket: Bucket) -> ChunkLayout:
@@ -76,25 +78,20 @@ class WireEncoder:
 
     def encode(self, bucket: Bucket) -> tuple[QTensor, ChunkLayout]:
         """The bucket (plus its residual, with error feedback) in wire rows; stages the new residual."""
-        values, layout = bucket.values, self.layouts[bucket.index]
-        n = values.numel
-        fmt = self.wire_fmt
-        wire = QTensor(
-            torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=values.device),
-            torch.empty(fmt.num_blocks(n), dtype=torch.float32, device=values.device),
-            values.shape,
-            torch.float32,
-            fmt,
-        )
-        staged = _empty_like(values) if self.error_feedback else None  # every piece below writes its blocks
-        for start, end in _pieces(n, values.fmt.block_size):
-            g = dequantize(values.blocks(start, end - start), torch.float32)
-            if staged is not None:
-                g += dequantize(self.residuals[bucket.index].blocks(start, end - start), torch.float32)
-            q = quantize(g, fmt, nonfinite="propagate")
-            _store(q, wire, start)
-            if staged is not None:
-                _store(quantize(g - dequantize(q, torch.float32), values.fmt, nonfinite="propagate"), staged, start)
+        layout, storage, chunk = self.layouts[bucket.index], bucket.layout.fmt, bucket.layout.padded_chunk
+        wire = _flat(bucket, self.wire_fmt)
+        staged = _flat(bucket, storage) if self.error_feedback else None  # every piece below writes its blocks
+        for r in range(layout.world_size):
+            row = bucket.row(r)
+            for start, end in _pieces(chunk, storage.block_size):
+                at = r * chunk + start  # in the flat wire rows and residuals
+                g = dequantize(row.blocks(start, end - start), torch.float32)
+                if staged is not None:
+                    g += dequantize(self.residuals[bucket.index].blocks(at, end - start), torch.float32)
+                q = quantize(g, self.wire_fmt, nonfinite="propagate")
+                _store(q, wire, at)
+                if staged is not None:
+                    _store(quantize(g - dequantize(q, torch.float32), storage, nonfinite="propagate"), staged, at)
         if staged is not None:
             self._staged[bucket.index] = staged
         return wire, layout
@@ -102,13 +99,12 @@ class WireEncoder:
     def decode_into(self, bucket: Bucket, gathered: torch.Tensor) -> None:
         """Write the all-gathered wire rows (uint8 [W, row bytes]) into the bucket's 8-bit storage."""
         layout = self.layouts[bucket.index]
-        values = bucket.values
-        chunk = layout.padded_chunk
+        storage = bucket.layout.fmt
         for i in range(layout.world_size):
-            row = from_wire(gathered[i : i + 1], layout)
-            for start, end in _pieces(chunk, values.fmt.block_size):
+            row, into = from_wire(gathered[i : i + 1], layout), bucket.row(i)
+            for start, end in _pieces(layout.padded_chunk, storage.block_size):
                 g = dequantize(row.blocks(start, end - start), torch.float32)
-                _store(quantize(g, values.fmt, nonfinite="propagate"), values, i * chunk + start)
+                _store(quantize(g, storage, nonfinite="propagate"), into, start)
 
     def commit(self) -> None:
         """The step was taken: the residuals staged by this step's encodes become the residuals."""

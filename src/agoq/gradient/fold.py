@@ -93,10 +93,9 @@ class EightBitFolder:
                 bucket = self.buckets[seg.bucket]
                 # Piece by piece (whole blocks, so the result is the same): quantize's fp32 temporaries
                 # stay a fixed size however large the parameter is.
-                for start in range(0, seg.numel, piece):
-                    k = min(piece, seg.numel - start)
-                    g = flat[seg.param_offset + start : seg.param_offset + start + k]
-                    scratch = max(scratch, self._fold_piece(kernels, pi, bucket, seg.offset + start, g, first))
+                for a, b in bucket.ranges(seg.offset, seg.numel, piece):
+                    g = flat[seg.param_offset + a - seg.offset : seg.param_offset + b - seg.offset]
+                    scratch = max(scratch, self._fold_piece(kernels, pi, bucket, a, g, first))
         self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + scratch)
 
     def first_nonfinite(self) -> int | None:
@@ -123,11 +122,11 @@ class EightBitFolder:
             cached = []
             block, piece = self.fmt.block_size, self.layout.whole_blocks(COMPILED_FOLD_PIECE)
             for seg in self.layout.segments[pi]:
-                values = self.buckets[seg.bucket].values
-                for start in range(0, seg.numel, piece):
-                    k = min(piece, seg.numel - start)
-                    region = values.blocks(seg.offset + start, round_up(k, block))
-                    cached.append((seg.param_offset + start, seg.param_offset + start + k, region.payload, region.scales))
+                bucket = self.buckets[seg.bucket]
+                for a, b in bucket.ranges(seg.offset, seg.numel, piece):
+                    region = bucket.blocks(a, round_up(b - a, block))
+                    start = seg.param_offset + a - seg.offset
+                    cached.append((start, start + b - a, region.payload, region.scales))
             self._region_cache[pi] = cached
         return cached
 
@@ -135,7 +134,7 @@ class EightBitFolder:
         """Fold k gradient values into the bucket region that starts at ``offset`` (a block boundary); returns its fp32 scratch bytes."""
         block, k = self.fmt.block_size, g.numel()
         n = round_up(k, block)
-        region = bucket.values.blocks(offset, n)
+        region = bucket.blocks(offset, n)
         pay, sc = region.payload, region.scales
         if kernels is not None:  # Triton (the compiled path has fold_): dequantize, add, requantize in one pass
             kernels.accumulate_(pay, sc, g, self.fmt, first=first)  # type: ignore[attr-defined]

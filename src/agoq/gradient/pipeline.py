@@ -148,9 +148,10 @@ class BucketPipeline:
         if not self.communicates:
             return
         name = "grad_all_reduce_8bit" if self.collective == "all_reduce" else "grad_reduce_scatter_8bit"
-        # The bucket's own storage is sent (it takes no fold until reset, and is overwritten
-        # only by the all-gather that follows this all-to-all), or its rows in the wire format.
-        rows, layout = self.encoder.encode(bucket) if self.encoder is not None else (bucket.values, bucket.layout)
+        # The bucket's own storage is sent as it is (it takes no fold until reset, and is
+        # overwritten only by the all-gather that follows this all-to-all), or its rows in the
+        # narrower wire format.
+        rows, layout = self.encoder.encode(bucket) if self.encoder is not None else (bucket.wire, bucket.layout)
         bucket.reduction = EightBitReduction(rows, layout, self.op, self.group, counter=self.counter, name=name, nodes=self.nodes)
 
     def _progress(self, bucket: Bucket) -> None:
@@ -163,18 +164,17 @@ class BucketPipeline:
             bucket.shard = bucket.reduction.reduce()
             self.peak_shard_bytes = max(self.peak_shard_bytes, 2 * bucket.shard.numel() * 4)
         else:
-            bucket.reduction.reduce_and_gather()  # a piece of the chunk in fp32 at a time
+            # A piece of the chunk in fp32 at a time; the rows gathered straight into the storage,
+            # whose bytes the all-to-all has sent (a narrower wire format is decoded into it later).
+            bucket.reduction.reduce_and_gather(out=bucket.wire if self.encoder is None else None)
 
     def _complete(self, bucket: Bucket) -> None:
         if bucket.reduction is not None and self.collective == "all_reduce":
-            # Row by row from the gathered bytes into the bucket (no flat copy of them first).
-            gathered, layout = bucket.reduction.gathered(), bucket.layout
+            gathered = bucket.reduction.gathered()
             if self.encoder is not None:
                 self.encoder.decode_into(bucket, gathered)
-            else:
-                pb = layout.row_payload_bytes
-                bucket.payload.view(layout.world_size, pb).copy_(gathered[:, :pb])
-                bucket.scales.view(layout.world_size, -1).copy_(gathered[:, pb:].view(torch.float32))
+            elif gathered.data_ptr() != bucket.wire.data_ptr():  # gathered over nodes, into a tensor of its own
+                bucket.wire.copy_(gathered)
         bucket.reduction = None
         bucket.state = "done"
 

@@ -13,10 +13,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from agoq.quant import QTensor, backend, dequantize
+from agoq.quant import backend, dequantize
 
 from agoq.gradient.bucket import Bucket
-from agoq.gradient.layout import GradLayout, Segment, param_index
+from agoq.gradient.layout import GradLayout, param_index
 from agoq.gradient.pipeline import BucketPipeline
 
 
@@ -113,23 +113,21 @@ class GradReader:
         return self._read(pi, start, end, dtype)
 
     def _read(self, pi: int, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        # Segments start on block boundaries of the parameter (GradLayout), so a start on a block
-        # boundary is one in every segment, and each segment's values are read as whole blocks.
-        parts = [
-            (seg, max(start, seg.param_offset), min(end, seg.param_offset + seg.numel))
-            for seg in self.layout.segments[pi]
-            if seg.param_offset < end and start < seg.param_offset + seg.numel
-        ]
-
-        def blocks(seg: Segment, lo: int, hi: int, dtype: torch.dtype | None = None) -> QTensor:
-            return self.buckets[seg.bucket].values.blocks(seg.offset + lo - seg.param_offset, hi - lo, dtype)
-
+        # Segments start on block boundaries of the parameter (GradLayout) and bucket rows are
+        # whole blocks, so a start on a block boundary is one in every part read below.
+        parts = []  # (bucket, its start, parameter values lo..hi) of each span within one bucket row
+        for seg in self.layout.segments[pi]:
+            lo, hi = max(start, seg.param_offset), min(end, seg.param_offset + seg.numel)
+            if lo < hi:
+                bucket = self.buckets[seg.bucket]
+                shift = seg.offset - seg.param_offset
+                parts += [(bucket, a, a - shift, b - shift) for a, b in bucket.ranges(lo + shift, hi - lo)]
         if len(parts) == 1:  # the common case: dequantize straight into the result
-            seg, lo, hi = parts[0]
-            return dequantize(blocks(seg, lo, hi, dtype))[: hi - lo]
+            bucket, a, lo, hi = parts[0]
+            return dequantize(bucket.blocks(a, hi - lo, dtype))[: hi - lo]
         out = torch.empty(end - start, dtype=dtype, device=self.device)
-        for seg, lo, hi in parts:
-            out[lo - start : hi - start] = dequantize(blocks(seg, lo, hi))[: hi - lo]
+        for bucket, a, lo, hi in parts:
+            out[lo - start : hi - start] = dequantize(bucket.blocks(a, hi - lo))[: hi - lo]
         return out
 
     def grads(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
@@ -148,12 +146,13 @@ class GradReader:
         one_pass = getattr(backend.kernels(self.device, self.layout.fmt), "sum_of_squares", None)
         piece = self.layout.piece
         for b in self.buckets:
-            values = b.values
-            if one_pass is not None:
-                total += one_pass(values)
-                continue
-            for start in range(0, values.numel, piece):
-                total += sum_of_squares(dequantize(values.blocks(start, piece)))
+            for r in range(b.layout.world_size):
+                row = b.row(r)
+                if one_pass is not None:
+                    total += one_pass(row)
+                    continue
+                for start in range(0, row.numel, piece):
+                    total += sum_of_squares(dequantize(row.blocks(start, piece)))
         return float(total.sqrt())
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
@@ -178,6 +177,6 @@ class GradReader:
             shard = b.shard
             if shard is None:
                 # One rank, or a skipped step: the local values are the whole reduction.
-                shard = dequantize(b.values.blocks(start, end - start))[: end - start]
+                shard = dequantize(b.blocks(start, end - start))[: end - start]
             out.append((b.index, start, end, shard))
         return out
