@@ -199,12 +199,14 @@ def test_a_bucket_is_sent_from_its_storage_and_gathered_back_into_it() -> None:
     """The bucket's storage is the all-to-all's wire layout: it is sent as it is and the reduced
     rows are gathered into it, so the reduction allocates only the received rows and the gather's
     send rows (on gloo within a host, this rank's row repeated for an all-to-all) of a bucket's
-    size, where a wire copy and a gathered copy made four."""
+    size, where a wire copy and a gathered copy made four; this rank's reduced row is requantized
+    into its own row of the storage, not into a row of its own."""
     from tests._dist import run_distributed
 
     results = run_distributed(_bucket_sized_allocations, 2)
     for r in results:
         assert r["same_storage"]
         assert r["sizes"].count(r["bucket_bytes"]) == 2, r["sizes"]
+        assert r["row_bytes"] not in r["sizes"]  # this rank's reduced row is written into its own row of the storage
     # Every rank holds the same reduced gradient, bit for bit.
     assert results[0]["grad_sha256"] == results[1]["grad_sha256"]

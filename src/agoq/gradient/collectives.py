@@ -362,12 +362,19 @@ class EightBitReduction:
         are quantized independently, so the bytes equal those of requantizing the whole sum. The
         sync phase's temporaries shrink by the fp32 chunk (4 bytes per value of the chunk).
         ``out`` (uint8 [W, row_bytes], e.g. the rows this reduction sent, free once received)
-        receives the gathered rows in place of a new tensor.
+        receives the gathered rows in place of a new tensor; this rank's requantized row is then
+        written into its own row there and gathered in place (except where gloo gathers by a ring:
+        its all-gather would copy that row onto itself).
         """
         recv = self._take_received()
         layout = self.layout
         fmt, pb = layout.fmt, layout.row_payload_bytes
-        send = torch.empty(layout.row_bytes, dtype=torch.uint8, device=self._device)
+        in_place = (
+            out is not None
+            and self.nodes is None
+            and (self.world_size == 1 or gathers_by_all_to_all(self.group) or dist.get_backend(self.group) != "gloo")
+        )
+        send = out[self.rank] if in_place else torch.empty(layout.row_bytes, dtype=torch.uint8, device=self._device)
         payload, scales = send[:pb], send[pb:].view(torch.float32)
         with timed_phase(self.timings, "reduce"):
             kernels = backend.kernels(self._device, fmt)

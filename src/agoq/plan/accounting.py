@@ -347,13 +347,14 @@ class TemporaryBytes:
         chunk = bucket // dp
         in_flight = 0
         if setup.gradients and dp > 1:
-            # Two buckets' 8-bit rows on the wire (sent, received or gathered), and on a CPU one more:
-            # the all-gather's row sent to every rank (see gathers_by_all_to_all).
-            in_flight = (3 if self.shape.device.type == "cpu" else 2) * fmt8.nbytes(bucket)
-            # One bucket reduced a piece at a time: the chunk's requantized bytes to send, and one
-            # piece summed in fp32 and requantized (the fp32 values and integer codes the quantizer
-            # works on), beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
-            reduction = in_flight + fmt8.nbytes(chunk) + 9 * min(reduce_piece(self.shape.device), chunk)
+            # A bucket's storage is sent as it is and gathered into (agoq.gradient.bucket): one
+            # bucket's received rows, and on a CPU another's all-gather row sent to every rank (see
+            # gathers_by_all_to_all); a GPU gathers in place.
+            in_flight = (2 if self.shape.device.type == "cpu" else 1) * fmt8.nbytes(bucket)
+            # One bucket reduced a piece at a time into its own row of the storage: one piece summed
+            # in fp32 and requantized (the fp32 values and integer codes the quantizer works on),
+            # beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
+            reduction = in_flight + 9 * min(reduce_piece(self.shape.device), chunk)
         # A bucket is sent once the gradient that completed it is folded and dropped, so the buckets
         # in flight and the full-precision gradient being folded are not held at once; a rank's
         # only bucket is sent after its last layer's backward, others during a later layer's.
