@@ -20,6 +20,9 @@ training does across nodes (agoq.gradient.collectives.gathers_by_node).
 
 Times are the slowest rank's, median over ``--reps``; "same repetition" ratios are the median of
 each repetition's ratio (the methods take turns within a repetition). Each rank uses one thread.
+Each method's CPU time is recorded too (the busiest rank's process CPU seconds, gloo's threads
+included): over loopback, where bytes cost little and the ranks share the cores, it is what the
+methods compete on.
 """
 
 from __future__ import annotations
@@ -156,18 +159,23 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
         # The methods take turns within each repetition, so a change in the machine's load
         # (4 ranks share the cores) falls on all of them alike instead of on whichever ran then.
         times: dict[str, list[float]] = {method: [] for method in METHODS}
+        cpu: dict[str, list[float]] = {method: [] for method in METHODS}
         tx: dict[str, float] = dict.fromkeys(METHODS, 0.0)
         for _ in range(reps):
             for method in METHODS:
                 y = bases[method].clone()
                 dist.barrier()
                 tx0 = _tx_bytes(link)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 op(method, y)
                 elapsed = time.perf_counter() - t0
+                # The process's CPU time, gloo's threads included: on loopback the ranks share the
+                # cores, so this, not the bytes, is what the methods compete on.
+                cpu_s = time.process_time() - c0
                 dist.barrier()
                 tx[method] += _tx_bytes(link) - tx0
                 times[method].append(slowest(elapsed))
+                cpu[method].append(slowest(cpu_s))
         for method in METHODS:
             counter = counters[method]
             row: dict[str, Any] = {
@@ -176,6 +184,7 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
                 "method": method,
                 "time_s": statistics.median(times[method]),
                 "times_s": times[method],
+                "cpu_s": statistics.median(cpu[method]),  # the busiest rank's CPU seconds, median over reps
                 "wire_bytes_per_rank": counter.bytes() // reps,
                 "payload_bytes_per_rank": sum(counter.payload.values()) // reps,
                 "scale_bytes_per_rank": sum(counter.scales.values()) // reps,
@@ -424,15 +433,16 @@ def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
 def local_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: times, parts and bytes per size, with ratios to fp32."""
     lines = [
-        "| message (fp32) | fp32 ms | bf16 ms | 8-bit ms | 8-bit / fp32 time | same repetition | quantize | all-to-all | reduce | all-gather | dequantize | bytes/rank fp32 | bf16 | 8-bit | 8-bit / fp32 bytes | 8-bit rel. error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| message (fp32) | fp32 ms | bf16 ms | 8-bit ms | 8-bit / fp32 time | same repetition | CPU ms per rank fp32 / 8-bit | quantize | all-to-all | reduce | all-gather | dequantize | bytes/rank fp32 | bf16 | 8-bit | 8-bit / fp32 bytes | 8-bit rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, m in sorted(_by(rows).items()):
         f, b, q = m["fp32"], m["bf16"], m["8bit"]
         parts = " | ".join(f"{1e3 * q['parts_s'][p]:.2f}" for p in PARTS)
+        cpu = f"{1e3 * f['cpu_s']:.2f} / {1e3 * q['cpu_s']:.2f}" if "cpu_s" in q else "-"  # results before CPU times were taken
         lines.append(
             f"| {_human(size)} | {1e3 * f['time_s']:.2f} | {1e3 * b['time_s']:.2f} | {1e3 * q['time_s']:.2f} | "
-            f"{q['time_s'] / f['time_s']:.2f}x | {paired_ratio(q, f):.2f}x | {parts} | {_human(f['wire_bytes_per_rank'])} | "
+            f"{q['time_s'] / f['time_s']:.2f}x | {paired_ratio(q, f):.2f}x | {cpu} | {parts} | {_human(f['wire_bytes_per_rank'])} | "
             f"{_human(b['wire_bytes_per_rank'])} | {_human(q['wire_bytes_per_rank'])} | "
             f"{q['wire_bytes_per_rank'] / f['wire_bytes_per_rank']:.3f}x | {q['rel_l2_error']:.2e} |"
         )

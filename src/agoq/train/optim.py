@@ -14,9 +14,9 @@ from agoq.train.config import OptimSection
 # fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
 # the 8-bit buffer). On a CPU the fused AdamW gains nothing from groups beyond a few MiB, and 2 MiB
 # keeps the default run's read-back under its bf16 step's temporaries. A GPU group is larger so that
-# the device is not left waiting on the host: by estimate (not measured here), 64 MiB is about
-# 0.1 ms of an H200's memory traffic for AdamW (28 bytes a value), as long as the 30-100 us of
-# host work each group costs on a CPU (MasterWeightOptimizer.step).
+# the device is not left waiting on the host: by estimate (not measured on a GPU), 64 MiB is about
+# 0.1 ms of an H200's memory traffic for AdamW (28 bytes a value), about as long as the host's
+# Python work for one group.
 STEP_GROUP_BYTES = {"cpu": 2 * 2**20, "device": 64 * 2**20}
 
 
@@ -111,9 +111,9 @@ class MasterWeightOptimizer:
         """Update the masters that have gradients, copy them into the model, drop the gradients.
 
         Fused AdamW updates just the masters handed a gradient: ``optimizer.step()`` looks at every
-        parameter of every group, which the gradient syncs call once per group of a few MiB, so
-        for a model of hundreds of tensors the look cost 3x the update (CPU, 291 tensors of 4096
-        values, one per step: 98 against 34 us). The same kernel and arithmetic either way.
+        parameter of every group, and the gradient syncs call this once per group of a few MiB,
+        so for a model of hundreds of tensors the looking outgrew the update itself. The same
+        kernel and arithmetic either way (tests/test_optim.py).
         """
         handed, self._handed = list(dict.fromkeys(self._handed)), []  # a gradient handed twice is still one update
         if not self.steps_slices:
