@@ -66,6 +66,15 @@ class Bucket:
             yield start, stop
             start = stop
 
+    def spans(self, seg: Segment, piece: int | None = None, lo: int | None = None, hi: int | None = None) -> Iterator[tuple[int, int, int]]:
+        """(bucket start, parameter start, parameter end) of each span of segment ``seg``'s values
+        (those of parameter values lo..hi, default all), cut as :meth:`ranges` cuts."""
+        lo = seg.param_offset if lo is None else max(lo, seg.param_offset)
+        hi = seg.param_offset + seg.numel if hi is None else min(hi, seg.param_offset + seg.numel)
+        shift = seg.offset - seg.param_offset  # bucket offset minus parameter offset, along the segment
+        for a, b in self.ranges(lo + shift, hi - lo, piece):
+            yield a, a - shift, b - shift
+
     def flat(self) -> QTensor:
         """A copy of the whole bucket as one flat QTensor (every row's codes, then every row's scales)."""
         rows = [self.row(r) for r in range(self.layout.world_size)]

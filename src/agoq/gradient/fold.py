@@ -93,9 +93,8 @@ class EightBitFolder:
                 bucket = self.buckets[seg.bucket]
                 # Piece by piece (whole blocks, so the result is the same): quantize's fp32 temporaries
                 # stay a fixed size however large the parameter is.
-                for a, b in bucket.ranges(seg.offset, seg.numel, piece):
-                    g = flat[seg.param_offset + a - seg.offset : seg.param_offset + b - seg.offset]
-                    scratch = max(scratch, self._fold_piece(kernels, pi, bucket, a, g, first))
+                for a, p0, p1 in bucket.spans(seg, piece):
+                    scratch = max(scratch, self._fold_piece(kernels, pi, bucket, a, flat[p0:p1], first))
         self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + scratch)
 
     def first_nonfinite(self) -> int | None:
@@ -123,10 +122,9 @@ class EightBitFolder:
             block, piece = self.fmt.block_size, self.layout.whole_blocks(COMPILED_FOLD_PIECE)
             for seg in self.layout.segments[pi]:
                 bucket = self.buckets[seg.bucket]
-                for a, b in bucket.ranges(seg.offset, seg.numel, piece):
-                    region = bucket.blocks(a, round_up(b - a, block))
-                    start = seg.param_offset + a - seg.offset
-                    cached.append((start, start + b - a, region.payload, region.scales))
+                for a, p0, p1 in bucket.spans(seg, piece):
+                    region = bucket.blocks(a, round_up(p1 - p0, block))
+                    cached.append((p0, p1, region.payload, region.scales))
             self._region_cache[pi] = cached
         return cached
 

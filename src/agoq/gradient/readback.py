@@ -117,11 +117,8 @@ class GradReader:
         # whole blocks, so a start on a block boundary is one in every part read below.
         parts = []  # (bucket, its start, parameter values lo..hi) of each span within one bucket row
         for seg in self.layout.segments[pi]:
-            lo, hi = max(start, seg.param_offset), min(end, seg.param_offset + seg.numel)
-            if lo < hi:
-                bucket = self.buckets[seg.bucket]
-                shift = seg.offset - seg.param_offset
-                parts += [(bucket, a, a - shift, b - shift) for a, b in bucket.ranges(lo + shift, hi - lo)]
+            bucket = self.buckets[seg.bucket]
+            parts += [(bucket, a, lo, hi) for a, lo, hi in bucket.spans(seg, lo=start, hi=end)]
         if len(parts) == 1:  # the common case: dequantize straight into the result
             bucket, a, lo, hi = parts[0]
             return dequantize(bucket.blocks(a, hi - lo, dtype))[: hi - lo]

@@ -70,7 +70,10 @@ class MasterWeightOptimizer:
         self.params: list[nn.Parameter] = []
         self.names: list[str] = []
         self.masters: list[torch.Tensor] = []
-        decay, no_decay = [], []
+        self._group: list[int] = []  # per parameter: 0 decayed, 1 not (the param_groups below)
+        self._handed: list[int] = []  # parameters given a gradient since the last step
+        decay: list[torch.Tensor] = []
+        no_decay: list[torch.Tensor] = []
         for name, p in named_params:
             if not p.requires_grad:
                 continue
@@ -78,9 +81,9 @@ class MasterWeightOptimizer:
             self.params.append(p)
             self.names.append(name)
             self.masters.append(master)
-            (no_decay if no_weight_decay(name, p) else decay).append(master)
-        self._group = [1 if no_weight_decay(name, p) else 0 for name, p in zip(self.names, self.params)]  # index in param_groups
-        self._handed: list[int] = []  # parameters given a gradient since the last step
+            decayed = not no_weight_decay(name, p)
+            self._group.append(0 if decayed else 1)
+            (decay if decayed else no_decay).append(master)
         groups = [
             {"params": decay, "weight_decay": cfg.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
