@@ -272,6 +272,35 @@ def test_layout_pads_to_whole_blocks_per_rank():
     assert chunk_layout(10, 2, "int8").fmt.block_size == 256
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "compiled"])
+@pytest.mark.parametrize("fmt", ["int8/256", "int4/64"])
+def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt):
+    """quantize_to_wire (pieces of whole blocks straight into the rows) is to_wire(quantize_rows(...))
+    bit for bit: padded chunks, a rank with no values, several pieces per row, NaN and Inf blocks."""
+    from agoq.gradient import collectives
+    from agoq.quant import backend
+
+    monkeypatch.setitem(collectives.QUANTIZE_PIECE, "cpu", 512)  # several pieces per row
+    with backend.use_backend(backend_name):
+        for n, world in ((1, 4), (1000, 3), (4099, 2), (8192, 4), (30001, 3)):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10
+            if n > 2000:
+                x[1500], x[1800] = float("nan"), float("inf")
+            layout = chunk_layout(n, world, fmt)
+            expected = collectives.to_wire(collectives.quantize_rows(x, layout), world)
+            got = collectives.quantize_to_wire(x, layout)
+            assert got.shape == expected.shape == (world, layout.row_bytes)
+            pb = layout.row_payload_bytes
+            scales_got, scales_expected = got[:, pb:].contiguous().view(torch.float32), expected[:, pb:].contiguous().view(torch.float32)
+            assert torch.equal(scales_got.isnan(), scales_expected.isnan()), (n, world)
+            finite = ~scales_expected.isnan()
+            assert torch.equal(scales_got[finite], scales_expected[finite]), (n, world)
+            # A NaN block's codes are unspecified (its values decode to NaN); every other byte is equal.
+            block_bytes = layout.fmt.payload_bytes(layout.fmt.block_size)
+            keep = finite.repeat_interleave(block_bytes, dim=1)
+            assert torch.equal(got[:, :pb][keep], expected[:, :pb][keep]), (n, world)
+
+
 def test_single_process_all_reduce_is_a_requantization():
     x = torch.randn(1000)
     y = x.clone()

@@ -132,7 +132,11 @@ class _NormLinear(torch.autograd.Function):
         grad_x = torch.empty(shape, dtype=dtype, device=payload.device)
         grad_rows = _tokens(grad_x)
         outputs = [None if g is None else _tokens(g) for g in grads]
-        weight_grads: list[torch.Tensor | None] = [None] * len(weights)
+        need_weight_grads = [g is not None and ctx.needs_input_grad[4 + i] for i, g in enumerate(outputs)]
+        # The recomputed norm output of every token, in the compute dtype (the tensor the bf16
+        # policy saves): the weight gradients are then whole GEMMs, as the bf16 policy's backward
+        # makes them, with no fp32 accumulator of a weight's size across chunks.
+        h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if any(need_weight_grads) else None
         grad_norm_weight: torch.Tensor | None = None
         # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
         # then hold a chunk's rows, not every token's.
@@ -146,14 +150,13 @@ class _NormLinear(torch.autograd.Function):
                 # below); its reductions may sum in another order: h agrees within dtype rounding.
                 x = dequantize(q_rows, torch.float32)
                 h, rstd = recompute(x, norm_weight)
-            grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
-            for i, (g, w) in enumerate(zip(outputs, weights)):
-                if g is None:
-                    continue
-                grad_h += F.linear(g[r0:r1], w.t())
-                if ctx.needs_input_grad[4 + i]:
-                    weight_grads[i] = _accumulate_product(weight_grads[i], g[r0:r1], h)
+            if h_all is not None:
+                h_all[r0:r1].copy_(h)
             del h
+            grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
+            for g, w in zip(outputs, weights):
+                if g is not None:
+                    grad_h += F.linear(g[r0:r1], w.t())
             if x is None:
                 gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
             else:
@@ -162,7 +165,7 @@ class _NormLinear(torch.autograd.Function):
             if gw is not None:
                 grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
             del gx, gw, grad_h, x
-        weight_grads = [None if g is None else g.to(w.dtype) for g, w in zip(weight_grads, weights)]
+        weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
         if grad_norm_weight is not None:
             grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
         return (grad_x, grad_norm_weight, None, None, *weight_grads)
@@ -263,17 +266,20 @@ class _SwiGLULinear(torch.autograd.Function):
 
 # Rows of the SwiGLU backward computed at once: its fp32 temporaries (the output gradient, gate
 # and up dequantized, sigmoid and SiLU) are a chunk's rows, not every token's. The GEMMs stay
-# whole, so a chunk costs only a call: on a CPU a chunk is about 128K values (512 KiB of fp32
-# each, in cache between the formula's passes); a GPU takes far larger chunks, fewer launches.
-# At least MIN_CHUNK_ROWS rows.
-SWIGLU_CHUNK_VALUES = {"cpu": 1 << 17, "device": 1 << 24}
+# whole, so a chunk costs only a call: on a CPU a chunk is about 32K values (128 KiB of fp32
+# each, in cache between the formula's passes; six of them at 128K values were 2.9 MiB, more
+# than the bf16 step's every temporary on the default run's first stage); a GPU takes far larger
+# chunks, fewer launches. At least MIN_CHUNK_ROWS rows.
+SWIGLU_CHUNK_VALUES = {"cpu": 1 << 15, "device": 1 << 24}
 MIN_CHUNK_ROWS = 64
 
 
-# The same for the fused norm + GEMMs backward, in values of its [tokens, hidden] input: its
-# per-chunk cost is a pass over each weight's gradient (q, k, v or gate, up), so its chunks are
-# larger; a micro-batch of up to 1024 tokens of a 256-wide model is one chunk.
-NORM_CHUNK_VALUES = {"cpu": 1 << 18, "device": 1 << 24}
+# The same for the fused norm + GEMMs backward, in values of its [tokens, hidden] input. Its
+# weight gradients are whole GEMMs after the loop, so a chunk costs its share of the input
+# gradient's GEMMs and a call of the norm's formulas; on a CPU about 64 rows of a 256-wide model
+# (the formulas' six or so fp32 [rows, hidden] tensors 0.4 MiB, where every token's were 1.5 MiB
+# in the default run's micro-batches).
+NORM_CHUNK_VALUES = {"cpu": 1 << 14, "device": 1 << 24}
 
 
 def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> int:
@@ -288,20 +294,6 @@ def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets:
 def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> list[tuple[int, int]]:
     chunk = chunk_rows(rows, width, block, device, budgets)
     return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
-
-
-def _accumulate_product(acc: torch.Tensor | None, grad_rows: torch.Tensor, act_rows: torch.Tensor) -> torch.Tensor:
-    """acc + grad_rows^T @ act_rows, summed in fp32 (a GEMM weight's gradient over row chunks).
-
-    Not agoq.activation.loss._WeightGradSum: for a low-precision weight that one keeps an fp32 total
-    and two reused row blocks from the first chunk on, three weight-sized buffers when the weight
-    fits one block (measured on a bf16 hidden-512 layer: the step's temporaries 7.9 -> 19.2 MB).
-    """
-    if acc is None:
-        return grad_rows.t().mm(act_rows).float()
-    if act_rows.dtype == torch.float32 and grad_rows.dtype == torch.float32:
-        return acc.addmm_(grad_rows.t(), act_rows)
-    return acc.add_(grad_rows.t().mm(act_rows))
 
 
 def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:

@@ -170,17 +170,22 @@ def from_wire(wire: torch.Tensor, layout: ChunkLayout) -> QTensor:
     return QTensor(payload, scales, torch.Size([rows * layout.padded_chunk]), torch.float32, layout.fmt)
 
 
-# Values of a received chunk summed at once (whole blocks): the piece's fp32 sum and the
-# quantizer's work on it are the reduction's only fp32 temporaries. On a CPU 256K values (1 MiB
-# of fp32 each) stay in the L2/L3 cache; smaller pieces cost more in calls than they save (64K
-# pieces made a 4-rank reduction of 16 MiB 1.5x slower); a GPU takes 4 MiB pieces so that each
-# kernel launch has work enough.
-REDUCE_PIECE = {"cpu": 1 << 18, "device": 1 << 20}
+# Values of a received chunk summed at once (whole blocks). Eagerly (the torch reference, and
+# every step whose temporaries are counted) a piece's fp32 sum and the quantizer's work on it are
+# the reduction's only temporaries besides the received rows, about 10 bytes a value: on a CPU
+# 16K values (0.16 MiB) keep the sync phase of the default run's first stage, whose received rows
+# alone are 0.97x of the bf16 step's temporaries, within 1.1x of them. The compiled and Triton kernels sum,
+# requantize and write a piece in one pass with no fp32 temporaries (their output is about a byte
+# a value), so their pieces are larger and cost fewer calls: 64K-value pieces made a 4-rank
+# compiled reduction of 16 MiB 1.5x slower than 256K ones. A GPU takes 1M-value pieces so that
+# each kernel launch has work enough.
+REDUCE_PIECE = {"cpu": 1 << 14, "device": 1 << 20}
+FUSED_REDUCE_PIECE = {"cpu": 1 << 18, "device": 1 << 20}
 
 
-def reduce_piece(device: torch.device) -> int:
-    """Values per piece of the reduction's sum on ``device`` (see REDUCE_PIECE)."""
-    return REDUCE_PIECE["cpu" if device.type == "cpu" else "device"]
+def reduce_piece(device: torch.device, fused: bool = False) -> int:
+    """Values per piece of the reduction's sum on ``device``: eager (REDUCE_PIECE), or by the kernels (FUSED_REDUCE_PIECE)."""
+    return (FUSED_REDUCE_PIECE if fused else REDUCE_PIECE)["cpu" if device.type == "cpu" else "device"]
 
 
 def gathers_by_all_to_all(group: Group = None) -> bool:
@@ -221,12 +226,27 @@ def gathers_by_node(nodes: NodeGroups | None) -> bool:
     return nodes is not None and nodes.nodes > 1 and nodes.node_size > 1
 
 
+def _check_rows(rows: QTensor | torch.Tensor, layout: ChunkLayout) -> None:
+    """Refuse rows that are not ``layout``'s: wire rows (uint8 [W, row_bytes]) or a QTensor of W x padded_chunk values."""
+    w = layout.world_size
+    if isinstance(rows, torch.Tensor):
+        if rows.dtype != torch.uint8 or rows.shape != (w, layout.row_bytes) or not rows.is_contiguous():
+            raise ValueError(f"wire rows must be contiguous uint8 [{w}, {layout.row_bytes}], got {rows.dtype} {list(rows.shape)}")
+    elif rows.fmt != layout.fmt or rows.numel != w * layout.padded_chunk or not (rows.payload.is_contiguous() and rows.scales.is_contiguous()):
+        raise ValueError(
+            f"the rows must be {w} x {layout.padded_chunk} values in {layout.fmt} with contiguous payload and scales, "
+            f"got {rows.numel} values in {rows.fmt}"
+        )
+
+
 class EightBitReduction:
     """One 8-bit reduction in flight: :meth:`reduce` (steps 2-3), then :meth:`start_gather` (4-5).
 
     ``rows`` is the quantized tensor (W x padded_chunk values), or already its wire rows (uint8
     [W, row_bytes], as :func:`to_wire` lays them out), which are then sent as they are: the caller
-    must leave them unchanged until :meth:`reduce`. Construction starts the all-to-all (async).
+    must leave them unchanged until :meth:`reduce`. ``owns_rows``: the wire rows are this
+    reduction's (e.g. :func:`quantize_to_wire`'s), so :meth:`reduce_and_gather` gathers into them
+    (a QTensor's rows are copied into wire rows of its own). Construction starts the all-to-all (async).
     Every rank must call the methods of its reductions in the same order, as for any
     torch.distributed collective.
     """
@@ -242,6 +262,7 @@ class EightBitReduction:
         name: str = "all_reduce_8bit",
         timings: dict[str, float] | None = None,
         nodes: NodeGroups | None = None,
+        owns_rows: bool = False,
     ) -> None:
         self.layout = layout
         self.op = parse_op(op)
@@ -257,14 +278,7 @@ class EightBitReduction:
         if self.nodes is not None and self.nodes.world_size != self.world_size:
             raise ValueError(f"the nodes cover {self.nodes.world_size} ranks but the group has {self.world_size}")
         w = layout.world_size
-        if isinstance(rows, torch.Tensor):
-            if rows.dtype != torch.uint8 or rows.shape != (w, layout.row_bytes) or not rows.is_contiguous():
-                raise ValueError(f"wire rows must be contiguous uint8 [{w}, {layout.row_bytes}], got {rows.dtype} {list(rows.shape)}")
-        elif rows.fmt != layout.fmt or rows.numel != w * layout.padded_chunk or not (rows.payload.is_contiguous() and rows.scales.is_contiguous()):
-            raise ValueError(
-                f"the rows must be {w} x {layout.padded_chunk} values in {layout.fmt} with contiguous payload and scales, "
-                f"got {rows.numel} values in {rows.fmt}"
-            )
+        _check_rows(rows, layout)
         # One message per destination rank, payload then scales: a second all-to-all would cost a
         # whole collective's latency again (about 3 ms on 4 gloo ranks over loopback). A QTensor's
         # rows are copied into that layout (1/4 of the fp32 tensor, until the all-to-all
@@ -278,6 +292,10 @@ class EightBitReduction:
         self._a2a: dist.Work | None = None
         self._recv: torch.Tensor | None = None
         self._rows: QTensor | None = None
+        # Wire rows this reduction made itself (from a QTensor): free once sent, so the all-gather
+        # can land in them. Fresh buffers cost a page fault per 4 KiB on CPUs (at 64 MiB of fp32
+        # that was a third of the all-reduce's time), so reduce_and_gather reuses what it has.
+        self._own_send: torch.Tensor | None = None
         if w == 1:  # its own rows are the received ones
             if isinstance(rows, torch.Tensor):
                 self._recv = rows
@@ -285,6 +303,8 @@ class EightBitReduction:
                 self._rows = rows
             return
         self._send: torch.Tensor | None = rows if isinstance(rows, torch.Tensor) else to_wire(rows, w)
+        if owns_rows or not isinstance(rows, torch.Tensor):
+            self._own_send = self._send
         self._recv = torch.empty_like(self._send)
         with timed_phase(timings, "all_to_all"):
             self._a2a = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
@@ -298,11 +318,12 @@ class EightBitReduction:
         if inter_node_rows:
             self.counter.record(inter_node_name(self.name), inter_node_rows * pb, inter_node_rows * sb, calls=0)
 
-    def _take_received(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The W received (payload, scale) rows, once the all-to-all is done; released from this object (one use)."""
+    def _take_received(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The W received (payload, scale) rows once the all-to-all is done, and the [W, row_bytes]
+        tensor that holds them (None on one rank); released from this object (one use)."""
         if self._rows is not None:  # one rank: its own rows are the received ones
             rows, self._rows = self._rows, None
-            return rows.payload.view(1, -1), rows.scales.view(1, -1)
+            return rows.payload.view(1, -1), rows.scales.view(1, -1), None
         if self._recv is None:
             raise RuntimeError("this reduction was already reduced")
         with timed_phase(self.timings, "all_to_all"):
@@ -313,12 +334,12 @@ class EightBitReduction:
         # bucket waiting for its all-gather holds only its gathered bytes.
         recv, self._recv = self._recv, None
         pb = self.layout.row_payload_bytes
-        return recv[:, :pb], recv[:, pb:].view(torch.float32)
+        return recv[:, :pb], recv[:, pb:].view(torch.float32), (recv if recv.dim() == 2 else None)
 
-    def _pieces(self) -> Iterator[tuple[int, int]]:
-        """(start, end) values of this rank's chunk, whole blocks of about REDUCE_PIECE values each."""
+    def _pieces(self, fused: bool) -> Iterator[tuple[int, int]]:
+        """(start, end) values of this rank's chunk, whole blocks of about reduce_piece(device, fused) values each."""
         block = self.layout.fmt.block_size
-        piece = max(1, reduce_piece(self._device) // block) * block
+        piece = max(1, reduce_piece(self._device, fused) // block) * block
         for start in range(0, self.layout.padded_chunk, piece):
             yield start, min(self.layout.padded_chunk, start + piece)
 
@@ -339,7 +360,8 @@ class EightBitReduction:
 
     def reduce(self) -> torch.Tensor:
         """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
-        recv = self._take_received()
+        *recv, _ = self._take_received()
+        self._own_send = None
         with timed_phase(self.timings, "reduce"):
             kernels = backend.kernels(self._device, self.layout.fmt)
             if kernels is not None:
@@ -351,7 +373,7 @@ class EightBitReduction:
                 return acc
             # A piece at a time, so besides the fp32 result only one piece is ever in fp32.
             acc = torch.empty(self.layout.padded_chunk, dtype=torch.float32, device=self._device)
-            for start, end in self._pieces():
+            for start, end in self._pieces(fused=False):
                 self._sum(recv, start, end, out=acc[start:end])
         return acc
 
@@ -362,11 +384,16 @@ class EightBitReduction:
         are quantized independently, so the bytes equal those of requantizing the whole sum. The
         sync phase's temporaries shrink by the fp32 chunk (4 bytes per value of the chunk).
         ``out`` (uint8 [W, row_bytes], e.g. the rows this reduction sent, free once received)
-        receives the gathered rows in place of a new tensor; this rank's requantized row is then
-        written into its own row there and gathered in place (except where gloo gathers by a ring:
-        its all-gather would copy that row onto itself).
+        receives the gathered rows in place of a new tensor; without it, the wire rows this
+        reduction made and sent do. This rank's requantized row is then written into its own row
+        there and gathered in place (except where gloo gathers by a ring: its all-gather would copy
+        that row onto itself). The received rows, summed, then carry the all-to-all gather's copies
+        of that row: the reduction allocates no bucket-sized tensor beyond the received rows.
         """
-        recv = self._take_received()
+        *recv, spent = self._take_received()
+        if out is None:
+            out = self._own_send
+        self._own_send = None
         layout = self.layout
         fmt, pb = layout.fmt, layout.row_payload_bytes
         in_place = (
@@ -378,7 +405,7 @@ class EightBitReduction:
         payload, scales = send[:pb], send[pb:].view(torch.float32)
         with timed_phase(self.timings, "reduce"):
             kernels = backend.kernels(self._device, fmt)
-            for start, end in self._pieces():
+            for start, end in self._pieces(fused=kernels is not None):
                 b0, b1 = start // fmt.block_size, end // fmt.block_size
                 p0, p1 = fmt.payload_bytes(start), fmt.payload_bytes(end)
                 if kernels is not None:
@@ -389,7 +416,7 @@ class EightBitReduction:
                 payload[p0:p1].copy_(q.payload)
                 scales[b0:b1].copy_(q.scales)
         del recv
-        self._all_gather(send, out)
+        self._all_gather(send, out, scratch=spent)
 
     def start_gather(self, reduced: torch.Tensor) -> None:
         """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
@@ -401,9 +428,10 @@ class EightBitReduction:
             send = to_wire(q, 1)
         self._all_gather(send.reshape(-1))
 
-    def _all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    def _all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
         """Start the all-gather of every rank's requantized chunk (``send``: this rank's row_bytes),
-        into ``out`` where given (the two-step gather over nodes reorders into a tensor of its own)."""
+        into ``out`` where given (the two-step gather over nodes reorders into a tensor of its own).
+        ``scratch`` (uint8 [W, row_bytes], free) takes the all-to-all gather's copies of ``send``."""
         layout = self.layout
         w = self.world_size
         # Two steps: N - 1 rows to the peers on other nodes, then (L - 1) N rows within the node.
@@ -422,7 +450,8 @@ class EightBitReduction:
                 self._gathered = flat.view(w, layout.row_bytes)
                 if gathers_by_all_to_all(self.group):
                     # Every rank's row sent to every rank: the same bytes per rank as a ring, in one round.
-                    self._gather_send = send.expand(w, layout.row_bytes).contiguous()
+                    rows = send.expand(w, layout.row_bytes)
+                    self._gather_send = rows.contiguous() if scratch is None else scratch.copy_(rows)
                     self._gather_work = dist.all_to_all_single(flat, self._gather_send, group=self.group, async_op=True)
                 else:
                     self._gather_work = dist.all_gather_single(flat, send, group=self.group, async_op=True)
@@ -449,6 +478,35 @@ class EightBitReduction:
 def quantize_rows(x: torch.Tensor, layout: ChunkLayout) -> QTensor:
     """``x`` cut into rank chunks, each padded to whole blocks, and quantized (world_size x padded_chunk values)."""
     return quantize(padded_rows(x, layout), layout.fmt, nonfinite="propagate")
+
+
+# Values quantized per call by quantize_to_wire: a CPU piece's codes (1 MiB at 8 bits) come from
+# memory the allocator reuses and stay in cache for their copy into the wire row; a whole
+# tensor's codes, wire copy and zero-padded fp32 copy were fresh tensors of the message's size,
+# paid for in page faults (an 8-bit all-reduce of 64 MiB of fp32 on 2 gloo ranks over loopback
+# spent about a third of its time so). A GPU quantizes in far larger pieces.
+QUANTIZE_PIECE = {"cpu": 1 << 20, "device": 1 << 26}
+
+
+def quantize_to_wire(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """The wire rows (uint8 [W, row_bytes]) of ``x``: the bytes of ``to_wire(quantize_rows(x, layout), W)``,
+    quantized a piece of whole blocks at a time straight into their rows."""
+    flat = x.detach().reshape(-1)
+    fmt, pb, w = layout.fmt, layout.row_payload_bytes, layout.world_size
+    wire = torch.empty(w, layout.row_bytes, dtype=torch.uint8, device=x.device)
+    step = max(1, QUANTIZE_PIECE["cpu" if x.device.type == "cpu" else "device"] // fmt.block_size) * fmt.block_size
+    for r in range(w):
+        lo, hi = layout.shard_range(r)
+        payload, scales = wire[r, :pb], wire[r, pb:].view(torch.float32)
+        for start in range(0, layout.padded_chunk, step):
+            end = min(layout.padded_chunk, start + step)
+            piece = flat[min(hi, lo + start) : min(hi, lo + end)]
+            if piece.numel() != end - start:  # the end of a chunk: zeros up to the padded chunk's blocks
+                piece = torch.nn.functional.pad(piece, (0, end - start - piece.numel()))
+            q = quantize(piece, fmt, nonfinite="propagate")
+            payload[fmt.payload_bytes(start) : fmt.payload_bytes(end)].copy_(q.payload)
+            scales[start // fmt.block_size : end // fmt.block_size].copy_(q.scales)
+    return wire
 
 
 class PendingAllReduce:
@@ -531,8 +589,8 @@ def _start_8bit(
     world_size, _ = world_of(group)
     layout = chunk_layout(tensor.numel(), world_size, fmt)
     with timed_phase(timings, "quantize"):
-        rows = quantize_rows(tensor, layout)
-    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes)
+        rows = quantize_to_wire(tensor, layout)
+    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes, owns_rows=True)
 
 
 def all_reduce_8bit(

@@ -43,6 +43,7 @@ from agoq.gradient.collectives import (
     from_wire,
     parse_op,
     quantize_rows,
+    quantize_to_wire,
     timed_phase,
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter
@@ -118,10 +119,12 @@ def all_reduce_hierarchical(
     counter = COMM_COUNTER if counter is None else counter
     layout = hierarchical_layout(tensor.numel(), groups.node_size, groups.nodes, intra_fmt, inter_fmt)
     with timed_phase(timings, HOP_NAMES[0]):
-        hop1 = EightBitReduction(quantize_rows(tensor, layout.outer), layout.outer, op, groups.intra, counter=counter, name=HOP_NAMES[0])
+        hop1 = EightBitReduction(quantize_to_wire(tensor, layout.outer), layout.outer, op, groups.intra, counter=counter, name=HOP_NAMES[0])
         partial = hop1.reduce()[: layout.outer.chunk]
     with timed_phase(timings, HOP_NAMES[1]):
-        hop2 = EightBitReduction(quantize_rows(partial, layout.inner), layout.inner, op, groups.inter, counter=counter, name=HOP_NAMES[1])
+        hop2 = EightBitReduction(
+            quantize_to_wire(partial, layout.inner), layout.inner, op, groups.inter, counter=counter, name=HOP_NAMES[1], owns_rows=True
+        )
         del partial
         hop2.reduce_and_gather()
         chunk_bytes = hop2.gathered().reshape(-1)

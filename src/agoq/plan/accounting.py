@@ -301,10 +301,11 @@ class TemporaryBytes:
             rows = chunk_rows(sh.tokens_tp, m.intermediate, sh.fmt.block_size, sh.device, SWIGLU_CHUNK_VALUES)
             swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 3 * sh.tokens_tp * m.intermediate * es
             # Then the fused norm + gate/up backward: those two gradients, the two weight gradients
-            # it returns, and the norm's fp32 recompute and backward (about six [rows, hidden] of
-            # the chunk of rows it works on).
+            # it returns, the recomputed norm output of every token they are GEMMs with, and the
+            # norm's fp32 recompute and backward (about six [rows, hidden] of the chunk of rows it
+            # works on).
             norm_rows = chunk_rows(sh.tokens_tp, m.hidden, sh.fmt.block_size, sh.device, NORM_CHUNK_VALUES)
-            norm_gate_up = 2 * (sh.tokens_tp + m.hidden) * m.intermediate * es + 6 * norm_rows * m.hidden * 4
+            norm_gate_up = 2 * (sh.tokens_tp + m.hidden) * m.intermediate * es + sh.tokens_tp * m.hidden * es + 6 * norm_rows * m.hidden * 4
             swiglu = max(swiglu, norm_gate_up)
         else:
             swiglu = sh.tokens_tp * m.intermediate * (4 * fp32_values + es * dtype_values)
@@ -335,11 +336,15 @@ class TemporaryBytes:
         p2p = 2 * self.shape.hidden_bytes if self.cfg.pp > 1 else 0  # send and receive buffers
         largest = max(numels)
         # Backward: autograd's full-precision gradient of the largest tensor before it is folded into
-        # the gradient buffer (into 8 bits a piece at a time), besides a layer's or the loss's work.
-        folding = largest * es
+        # the gradient buffer. Into 8 bits (a piece at a time) that happens once the op that made it
+        # (the embedding's or the output head's backward) has returned, its work done: the fused
+        # layers return their weight gradients inside their work (worst). The baseline's autograd
+        # backward measures as holding it besides a layer's or the loss's work (tests/test_plan_train.py).
         if setup.gradients:
             # A piece being folded: the stored values dequantized, the sum, and the quantizer's work.
-            folding += 3 * 4 * min(FOLD_PIECE, largest)
+            folding = max(largest * es, worst) + 3 * 4 * min(FOLD_PIECE, largest)
+        else:
+            folding = largest * es + worst
         reduction = optimizer = 0
         fmt8 = QuantFormat("int", 8, self.cfg.gradient_block)
         buckets = self.states.bucket_sizes(rank)
@@ -348,9 +353,10 @@ class TemporaryBytes:
         in_flight = 0
         if setup.gradients and dp > 1:
             # A bucket's storage is sent as it is and gathered into (agoq.gradient.bucket): one
-            # bucket's received rows, and on a CPU another's all-gather row sent to every rank (see
-            # gathers_by_all_to_all); a GPU gathers in place.
-            in_flight = (2 if self.shape.device.type == "cpu" else 1) * fmt8.nbytes(bucket)
+            # bucket's received rows, and on a CPU, where a rank has more than one bucket, the
+            # previous bucket's, which carry its all-gather row sent to every rank until that
+            # gather completes (see gathers_by_all_to_all); a GPU gathers in place.
+            in_flight = min(len(buckets), 2 if self.shape.device.type == "cpu" else 1) * fmt8.nbytes(bucket)
             # One bucket reduced a piece at a time into its own row of the storage: one piece summed
             # in fp32 and requantized (the fp32 values and integer codes the quantizer works on),
             # beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
@@ -359,7 +365,7 @@ class TemporaryBytes:
         # in flight and the full-precision gradient being folded are not held at once; a rank's
         # only bucket is sent after its last layer's backward, others during a later layer's.
         beside = worst if len(buckets) > 1 else 0
-        backward = p2p + max(worst + folding, in_flight + beside)
+        backward = p2p + max(folding, in_flight + beside)
         if setup.zero1:
             # Every bucket's fp32 shard of the reduced gradient waits for the optimizer step, which
             # then all-gathers one bucket's updated weights in the compute dtype.
