@@ -235,10 +235,10 @@ def test_swiglu_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monke
     gate, up = _rand(3, 37, inter, dtype=dtype, seed=1, scale=2.0), _rand(3, 37, inter, dtype=dtype, seed=2)
     wd = _rand(hidden, inter, dtype=dtype, seed=3, scale=0.1)
     g = _rand(3, 37, hidden, dtype=dtype, seed=4).detach()
-    assert ops.chunk_rows(111, inter, 128, torch.device("cpu"), ops.SWIGLU_CHUNK_VALUES) == 111  # one chunk by default
+    assert ops.chunk_rows(111, inter, 128, torch.device("cpu"), ops.SWIGLU_CHUNK_VALUES, fused=True) == 111  # one chunk by default
     with backend.use_backend(quant_backend):
         whole = _grads(swiglu_linear(gate, up, wd, fmt), [gate, up, wd], g)
-        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "device": 1})
+        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
         monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 1)
         assert ops._row_chunks(111, inter, 128, torch.device("cpu"), ops.SWIGLU_CHUNK_VALUES)[-2:] == [(80, 96), (96, 111)]
         # The forward's SiLU(gate) * up is also formed a chunk at a time: still the baseline's bits.
@@ -268,7 +268,7 @@ def test_norm_linear_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(
     leaves = [x, nw, wq, wk]
     with backend.use_backend(quant_backend):
         whole = _grads(rms_norm_linear(x, nw, EPS, (wq, wk), fmt), leaves, (gq, gk))
-        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "device": 1})
+        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
         monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 1)
         assert len(ops._row_chunks(111, hidden, 128, torch.device("cpu"), ops.NORM_CHUNK_VALUES)) == 7
         chunked = _grads(rms_norm_linear(x, nw, EPS, (wq, wk), fmt), leaves, (gq, gk))

@@ -262,8 +262,8 @@ def test_layer_ops_under_the_triton_backend_match_the_torch_backend(monkeypatch:
     if chunked:  # 16 rows per chunk: the kernels then read the saved codes from a block offset
         from agoq.activation import ops
 
-        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "device": 1})
-        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "device": 1})
+        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
+        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
         monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 16)
     used = []
     for name in ("rms_norm_quantize", "rms_norm_recompute", "rms_norm_backward", "swiglu_quantize", "swiglu_backward"):

@@ -48,13 +48,20 @@ def _norm_forward(x: torch.Tensor, weight: torch.Tensor, *, eps: float, out_dtyp
 def _norm_backward(
     grad_out: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, *, x_dtype: torch.dtype, need_weight_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(grad of x in x_dtype, grad of weight in its dtype) of RMSNorm, computed in fp32."""
+    """(grad of x in x_dtype, grad of weight in its dtype) of RMSNorm, computed in fp32.
+
+    In place where a temporary is done with (the same products and differences, so the same
+    bits): eagerly three [rows, hidden] fp32 tensors besides the arguments, where the expression
+    form held four.
+    """
     y = x.float() * rstd
     g = grad_out.float()
-    gy = g * weight.float()
-    # d(x * rstd)/dx^T v = rstd * (v - y * mean(y * v)): rstd depends on x through mean(x^2).
-    gx = rstd * (gy - y * (gy * y).mean(-1, keepdim=True))
     gw = (g * y).reshape(-1, y.shape[-1]).sum(0).to(weight.dtype) if need_weight_grad else None
+    gy = g * weight.float()
+    del g
+    # d(x * rstd)/dx^T v = rstd * (v - y * mean(y * v)): rstd depends on x through mean(x^2).
+    dot = (gy * y).mean(-1, keepdim=True)
+    gx = gy.sub_(y.mul_(dot)).mul_(rstd)
     return gx.to(x_dtype), gw
 
 
@@ -266,33 +273,38 @@ class _SwiGLULinear(torch.autograd.Function):
 
 # Rows of the SwiGLU backward computed at once: its fp32 temporaries (the output gradient, gate
 # and up dequantized, sigmoid and SiLU) are a chunk's rows, not every token's. The GEMMs stay
-# whole, so a chunk costs only a call: on a CPU a chunk is about 32K values (128 KiB of fp32
-# each, in cache between the formula's passes; six of them at 128K values were 2.9 MiB, more
-# than the bf16 step's every temporary on the default run's first stage); a GPU takes far larger
-# chunks, fewer launches. At least MIN_CHUNK_ROWS rows.
-SWIGLU_CHUNK_VALUES = {"cpu": 1 << 15, "device": 1 << 24}
+# whole, so a chunk costs only a call. Eagerly on a CPU a chunk is about 32K values (128 KiB of
+# fp32 each, in cache between the formula's passes; six of them at 128K values were 2.9 MiB, more
+# than the bf16 step's every temporary on the default run's first stage). Compiled code keeps no
+# fp32 rows but pays more per call (at 32K values the tiny model's compiled step went from 1.14x
+# to 1.38x of the bf16 policy's): 128K values. A GPU takes far larger chunks, fewer launches. At
+# least MIN_CHUNK_ROWS rows.
+SWIGLU_CHUNK_VALUES = {"cpu": 1 << 15, "cpu_fused": 1 << 17, "device": 1 << 24}
 MIN_CHUNK_ROWS = 64
 
 
 # The same for the fused norm + GEMMs backward, in values of its [tokens, hidden] input. Its
 # weight gradients are whole GEMMs after the loop, so a chunk costs its share of the input
-# gradient's GEMMs and a call of the norm's formulas; on a CPU about 64 rows of a 256-wide model
-# (the formulas' six or so fp32 [rows, hidden] tensors 0.4 MiB, where every token's were 1.5 MiB
-# in the default run's micro-batches).
-NORM_CHUNK_VALUES = {"cpu": 1 << 14, "device": 1 << 24}
+# gradient's GEMMs and a call of the norm's formulas: eagerly on a CPU about 128 rows of a
+# 256-wide model (the formulas' five fp32 [rows, hidden] tensors 0.6 MiB, where every token's
+# six were 1.5 MiB in the default run's micro-batches); compiled, up to 1024 such rows.
+NORM_CHUNK_VALUES = {"cpu": 1 << 15, "cpu_fused": 1 << 18, "device": 1 << 24}
 
 
-def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> int:
+def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int], fused: bool = False) -> int:
     """Rows per chunk of ``rows`` x ``width`` values (SWIGLU_CHUNK_VALUES or NORM_CHUNK_VALUES as
-    ``budgets``): whole quantization blocks, about the device's budget of values."""
-    budget = budgets["cpu" if device.type == "cpu" else "device"]
+    ``budgets``): whole quantization blocks, about the device's budget of values (on a CPU, the
+    eager one, or with ``fused`` kernels or compiled formulas the fused one)."""
+    budget = budgets["device" if device.type != "cpu" else "cpu_fused" if fused else "cpu"]
     align = block // math.gcd(width, block)  # a chunk must start on a block boundary of the flat codes
     chunk = max(MIN_CHUNK_ROWS, budget // width) // align * align
     return min(rows, max(align, chunk))
 
 
 def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> list[tuple[int, int]]:
-    chunk = chunk_rows(rows, width, block, device, budgets)
+    # Compiled or Triton code runs a chunk in one fused pass, with no fp32 temporaries of its rows,
+    # but pays about 0.1 ms a call on a CPU: it takes the larger chunks.
+    chunk = chunk_rows(rows, width, block, device, budgets, fused=backend.resolve(device) != "torch")
     return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
 
 

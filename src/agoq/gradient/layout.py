@@ -25,7 +25,7 @@ from agoq.gradient.collectives import ChunkLayout, chunk_layout
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 # Values folded per quantize call (rounded to whole blocks): bounds the fp32
 # temporaries of a fold to a few hundred KiB whatever the parameter's size.
-FOLD_PIECE = 1 << 14
+FOLD_PIECE = 1 << 15
 
 Params = torch.nn.Module | Iterable[torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]]
 
