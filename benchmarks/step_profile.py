@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         "setup": "1 process (pp = dp = 1), 4 micro-batches of 4 x 128 tokens, AdamW; int8 gradients fold into the 8-bit buffer (no communication at dp = 1)",
         "rows": rows,
     }
-    # Held to AVX2 (benchmarks.run_time's AVX2_ONLY_ENV) on a CPU with more: a file of its own.
+    # Held to AVX2 (benchmarks.run_time's AVX2_ONLY_ENV) on a CPU with more, or a CPU with AMX-BF16
+    # (whose bf16 GEMMs differ most from the others'): a file of its own, beside the other CPUs'.
     from benchmarks.run_time import AVX2_ONLY_ENV
 
     held = all(os.environ.get(k, "").lower() == v.lower() for k, v in AVX2_ONLY_ENV.items())
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = f"{env}python -m benchmarks.step_profile --model {args.model} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
     if args.out_dir:
         cmd += f" --out-dir {args.out_dir}"
-    name = f"step_profile_{args.model}_{args.dtype}" + ("_avx2" if held else "")
+    name = f"step_profile_{args.model}_{args.dtype}" + ("_avx2" if held else "_amx" if "amx_bf16" in results["cpu_bf16_flags"] else "")
     results["history"] = history(Path(args.out_dir or RESULTS_DIR) / f"{name}.json")
     write_result(name, results, command=cmd, out_dir=args.out_dir)
     print(readme_markdown(results))
