@@ -241,8 +241,14 @@ def test_swiglu_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monke
         monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
         monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 1)
         assert ops._row_chunks(111, inter, 128, torch.device("cpu"), ops.SWIGLU_CHUNK_VALUES)[-2:] == [(80, 96), (96, 111)]
-        # The forward's SiLU(gate) * up is also formed a chunk at a time: still the baseline's bits.
-        assert torch.equal(swiglu_linear(gate, up, wd, fmt), swiglu_linear(gate, up, wd, None))
+        # Eagerly the forward's SiLU(gate) * up is also formed a chunk at a time: still the
+        # baseline's bits. Compiled code forms it in one pass, rounding the product once
+        # (agoq.quant.compiled.swiglu_quantize): bf16 within a rounding of the GEMM's inputs.
+        fused, baseline = swiglu_linear(gate, up, wd, fmt), swiglu_linear(gate, up, wd, None)
+        if quant_backend == "torch" or dtype == torch.float32:
+            assert torch.equal(fused, baseline)
+        else:
+            torch.testing.assert_close(fused.float(), baseline.float(), rtol=2.0**-7, atol=2.0**-7 * baseline.float().abs().max().item())
         chunked = _grads(swiglu_linear(gate, up, wd, fmt), [gate, up, wd], g)
     tol = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7}[dtype]
     for what, a, b in zip(("gate", "up", "down weight"), chunked, whole):

@@ -401,3 +401,41 @@ def test_a_formula_reading_codes_equals_the_formula_on_dequantized_values(spec: 
         torch.testing.assert_close(g, w, rtol=2e-7, atol=0)  # the same fp32 operations; exp may round apart by an ulp
     with pytest.raises(ValueError, match="whole blocks"):
         fused(grad[:-1, :-1].contiguous(), quantize(gate[:-1, :-1], fmt), quantize(up[:-1, :-1], fmt))
+
+
+@pytest.mark.parametrize("spec", ["int4/128", "int8/256", "nf4/128", "fp4/64", "int3/128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(64, 688), (3, 37, 200)], ids=["whole_blocks", "padded"])
+def test_the_fused_swiglu_forward_quantizes_as_quantize_does_and_rounds_the_product_once(spec: str, dtype: torch.dtype, shape, monkeypatch) -> None:
+    """swiglu_quantize: gate's and up's codes and scales are the reference's bits, also a slab at a
+    time; SiLU(gate) * up is the fp32 product rounded once to the dtype (eagerly SiLU is rounded
+    first), so it is within one rounding of the eager forward's, and NaN in a block stays there."""
+    import torch.nn.functional as F
+
+    fmt = parse_format(spec)
+    gen = torch.Generator().manual_seed(3)
+    gate = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    up = torch.randn(*shape, generator=gen).to(dtype)
+    gate.view(-1)[700] = float("nan")  # poisons its block of gate's codes and the product there only
+    want_gate, want_up = (_reference(quantize, t, fmt, nonfinite="propagate") for t in (gate, up))
+    act, q_gate, q_up = C.swiglu_quantize(gate, up, fmt)
+    monkeypatch.setattr(C, "SLAB_VALUES", 1024)  # several slabs, packed one by one
+    sliced = C.swiglu_quantize(gate, up, fmt)
+    for got in ((q_gate, q_up), sliced[1:]):
+        for q, want in zip(got, (want_gate, want_up)):
+            assert torch.equal(q.payload, want.payload)
+            assert torch.equal(q.scales.nan_to_num(-1.0), want.scales.nan_to_num(-1.0))
+    torch.testing.assert_close(sliced[0], act, rtol=0, atol=0, equal_nan=True)  # the same bits
+    eager = torch.mul(F.silu(gate), up)
+    assert act.shape == gate.shape and act.dtype == dtype
+    assert torch.equal(act.isnan(), eager.isnan()) and int(act.isnan().sum()) == 1
+    g, u = gate.float(), up.float()
+    once = (g / (1 + torch.exp(-g)) * u).to(dtype)
+    # bf16: one rounding of the dtype; fp32: a few ulps, inductor's exp being another approximation than torch's.
+    tolerance = {torch.float32: 8 * 2.0**-23, torch.bfloat16: 2.0**-7}[dtype]
+    finite = ~eager.isnan()
+    for other in (once, eager):  # the single rounding, and the eager forward's double one
+        diff = (act.float() - other.float()).abs()[finite]
+        assert bool((diff <= tolerance * other.float().abs()[finite] + 1e-30).all())
+    if dtype == torch.bfloat16:
+        assert not torch.equal(act[finite], eager[finite])  # the two roundings do differ somewhere: the test can tell

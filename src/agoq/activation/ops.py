@@ -205,8 +205,8 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-        kernels = backend.layer_kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
-        if kernels is not None:  # one pass writes SiLU(gate) * up and the quantized gate and up
+        kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
+        if kernels is not None:  # Triton or compiled code: one pass writes SiLU(gate) * up and the quantized gate and up
             act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
             out = F.linear(act, down_weight)
         else:

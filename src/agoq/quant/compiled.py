@@ -450,6 +450,25 @@ def _reduce_rows(
     return acc, codes, scales
 
 
+def _swiglu_quantize(
+    gate: torch.Tensor, up: torch.Tensor, *, act_dtype: torch.dtype, block: int, kind: str, zero: int, max_value: float, book: tuple
+) -> tuple[torch.Tensor, ...]:
+    """(SiLU(gate) * up in ``act_dtype``, gate's codes and scales, up's codes and scales) of flat
+    whole blocks, from one read of each; the codes and scales those of :func:`_quantize_blocks`.
+
+    The product is rounded once: inductor's C++ code keeps a bf16 intermediate in fp32, so SiLU is
+    not rounded to bf16 before the product as it is eagerly. The result is within one bf16
+    rounding of the eager forward's (in fp32 within a few ulps: inductor's exp is another
+    approximation than torch's, as in the compiled backward). Rounding SiLU by its bits, as the
+    Triton kernel does, made the loop scalar: the fused op was then slower than the separate ones.
+    """
+    g, u = gate.float().view(-1, block), up.float().view(-1, block)
+    act = (g / (1 + torch.exp(-g)) * u).to(act_dtype).view(-1)
+    gate_codes, gate_scales = _quantize_blocks(g, block=block, kind=kind, zero=zero, max_value=max_value, book=book)
+    up_codes, up_scales = _quantize_blocks(u, block=block, kind=kind, zero=zero, max_value=max_value, book=book)
+    return act, gate_codes, gate_scales, up_codes, up_scales
+
+
 def _sum_of_squares(codes: torch.Tensor, scales: torch.Tensor, *, block: int, kind: str, zero: int, book: tuple) -> torch.Tensor:
     """fp64 sum of the squares of the values of whole blocks: one pass that writes nothing value-sized."""
     return _values(codes, scales, block, kind, zero, book).double().square().sum()
@@ -577,33 +596,93 @@ def _pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None)
     return out
 
 
+def _slab_bounds(whole: int, fmt: QuantFormat) -> list[tuple[int, int]]:
+    """(start, end) values of the slabs a formula over ``whole`` values (whole blocks) is called on:
+    one slab for 8-bit codes (they are the payload) or up to SLAB_VALUES, else SLAB_VALUES each, so
+    a slab's one-byte codes are still in cache when they are packed."""
+    if fmt.bits == 8 or whole <= SLAB_VALUES:
+        return [(0, whole)]
+    step = max(1, SLAB_VALUES // fmt.block_size) * fmt.block_size
+    return [(v0, min(whole, v0 + step)) for v0 in range(0, whole, step)]
+
+
+class _Packed:
+    """The QTensor of ``x`` built slab by slab (:func:`_slab_bounds`) from a formula's codes and
+    scales of its whole blocks, each slab packed as it comes, while its codes are in cache."""
+
+    def __init__(self, x: torch.Tensor, whole: int, fmt: QuantFormat) -> None:
+        self.x, self.whole, self.fmt = x, whole, fmt
+        self.payload: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        if not whole:
+            self.payload = torch.empty(0, dtype=torch.uint8, device=x.device)
+            self.scales = torch.empty(0, dtype=SCALE_DTYPE, device=x.device)
+
+    def add(self, v0: int, v1: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Values v0..v1's codes (one byte each) and scales."""
+        fmt = self.fmt
+        if v0 == 0 and v1 == self.whole:  # one slab: its tensors are the result
+            self.payload, self.scales = _pack_codes(codes, fmt.bits), scales
+            return
+        if self.payload is None or self.scales is None:
+            self.payload = torch.empty(fmt.payload_bytes(self.whole), dtype=torch.uint8, device=codes.device)
+            self.scales = torch.empty(self.whole // fmt.block_size, dtype=SCALE_DTYPE, device=codes.device)
+        self.scales[v0 // fmt.block_size : v1 // fmt.block_size] = scales
+        _pack_codes(codes, fmt.bits, self.payload[fmt.payload_bytes(v0) : fmt.payload_bytes(v1)])
+
+    def result(self) -> QTensor:
+        """``x`` quantized: the reference's result where a block holds NaN/Inf."""
+        x, fmt, payload, scales = self.x, self.fmt, self.payload, self.scales
+        if payload is None or scales is None:
+            raise RuntimeError("the slabs of a quantization were not all added")
+        if not bool(torch.isfinite(scales).all()):
+            return reference_quantize(x, fmt, nonfinite="propagate")
+        n = x.numel()
+        nbytes = fmt.payload_bytes(n)
+        if payload.numel() != nbytes:
+            # The reference stores code 0 for the padding of the last block: clear its bits in the last byte.
+            payload = payload[:nbytes].clone()
+            spare = nbytes * 8 - n * fmt.bits
+            if spare:
+                payload[-1] &= (1 << (8 - spare)) - 1
+        return QTensor(payload, scales, x.shape, x.dtype, fmt)
+
+
 def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
-    n, whole = x.numel(), flat.numel()
-    kernel = _format_kernel(_quantize_blocks, fmt, max_value=fmt.max_value)
-    if fmt.bits == 8 or whole <= SLAB_VALUES:
-        codes, scales = kernel(flat) if n else (flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=SCALE_DTYPE))
-        payload = _pack_codes(codes, fmt.bits)
-    else:
-        # A slab at a time, so a slab's one-byte codes are still in cache when they are packed.
-        payload = torch.empty(fmt.payload_bytes(whole), dtype=torch.uint8, device=x.device)
-        scales = torch.empty(whole // fmt.block_size, dtype=SCALE_DTYPE, device=x.device)
-        step = max(1, SLAB_VALUES // fmt.block_size) * fmt.block_size
-        for v0 in range(0, whole, step):
-            v1 = min(whole, v0 + step)
-            codes, scales[v0 // fmt.block_size : v1 // fmt.block_size] = kernel(flat[v0:v1])
-            _pack_codes(codes, fmt.bits, payload[fmt.payload_bytes(v0) : fmt.payload_bytes(v1)])
-    if not bool(torch.isfinite(scales).all()):
-        return reference_quantize(x, fmt, nonfinite="propagate")
-    nbytes = fmt.payload_bytes(n)
-    if payload.numel() != nbytes:
-        # The reference stores code 0 for the padding of the last block: clear its bits in the last byte.
-        payload = payload[:nbytes].clone()
-        spare = nbytes * 8 - n * fmt.bits
-        if spare:
-            payload[-1] &= (1 << (8 - spare)) - 1
-    return QTensor(payload, scales, x.shape, x.dtype, fmt)
+    packed = _Packed(x, flat.numel(), fmt)
+    if x.numel():
+        kernel = _format_kernel(_quantize_blocks, fmt, max_value=fmt.max_value)
+        for v0, v1 in _slab_bounds(flat.numel(), fmt):
+            packed.add(v0, v1, *kernel(flat[v0:v1]))
+    return packed.result()
+
+
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, QTensor, QTensor]:
+    """(SiLU(gate) * up in the inputs' dtype, gate quantized, up quantized), reading each once: the
+    fused forward of agoq.activation.ops' SwiGLU + GEMM, as agoq.quant.triton's. The codes and
+    scales are :func:`quantize`'s; the product is rounded once (see _swiglu_quantize)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must match in shape and dtype, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    flat_gate, flat_up = (_whole_blocks(t.detach().reshape(-1), fmt.block_size) for t in (gate, up))
+    whole = flat_gate.numel()
+    if not whole:
+        return torch.empty_like(gate), quantize(gate, fmt), quantize(up, fmt)
+    kernel = _format_kernel(_swiglu_quantize, fmt, max_value=fmt.max_value, act_dtype=gate.dtype)
+    bounds = _slab_bounds(whole, fmt)
+    act = torch.empty(whole, dtype=gate.dtype, device=gate.device) if len(bounds) > 1 else None
+    packed_gate, packed_up = _Packed(gate, whole, fmt), _Packed(up, whole, fmt)
+    for v0, v1 in bounds:
+        slab_act, gate_codes, gate_scales, up_codes, up_scales = kernel(flat_gate[v0:v1], flat_up[v0:v1])
+        if act is None:
+            act = slab_act
+        else:
+            act[v0:v1].copy_(slab_act)
+        packed_gate.add(v0, v1, gate_codes, gate_scales)
+        packed_up.add(v0, v1, up_codes, up_scales)
+    assert act is not None
+    return act[: gate.numel()].view(gate.shape), packed_gate.result(), packed_up.result()
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -743,4 +822,15 @@ def reduce_rows(
     return (acc if keep_sum else None), q
 
 
-__all__ = ["accumulate_", "compiled", "dequantize", "fold_", "quantize", "reading_codes", "reduce_rows", "sum_of_squares", "supports"]
+__all__ = [
+    "accumulate_",
+    "compiled",
+    "dequantize",
+    "fold_",
+    "quantize",
+    "reading_codes",
+    "reduce_rows",
+    "sum_of_squares",
+    "supports",
+    "swiglu_quantize",
+]
