@@ -310,14 +310,14 @@ def _compiles_counted(monkeypatch) -> Iterator[list[str]]:
     import torch._inductor.config as inductor_config
 
     compiles: list[str] = []
-    call = C._Variants.__call__
+    call = C._Variants._call  # what __call__ runs, with grad mode off
 
     def counted(self, *tensors):
         if not any(guard.check({"tensors": tensors}) for guard, _ in self._variants):
             compiles.append(self._fn.__name__)
         return call(self, *tensors)
 
-    monkeypatch.setattr(C._Variants, "__call__", counted)
+    monkeypatch.setattr(C._Variants, "_call", counted)
     with inductor_config.patch(fx_graph_cache=False), aot_config.patch(enable_autograd_cache=False):
         yield compiles
 
@@ -439,3 +439,21 @@ def test_the_fused_swiglu_forward_quantizes_as_quantize_does_and_rounds_the_prod
         assert bool((diff <= tolerance * other.float().abs()[finite] + 1e-30).all())
     if dtype == torch.bfloat16:
         assert not torch.equal(act[finite], eager[finite])  # the two roundings do differ somewhere: the test can tell
+
+
+def _scaled_sum(values: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return values * 2 + other
+
+
+def test_grad_mode_and_a_size_equal_to_an_offset_add_no_variant() -> None:
+    """One compiled variant serves calls with grad mode on and off, on dtype views of wire rows at
+    any storage offset, including one equal to the view's length (duck sizing once took that
+    coincidence for a rule and compiled again for the next offset)."""
+    kernel = C.compiled(_scaled_sum)
+    wire = torch.zeros(4, 8192, dtype=torch.uint8)
+    other = torch.ones(1024)
+    for row, start, grad_mode in ((0, 4096, True), (1, 4096, False), (2, 0, True), (3, 2048, False)):
+        values = wire[row, start : start + 4096].view(torch.float32)  # offset 1024 floats in row 0: its length
+        with torch.set_grad_enabled(grad_mode):
+            assert torch.equal(kernel(values, other), other)
+    assert len(C._cache_entries(kernel._fn)) == 1

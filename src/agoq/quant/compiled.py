@@ -112,6 +112,15 @@ class _Variants:
         self._eager = False
 
     def __call__(self, *tensors: Any) -> Any:
+        if torch.is_grad_enabled():
+            # The formulas compute no gradients. Grad mode is part of a variant's guard, so calls
+            # with it on and off (the optimizer's read-back, autograd's backward) compiled a
+            # variant each; every call now runs with it off.
+            with torch.no_grad():
+                return self._call(*tensors)
+        return self._call(*tensors)
+
+    def _call(self, *tensors: Any) -> Any:
         frame = {"tensors": tensors}  # the locals of the generated function: def name(*tensors)
         for guard, run in self._variants:
             if guard.check(frame):
@@ -119,7 +128,7 @@ class _Variants:
         if self._eager:
             return self._fn(*tensors)
         try:
-            with _sizes_0_and_1_general() if self._any_size else contextlib.nullcontext():
+            with _shape_settings(self._any_size):
                 result = self._dynamo(*tensors)
         except Exception as e:
             if not isinstance(e, _build_errors()):
@@ -205,18 +214,24 @@ def trust_listed_vector_isa() -> bool:
         return False
 
 
-def _sizes_0_and_1_general() -> contextlib.AbstractContextManager[None]:
-    """Dynamo's sizes treated as any size, 0 and 1 included (backed_size_oblivious), while a formula compiles.
+def _shape_settings(any_size: bool) -> contextlib.AbstractContextManager[None]:
+    """How Dynamo treats sizes while a formula compiles.
 
+    No duck sizing: Dynamo otherwise takes two sizes that happen to be equal for one symbol, and a
+    slice of a bucket whose storage offset equalled its length (524288 and 524288) got a variant
+    that the next slice failed, two more compiles per process for the gradient fold. Sizes the
+    formula's arithmetic needs equal are still guarded equal, by the ops that need it.
+
+    ``any_size`` (the whole-block formulas): sizes 0 and 1 as any size (backed_size_oblivious).
     Dynamo otherwise compiles a size of 1 as a constant, so a tensor of one block (a norm weight's
     gradient of 256 values, its one scale) got graphs of its own: three more compiles per process
-    in the default run, 1-4 s each on a machine's first run. Only for the whole-block formulas
-    below, whose sizes never broadcast (a size-1 dimension that broadcasts, like a norm's
-    [rows, 1] statistics, must stay a constant).
+    in the default run, 1-4 s each on a machine's first run. Only there: those sizes never
+    broadcast (a size-1 dimension that broadcasts, like a norm's [rows, 1] statistics, must stay a
+    constant).
     """
     import torch.fx.experimental._config as fx_config
 
-    return fx_config.patch(backed_size_oblivious=True)
+    return fx_config.patch(use_duck_shape=False, backed_size_oblivious=any_size)
 
 
 def _cache_entries(fn: Callable[..., Any]) -> list[tuple[Any, Callable[..., Any]]]:
