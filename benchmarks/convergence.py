@@ -257,6 +257,18 @@ def plot(done: dict[tuple[str, int], dict[str, Any]], path: Path, entropy: float
     plt.close(fig)
 
 
+def reproducing_command(args: argparse.Namespace) -> str:
+    """The command line that produces the same result file: every option that changes it, a subset of runs included."""
+    command = f"python -m benchmarks.convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
+    if args.model != "tiny":
+        command += f" --model {args.model}"
+    if args.runs != ",".join(RUNS):
+        command += f" --runs {args.runs}"
+    if args.out_dir:
+        command += f" --out-dir {args.out_dir}"
+    return command
+
+
 def run(args: argparse.Namespace) -> int:
     """Train every configuration (cached), then write the JSON, the PNG and a markdown table."""
     from benchmarks._common import write_result
@@ -272,11 +284,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     entropy = unigram_entropy_nats()
     result_name = "convergence" if args.model == "tiny" else f"convergence_{args.model.replace('-', '_').replace('.', '_')}"
-    command = f"python -m benchmarks.convergence --steps {args.steps} --seeds {args.seeds} --eval-every {args.eval_every}"
-    if args.model != "tiny":
-        command += f" --model {args.model} --runs {args.runs}"
-    if args.out_dir:
-        command += f" --out-dir {args.out_dir}"
+    command = reproducing_command(args)
     done: dict[tuple[str, int], dict[str, Any]] = {}
     for name, seed in _plan(names, args.seeds):
         got = run_one(name, seed, args.steps, args.eval_every, out_dir, train=not args.cached_only, model=args.model)

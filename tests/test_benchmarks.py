@@ -191,3 +191,20 @@ def test_op_overhead_times_each_fused_op_both_ways_and_keeps_the_earlier_ratios(
     # The second invocation keeps the first's ratios as its history.
     assert len(written["history"]) == 1 and set(written["history"][0]["ratio_same_round"]) == {r["op"] for r in written["rows"]}
     assert "Earlier, revision" in capsys.readouterr().out
+
+
+def test_the_convergence_command_names_every_option_that_changes_its_file():
+    import argparse
+
+    from benchmarks import convergence
+
+    parser = argparse.ArgumentParser()
+    convergence.add_arguments(parser)
+    default = parser.parse_args([])
+    assert "--runs" not in convergence.reproducing_command(default)  # the default runs all of them
+    subset = parser.parse_args(["--runs", "bf16,agoq", "--seeds", "1", "--steps", "4", "--out-dir", "/tmp/x"])
+    assert convergence.reproducing_command(subset) == (
+        "python -m benchmarks.convergence --steps 4 --seeds 1 --eval-every " + str(subset.eval_every) + " --runs bf16,agoq --out-dir /tmp/x"
+    )
+    small = parser.parse_args(["--model", "small", "--runs", "bf16,agoq"])
+    assert " --model small --runs bf16,agoq" in convergence.reproducing_command(small)
