@@ -157,7 +157,8 @@ def kernels(device: torch.device | str, fmt: QuantFormat | None = None) -> Modul
 
 
 def layer_kernels(device: torch.device | str, fmt: QuantFormat | None = None) -> ModuleType | None:
-    """The Triton module when its fused RMSNorm / SwiGLU + quantize kernels should run, else None."""
+    """The Triton module when its fused RMSNorm kernels and SwiGLU backward should run, else None
+    (the fused SwiGLU forward, which compiled code has too, comes from :func:`kernels`)."""
     if resolve(device) != "triton":
         return None
     return kernels(device, fmt)
