@@ -342,7 +342,7 @@ def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, zero: int, max_v
     A block holding NaN/Inf comes out with a non-finite scale; the caller redoes such a tensor on
     the reference path, which handles it (rare, and it keeps the per-element loop free of masks).
     """
-    y = x.float().view(-1, block)
+    y = x.view(-1, block).float()
     absmax = torch.maximum(y.amax(dim=1), y.amin(dim=1).neg())
     s = absmax / max_value
     low = s.double() * max_value < absmax.double()
@@ -354,9 +354,9 @@ def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, zero: int, max_v
 def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, zero: int, book: tuple) -> torch.Tensor:
     """fp32 [blocks, block] values of whole blocks from one uint8 code per value: format value times block scale."""
     if kind == "fp8":  # the codes are float8_e4m3fn bit patterns: a bitcast and an exact cast
-        v = codes.view(torch.float8_e4m3fn).float().view(-1, block)
+        v = codes.view(-1, block).view(torch.float8_e4m3fn).float()
     else:
-        c = codes.float().view(-1, block)
+        c = codes.view(-1, block).float()
         if kind == "int":
             v = c - zero
         else:  # 16 codes: select against literal values (vectorizes; a gather does not)
@@ -477,7 +477,7 @@ def _swiglu_quantize(
     approximation than torch's, as in the compiled backward). Rounding SiLU by its bits, as the
     Triton kernel does, made the loop scalar: the fused op was then slower than the separate ones.
     """
-    g, u = gate.float().view(-1, block), up.float().view(-1, block)
+    g, u = gate.view(-1, block).float(), up.view(-1, block).float()
     act = (g / (1 + torch.exp(-g)) * u).to(act_dtype).view(-1)
     gate_codes, gate_scales = _quantize_blocks(g, block=block, kind=kind, zero=zero, max_value=max_value, book=book)
     up_codes, up_scales = _quantize_blocks(u, block=block, kind=kind, zero=zero, max_value=max_value, book=book)
