@@ -474,9 +474,9 @@ def _generated_code(fn) -> str:
 def test_every_formula_reading_codes_indexes_them_linearly(spec: str, codes_as_floats: bool) -> None:
     """Codes arrive as [blocks, block] with sizes of their own (no duck sizing); a formula that
     converted them before viewing them as blocks read each byte through a modulo of the index,
-    which inductor cannot vectorize (int8 dequantize measured 11x slower than a copy so, 0.7x
-    when linear). The block sizes are this test's alone (int widths share graphs at one block
-size), so each formula compiles here."""
+    which inductor cannot vectorize (an int8 dequantize into an existing tensor took 11x a copy's
+    time so, 0.7x of it when linear). The block sizes are this test's alone (int widths share
+    graphs at one block size), so each formula compiles here."""
     from agoq.activation.ops import _swiglu_backward
 
     fmt = parse_format(spec)
