@@ -161,6 +161,43 @@ def test_the_all_reduce_local_sum_is_the_reference_sum_in_rank_order(average: bo
         want_q = quantize(want, fmt)
     assert torch.equal(acc, want)
     assert torch.equal(q.payload, want_q.payload) and torch.equal(q.scales, want_q.scales)
+    # Rows read where they lie in a wider buffer (as a wire buffer's payloads), without the sum.
+    wide = torch.zeros(3, pay.shape[1] + 64, dtype=torch.uint8)
+    wide[:, : pay.shape[1]] = pay
+    no_sum, strided = C.reduce_rows(wide[:, : pay.shape[1]], sc, fmt, average=average, keep_sum=False, requantize=True)
+    assert no_sum is None
+    assert torch.equal(strided.payload, want_q.payload) and torch.equal(strided.scales, want_q.scales)
+
+
+def test_a_non_finite_block_in_the_rows_requantizes_as_the_reference_does() -> None:
+    """A block whose sum is not finite: its scale is NaN, the other blocks' bytes the reference's,
+    whether or not the caller kept the sum (the sum is then computed again for the reference)."""
+    fmt = parse_format("int8/256")
+    inputs = [_data(1024, torch.float32, seed=r) for r in range(2)]
+    inputs[1][300] = float("inf")
+    rows = [quantize(x, fmt, nonfinite="propagate") for x in inputs]
+    pay, sc = torch.stack([q.payload for q in rows]), torch.stack([q.scales for q in rows])
+    with backend.use_backend("torch"):
+        want = quantize(dequantize(rows[0]) + dequantize(rows[1]), fmt, nonfinite="propagate")
+    for keep_sum in (True, False):
+        acc, q = C.reduce_rows(pay, sc, fmt, average=False, keep_sum=keep_sum, requantize=True)
+        assert (acc is not None) == keep_sum
+        assert torch.equal(q.scales.isnan(), want.scales.isnan()) and int(q.scales.isnan().sum()) == 1
+        assert torch.equal(q.scales.nan_to_num(-1.0), want.scales.nan_to_num(-1.0)) and torch.equal(q.payload, want.payload)
+
+
+@pytest.mark.parametrize("spec", ["int8/256", "fp8/128", "int4/64"])
+def test_dequantizing_rows_in_place_equals_dequantizing_each_row(spec: str, codes_as_floats: bool) -> None:
+    """dequantize_rows reads W rows' payloads and scales where they lie in a wire buffer of rows
+    [payload | scales] (8-bit codes in one call, others a row at a time) and writes the reference's values."""
+    fmt = parse_format(spec)
+    rows = [quantize(_data(1024, torch.float32, seed=r), fmt) for r in range(3)]
+    pb = rows[0].payload.numel()
+    wire = torch.cat([torch.cat([q.payload, q.scales.view(torch.uint8)]).view(1, -1) for q in rows])
+    out = torch.empty(3, 1024)
+    C.dequantize_rows(wire[:, :pb], wire[:, pb:].view(torch.float32), fmt, out)
+    for i, q in enumerate(rows):
+        assert torch.equal(out[i], _reference(dequantize, q)), i
 
 
 def test_a_dispatch_mode_sends_work_to_the_reference_path() -> None:

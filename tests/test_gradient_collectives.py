@@ -274,15 +274,17 @@ def test_layout_pads_to_whole_blocks_per_rank():
 
 @pytest.mark.parametrize("backend_name", ["torch", "compiled"])
 @pytest.mark.parametrize("fmt", ["int8/256", "int4/64"])
-def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt):
+@pytest.mark.parametrize("piece", [512, 4096], ids=["pieces_of_rows", "rows_per_piece"])
+def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt, piece):
     """quantize_to_wire (pieces of whole blocks straight into the rows) is to_wire(quantize_rows(...))
-    bit for bit: padded chunks, a rank with no values, several pieces per row, NaN and Inf blocks."""
+    bit for bit: padded chunks, a rank with no values, several pieces per row or several unpadded
+    rows per piece, NaN and Inf blocks."""
     from agoq.gradient import collectives
     from agoq.quant import backend
 
-    monkeypatch.setitem(collectives.QUANTIZE_PIECE, "cpu", 512)  # several pieces per row
+    monkeypatch.setitem(collectives.QUANTIZE_PIECE, "cpu", piece)
     with backend.use_backend(backend_name):
-        for n, world in ((1, 4), (1000, 3), (4099, 2), (8192, 4), (30001, 3)):
+        for n, world in ((1, 4), (1000, 3), (4099, 2), (8192, 4), (6144, 3), (30001, 3)):
             x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10
             if n > 2000:
                 x[1500], x[1800] = float("nan"), float("inf")

@@ -343,6 +343,17 @@ def test_reduce_rows_sums_in_rank_order_and_requantizes(average: bool) -> None:
     _assert_same_q(q, _reference_quantize(acc_ref, fmt, nonfinite="propagate"))
 
 
+def test_dequantize_rows_reads_wire_rows_in_place_as_the_reference_dequantizes_each() -> None:
+    fmt = parse_format("int8/256")
+    rows = [_reference_quantize(torch.randn(1024) * (i + 1), fmt) for i in range(3)]
+    wire = torch.cat([torch.cat([q.payload.view(1, -1), q.scales.view(1, -1).view(torch.uint8)], 1) for q in rows]).to(DEVICE)
+    pb = fmt.payload_bytes(1024)
+    out = torch.empty(3, 1024, device=DEVICE)
+    tq.dequantize_rows(wire[:, :pb], wire[:, pb:].view(torch.float32), fmt, out)
+    for i, q in enumerate(rows):
+        assert torch.equal(out[i].cpu(), _reference_dequantize(q, torch.float32)), i
+
+
 def _all_reduce_both_backends(rank: int, world_size: int) -> list[bool]:
     x = torch.randn(30001, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
     out = {}
