@@ -300,7 +300,19 @@ def _encode(y: torch.Tensor, kind: str, zero: int, book: tuple) -> torch.Tensor:
     # comparisons), and they select its code (see _search; a table lookup or a comparison against a
     # tensor measured 40x slower, counting all 15 boundaries 2.3x slower).
     boundaries, codes, _ = book
-    return _select(_search(y, boundaries), codes)
+    bits = _search(y, boundaries)
+    # The codes of the usual codebooks are linear in i on each side of zero: a few arithmetic ops
+    # on i (its bits weighted) in place of a tree of 15 selects (the whole formula on 1M bf16
+    # values, one thread, AMX Xeon: fp4 1.10 -> 1.01 ms, nf4 1.09 -> 0.93 ms). Any other codebook
+    # takes the tree.
+    index = sum(torch.where(bit, float(1 << (len(bits) - 1 - k)), 0.0) for k, bit in enumerate(bits))
+    if codes == tuple(range(len(codes))):  # nf4: codes in value order
+        return index
+    zero_at = codes.index(0)
+    top = (1 << len(bits)) - 1
+    if codes == tuple(top - i for i in range(zero_at)) + tuple(range(len(codes) - zero_at)):  # fp4: sign and magnitude
+        return torch.where(index < zero_at, top - index, index - zero_at)
+    return _select(bits, codes)
 
 
 def _search(y: torch.Tensor, boundaries: tuple) -> list[torch.Tensor]:
