@@ -110,12 +110,17 @@ def same_round_ratio(times: list[float], base_times: list[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base_times))
 
 
-def result_history(path: Path, ratios: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> list[dict[str, Any]]:
+def result_history(
+    path: Path,
+    ratios: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    rows_of: Callable[[dict[str, Any]], list[dict[str, Any]]] = lambda r: r["rows"],
+) -> list[dict[str, Any]]:
     """The earlier results' headlines from the result file at ``path``, oldest first, with that
-    file's own last: its revision, date and machine, and what ``ratios`` picks from its rows."""
+    file's own last: its revision, date and machine, and what ``ratios`` picks from its rows
+    (``rows_of`` its results; their "rows" unless given)."""
     try:
         previous = json.loads(path.read_text())
-        rows = previous["results"]["rows"]
+        rows = rows_of(previous["results"])
     except (OSError, ValueError, KeyError):
         return []
     machine = previous.get("machine", {})

@@ -422,6 +422,21 @@ def _human(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def history(path: Path) -> list[dict[str, Any]]:
+    """The earlier results' headlines: each loopback size's 8-bit / fp32 time, medians and same
+    repetition (benchmarks._common.result_history)."""
+    from benchmarks._common import result_history
+
+    def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        pairs = [(_human(size), m["8bit"], m["fp32"]) for size, m in sorted(_by(rows).items()) if "8bit" in m and "fp32" in m]
+        return {
+            "local_8bit_vs_fp32": {label: round(a["time_s"] / b["time_s"], 3) for label, a, b in pairs},
+            "local_8bit_vs_fp32_same_repetition": {label: round(paired_ratio(a, b), 3) for label, a, b in pairs},
+        }
+
+    return result_history(path, ratios, rows_of=lambda results: results["local"]["rows"])
+
+
 def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Median over repetitions of a's time / b's time in the same repetition (the methods take
     turns within each one)."""
@@ -535,7 +550,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; write allreduce.json (+ .png) into --out-dir or benchmarks/results; print tables."""
     if args.worker is not None:
         return _netns_worker(args)
-    from benchmarks._common import write_result
+    from benchmarks._common import RESULTS_DIR, write_result
 
     if args.ranks < 2:
         raise SystemExit(f"--ranks must be at least 2, got {args.ranks}")
@@ -568,6 +583,7 @@ def run(args: argparse.Namespace) -> int:
         if reason:
             print(f"two-host run skipped: {reason}", file=sys.stderr)
     results["loadavg_after"] = os.getloadavg()
+    results["history"] = history(Path(args.out_dir or RESULTS_DIR) / "allreduce.json")
     path = write_result("allreduce", results, out_dir=args.out_dir)
     if not args.no_plot:
         _plot(results, path.with_suffix(".png"))
