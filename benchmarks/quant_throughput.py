@@ -6,6 +6,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common import add_out_dir
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from benchmarks._common import write_result
+    from benchmarks._common import RESULTS_DIR, write_result
     from agoq.quant import backend, parse_format
 
     if args.repeats < 1:
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "load_average_1min_at_start": load,
         "rows": rows,
+        "history": history(Path(args.out_dir or RESULTS_DIR) / "quant_throughput.json"),
     }
     command = (
         f"python -m benchmarks.quant_throughput --numel {n} --formats {','.join(f.name for f in formats)} "
@@ -147,6 +149,21 @@ def _measure(x: Any, fmt: Any, which: str, timed: Any, repeats: int) -> dict[str
         "dequantize_s_all": dq_t,
         "clone_s_all": clone_t,
     }
+
+
+def history(path: Path) -> list[dict[str, Any]]:
+    """The earlier results' headlines: each format and path's quantize and dequantize speed as a
+    fraction of a clone's (benchmarks._common.result_history)."""
+    from benchmarks._common import result_history
+
+    def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "vs_clone": {
+                f"{r['format']} {r.get('backend', 'torch')}": [round(r["quantize_vs_clone"], 2), round(r["dequantize_vs_clone"], 2)] for r in rows
+            }
+        }
+
+    return result_history(path, ratios)
 
 
 def _markdown(rows: list[dict[str, Any]], n: int, device: Any, threads: int) -> str:
