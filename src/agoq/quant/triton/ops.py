@@ -204,15 +204,15 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     return out.view(q.shape)
 
 
-# ---- RMSNorm ---------------------------------------------------------------------------------------------
-
-
 def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:
     """Writes into ``out`` ([W, n] values, n whole blocks) the values of W rows of ``fmt`` (payload
     [W, bytes], scales [W, n / block], e.g. rows of a collective's wire buffer), a launch per row."""
     for i in range(scale_rows.shape[0]):
         row = QTensor(payload_rows[i].contiguous(), scale_rows[i].contiguous(), torch.Size([out.shape[1]]), out.dtype, fmt)
         dequantize(row, out=out[i])
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------------------
 
 
 def norm_supported(hidden: int, fmt: QuantFormat) -> bool:
