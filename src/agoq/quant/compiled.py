@@ -363,6 +363,30 @@ def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, zero: int, max_v
     return _encode(y, kind, zero, book).to(torch.uint8).view(-1), s
 
 
+def _quantize_blocks_in_one_pass(
+    x: torch.Tensor, *, block: int, kind: str, zero: int, max_value: float, book: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_blocks` (the same codes and scales) as one loop over blocks, reading each block once.
+
+    Inductor writes _quantize_blocks as three loops: each block's absmax, the scales (vectorized
+    across blocks), then the encoding, which reads the input a second time. The scales' loop is
+    made scalar here (an int16 intermediate, which inductor does not vectorize; and nextafter up as
+    the bits' increment, exact for the finite positive scales it applies to), and inductor then
+    fuses the three loops per block. For an input read from memory that is 1.55x faster (16M fp32
+    values, one thread, AMX Xeon: 16.6 -> 10.7 ms); for one already in cache it is slower (a
+    256K-value piece: 113 -> 130 us). :func:`quantize` uses it (the small model's compiled step
+    stayed at 1.01x of the bf16 policy); the gradient fold, the all-reduce's sum and the fused
+    SwiGLU forward keep the three loops: in one pass there, that step measured 1.17x and 1.19x.
+    """
+    y = x.view(-1, block).float()
+    absmax = torch.maximum(y.amax(dim=1), y.amin(dim=1).neg())
+    s = absmax / max_value
+    low = (s.double() * max_value < absmax.double()).to(torch.int16) > 0
+    s = torch.where(low, (s.view(torch.int32) + 1).view(torch.float32), s)
+    y = y / torch.where(s > 0, s, 1.0).unsqueeze(1)
+    return _encode(y, kind, zero, book).to(torch.uint8).view(-1), s
+
+
 def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, kind: str, zero: int, book: tuple) -> torch.Tensor:
     """fp32 values of whole blocks from one uint8 code per value: format value times block scale.
 
@@ -692,7 +716,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
     packed = _Packed(x, flat.numel(), fmt)
     if x.numel():
-        kernel = _format_kernel(_quantize_blocks, fmt, max_value=fmt.max_value)
+        kernel = _format_kernel(_quantize_blocks_in_one_pass, fmt, max_value=fmt.max_value)
         for v0, v1 in _slab_bounds(flat.numel(), fmt):
             packed.add(v0, v1, *kernel(flat[v0:v1]))
     return packed.result()
