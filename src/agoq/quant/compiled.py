@@ -343,13 +343,26 @@ def _select(bits: list[torch.Tensor], table: tuple) -> torch.Tensor | float:
     return torch.where(bits[0], _select(bits[1:], high), _select(bits[1:], low))
 
 
-def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, zero: int, max_value: float, book: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks(
+    x: torch.Tensor, *, block: int, kind: str, zero: int, max_value: float, book: tuple, one_pass: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(one uint8 code per value, fp32 scales) of flat ``x`` of whole blocks, assuming finite input.
 
     Packing is left to the caller (_pack_codes): packing inside the graph reads the codes with a
     stride of g, which inductor does not vectorize, and it split the encoding into two loops with a
     4-byte-per-value buffer between them (measured fp4: 0.25x of a copy; codes out, then packed
     by the SWAR path a slab at a time while they are in cache: see quantize).
+
+    Inductor writes this as three loops: each block's absmax, the scales (vectorized across
+    blocks), then the encoding, which reads the input a second time. ``one_pass`` makes the scales'
+    loop scalar (an int16 intermediate, which inductor does not vectorize; and nextafter up as the
+    bits' increment, exact for the finite positive scales it applies to), and inductor then fuses
+    the three loops per block: the same codes and scales, each block read once. For an input read
+    from memory that is 1.55x faster (16M fp32 values, one thread, AMX Xeon: 16.6 -> 10.7 ms); for
+    one already in cache it is slower (a 256K-value piece: 113 -> 130 us). :func:`quantize` uses it
+    (the small model's compiled step stayed at 1.01x of the bf16 policy); the gradient fold, the
+    all-reduce's sum and the fused SwiGLU forward keep the three loops: in one pass there, that
+    step measured 1.17x and 1.19x.
 
     A block holding NaN/Inf comes out with a non-finite scale; the caller redoes such a tensor on
     the reference path, which handles it (rare, and it keeps the per-element loop free of masks).
@@ -358,31 +371,11 @@ def _quantize_blocks(x: torch.Tensor, *, block: int, kind: str, zero: int, max_v
     absmax = torch.maximum(y.amax(dim=1), y.amin(dim=1).neg())
     s = absmax / max_value
     low = s.double() * max_value < absmax.double()
-    s = torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
-    y = y / torch.where(s > 0, s, 1.0).unsqueeze(1)
-    return _encode(y, kind, zero, book).to(torch.uint8).view(-1), s
-
-
-def _quantize_blocks_in_one_pass(
-    x: torch.Tensor, *, block: int, kind: str, zero: int, max_value: float, book: tuple
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_quantize_blocks` (the same codes and scales) as one loop over blocks, reading each block once.
-
-    Inductor writes _quantize_blocks as three loops: each block's absmax, the scales (vectorized
-    across blocks), then the encoding, which reads the input a second time. The scales' loop is
-    made scalar here (an int16 intermediate, which inductor does not vectorize; and nextafter up as
-    the bits' increment, exact for the finite positive scales it applies to), and inductor then
-    fuses the three loops per block. For an input read from memory that is 1.55x faster (16M fp32
-    values, one thread, AMX Xeon: 16.6 -> 10.7 ms); for one already in cache it is slower (a
-    256K-value piece: 113 -> 130 us). :func:`quantize` uses it (the small model's compiled step
-    stayed at 1.01x of the bf16 policy); the gradient fold, the all-reduce's sum and the fused
-    SwiGLU forward keep the three loops: in one pass there, that step measured 1.17x and 1.19x.
-    """
-    y = x.view(-1, block).float()
-    absmax = torch.maximum(y.amax(dim=1), y.amin(dim=1).neg())
-    s = absmax / max_value
-    low = (s.double() * max_value < absmax.double()).to(torch.int16) > 0
-    s = torch.where(low, (s.view(torch.int32) + 1).view(torch.float32), s)
+    if one_pass:
+        low = low.to(torch.int16) > 0
+        s = torch.where(low, (s.view(torch.int32) + 1).view(torch.float32), s)
+    else:
+        s = torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
     y = y / torch.where(s > 0, s, 1.0).unsqueeze(1)
     return _encode(y, kind, zero, book).to(torch.uint8).view(-1), s
 
@@ -716,7 +709,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
     packed = _Packed(x, flat.numel(), fmt)
     if x.numel():
-        kernel = _format_kernel(_quantize_blocks_in_one_pass, fmt, max_value=fmt.max_value)
+        kernel = _format_kernel(_quantize_blocks, fmt, max_value=fmt.max_value, one_pass=True)
         for v0, v1 in _slab_bounds(flat.numel(), fmt):
             packed.add(v0, v1, *kernel(flat[v0:v1]))
     return packed.result()
@@ -917,6 +910,7 @@ __all__ = [
     "accumulate_",
     "compiled",
     "dequantize",
+    "dequantize_rows",
     "fold_",
     "quantize",
     "reading_codes",
