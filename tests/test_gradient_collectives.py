@@ -275,22 +275,28 @@ def test_layout_pads_to_whole_blocks_per_rank():
 @pytest.mark.parametrize("backend_name", ["torch", "compiled"])
 @pytest.mark.parametrize("fmt", ["int8/256", "int4/64"])
 @pytest.mark.parametrize("piece", [512, 4096], ids=["pieces_of_rows", "rows_per_piece"])
-def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt, piece):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new_rows", "rows_over_x"])
+def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt, piece, dtype, overwrite):
     """quantize_to_wire (pieces of whole blocks straight into the rows) is to_wire(quantize_rows(...))
     bit for bit: padded chunks, a rank with no values, several pieces per row or several unpadded
-    rows per piece, NaN and Inf blocks."""
+    rows per piece, NaN and Inf blocks; also where the rows are written over x's own bytes, every
+    byte after the values it holds were read (wire_fits_in for every case but the 1-value one)."""
     from agoq.gradient import collectives
     from agoq.quant import backend
 
     monkeypatch.setitem(collectives.QUANTIZE_PIECE, "cpu", piece)
     with backend.use_backend(backend_name):
         for n, world in ((1, 4), (1000, 3), (4099, 2), (8192, 4), (6144, 3), (30001, 3)):
-            x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10
+            x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10).to(dtype)
             if n > 2000:
                 x[1500], x[1800] = float("nan"), float("inf")
             layout = chunk_layout(n, world, fmt)
             expected = collectives.to_wire(collectives.quantize_rows(x, layout), world)
-            got = collectives.quantize_to_wire(x, layout)
+            consumed = x.clone()
+            got = collectives.quantize_to_wire(consumed, layout, overwrite=overwrite)
+            assert (got.data_ptr() == consumed.data_ptr()) == (overwrite and n > 1), (n, world)
+            assert collectives.wire_fits_in(x, layout) == (n > 1), (n, world)
             assert got.shape == expected.shape == (world, layout.row_bytes)
             pb = layout.row_payload_bytes
             scales_got, scales_expected = got[:, pb:].contiguous().view(torch.float32), expected[:, pb:].contiguous().view(torch.float32)

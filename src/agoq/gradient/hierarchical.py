@@ -119,11 +119,19 @@ def all_reduce_hierarchical(
     counter = COMM_COUNTER if counter is None else counter
     layout = hierarchical_layout(tensor.numel(), groups.node_size, groups.nodes, intra_fmt, inter_fmt)
     with timed_phase(timings, HOP_NAMES[0]):
-        hop1 = EightBitReduction(quantize_to_wire(tensor, layout.outer), layout.outer, op, groups.intra, counter=counter, name=HOP_NAMES[0])
+        hop1 = EightBitReduction(
+            quantize_to_wire(tensor, layout.outer, overwrite=True), layout.outer, op, groups.intra, counter=counter, name=HOP_NAMES[0]
+        )
         partial = hop1.reduce()[: layout.outer.chunk]
     with timed_phase(timings, HOP_NAMES[1]):
         hop2 = EightBitReduction(
-            quantize_to_wire(partial, layout.inner), layout.inner, op, groups.inter, counter=counter, name=HOP_NAMES[1], owns_rows=True
+            quantize_to_wire(partial, layout.inner, overwrite=True),
+            layout.inner,
+            op,
+            groups.inter,
+            counter=counter,
+            name=HOP_NAMES[1],
+            owns_rows=True,
         )
         del partial
         hop2.reduce_and_gather()
