@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -533,3 +534,20 @@ def test_every_formula_reading_codes_indexes_them_linearly(spec: str, codes_as_f
         code = _generated_code(call)
         assert "extern" in code, name  # it did compile
         assert " % " not in code, (name, [line.strip() for line in code.splitlines() if " % " in line][:3])
+
+
+@pytest.mark.parametrize("spec", ["fp4/96", "nf4/160"])
+def test_the_byte_table_dequantize_loads_each_byte_once_straight_into_the_output(spec: str) -> None:
+    """fp4/nf4 values come from a table of each byte's codes; over the flat block each value
+    loaded its byte through an index division and took its code by a modulo, and a view of the
+    output inside the graph made inductor store into a buffer of its own and copy it. The block
+    sizes are this test's alone, so the table kernel compiles here."""
+    fmt = parse_format(spec)
+    x = _data(fmt.block_size * 48, torch.float32)
+    q = quantize(x, fmt)
+    out = torch.empty_like(x)
+    code = _generated_code(lambda: C.dequantize(q, out=out))
+    assert "extern" in code  # it did compile
+    assert " % " not in code and "div_floor_integer(static_cast<int64_t>(x1)" not in code
+    assert len(re.findall(r"float\* out_ptr\d", code)) == 1  # one store: into the output
+    assert torch.equal(out, _reference(dequantize, q, torch.float32))
