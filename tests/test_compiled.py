@@ -551,3 +551,26 @@ def test_the_byte_table_dequantize_loads_each_byte_once_straight_into_the_output
     assert " % " not in code and "div_floor_integer(static_cast<int64_t>(x1)" not in code
     assert len(re.findall(r"float\* out_ptr\d", code)) == 1  # one store: into the output
     assert torch.equal(out, _reference(dequantize, q, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp4_codes_at_every_boundary_and_beside_it_are_the_references(dtype: torch.dtype) -> None:
+    """fp4 is encoded by a search on |y| among the positive boundaries alone (the negative ones
+    mirror them, each -nextup(b)). At each boundary and one fp32 step either side, on both signs,
+    and at +-0 (a negative y that rounds to zero has code 0, as in the reference), the codes and
+    scales are the reference's bit for bit. Blocks of absmax 6 (fp4's largest value) times a
+    power of two have scale exactly that power, so the scaled values are the ones listed."""
+    import math
+
+    fmt = parse_format("fp4/128")
+    half = C._mirrored_half(C._book("fp4"))
+    assert half is not None and C._mirrored_half(C._book("nf4")) is None
+    b = torch.tensor(half, dtype=torch.float32)
+    points = torch.cat([b, torch.nextafter(b, torch.tensor(math.inf)), torch.nextafter(b, torch.tensor(-math.inf)), torch.tensor([0.0, 6.0])])
+    block = torch.zeros(fmt.block_size)
+    block[: 2 * points.numel()] = torch.cat([points, -points])
+    block[-1] = -0.0
+    x = torch.cat([block * 2.0**k for k in (0, -3, 5)]).to(dtype)
+    q = C.quantize(x, fmt)
+    r = _reference(quantize, x, fmt)
+    assert torch.equal(q.scales, r.scales) and torch.equal(q.payload, r.payload)
