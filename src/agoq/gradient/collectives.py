@@ -668,6 +668,10 @@ def all_reduce_8bit(
     (:func:`~agoq.gradient.nodes.node_groups` of ``group``) gathers between nodes, then within
     them (:func:`gathers_by_node`), with the same bytes and fewer across nodes; a large tensor then
     goes as a few pieces, each an all-reduce of its own (:func:`node_pieces`).
+
+    The tensor's own bytes carry the quantized rows it sends (:func:`quantize_to_wire`'s
+    ``overwrite``): with ``async_op``, as for any torch.distributed collective, its contents are
+    undefined until the handle's ``wait()`` returns.
     """
     flat = tensor.detach().reshape(-1)  # a view where the tensor is contiguous
     pieces = [flat[a:b] for a, b in node_pieces(flat.numel(), nodes)]
