@@ -250,8 +250,9 @@ class EightBitReduction:
     ``rows`` is the quantized tensor (W x padded_chunk values), or already its wire rows (uint8
     [W, row_bytes], as :func:`to_wire` lays them out), which are then sent as they are: the caller
     must leave them unchanged until :meth:`reduce`. ``owns_rows``: the wire rows are this
-    reduction's (e.g. :func:`quantize_to_wire`'s), so :meth:`reduce_and_gather` gathers into them
-    (a QTensor's rows are copied into wire rows of its own). Construction starts the all-to-all (async).
+    reduction's (e.g. :func:`quantize_to_wire`'s), free once sent, so :meth:`reduce_and_gather`
+    sends the all-gather's copies of this rank's row from them (a QTensor's rows are copied into
+    wire rows of its own). Construction starts the all-to-all (async).
     Every rank must call the methods of its reductions in the same order, as for any
     torch.distributed collective.
     """
