@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common import add_out_dir
@@ -87,7 +88,7 @@ def _timed(label: str, overrides: list[str], env: dict[str, str], count_graphs: 
 
 def run(args: argparse.Namespace) -> int:
     """Time the runs one after another and write run_time.json."""
-    from benchmarks._common import write_result
+    from benchmarks._common import RESULTS_DIR, write_result
     from agoq.train.compute_dtype import cpu_flags
 
     short = [f"--train.steps={args.short_steps}", "--checkpoint.every=0"]
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             _timed(f"{args.short_steps} steps, compiled, cold cache", [*short, *compiled], _first_run(cold_cache), count_graphs=True),
             _timed(f"{args.short_steps} steps, compiled, warm cache", [*short, *compiled], _first_run(cold_cache)),  # the one above's
         ]
-    results = {"rows": rows}
+    results = {"rows": rows, "history": history(Path(args.out_dir or RESULTS_DIR) / "run_time.json")}
     flag = (" --no-avx2-row" if args.no_avx2_row else "") + (f" --out-dir {args.out_dir}" if args.out_dir else "")
     write_result(
         "run_time",
@@ -119,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
     )
     print(readme_markdown(results))
     return 0
+
+
+def history(path: Path) -> list[dict[str, Any]]:
+    """The earlier results' headlines: each run's wall seconds (benchmarks._common.result_history)."""
+    from benchmarks._common import result_history
+
+    return result_history(path, lambda rows: {"wall_s": {r["run"]: round(r["wall_s"], 1) for r in rows}})
 
 
 def readme_markdown(results: dict[str, Any]) -> str:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
 from agoq.quant.packing import pack_into, packed_nbytes, packing_group, unpack_into
-from agoq.quant.qtensor import QTensor
+from agoq.quant.qtensor import QTensor, dequantize_each_row
 from agoq.quant.qtensor import quantize as reference_quantize
 
 # Each (formula, constants) pair has a code object of its own (see _compiled), so recompiles are
@@ -864,9 +864,7 @@ def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Q
         kernel = _format_kernel(_dequantize_blocks, fmt)
         kernel(payload_rows.unflatten(1, (nblocks, fmt.block_size)), scale_rows, out.view(rows, nblocks, fmt.block_size))
         return
-    for i in range(rows):
-        row = QTensor(payload_rows[i].contiguous(), scale_rows[i].contiguous(), torch.Size([out.shape[1]]), out.dtype, fmt)
-        dequantize(row, out=out[i])
+    dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
 
 
 def _fold_region(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -318,6 +319,22 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
             vb.mul_(s)
             out[start : start + m].copy_(v[:m])
     return out.view(q.shape) if result is None else result
+
+
+def dequantize_each_row(
+    payload_rows: torch.Tensor,
+    scale_rows: torch.Tensor,
+    fmt: QuantFormat,
+    out: torch.Tensor,
+    dequantize_fn: Callable[..., torch.Tensor] = dequantize,
+) -> None:
+    """Writes into ``out`` ([W, n] values, n whole blocks) the values of W rows of ``fmt`` (payload
+    [W, bytes], scales [W, n / block], e.g. the rows of a collective's wire buffer), a row at a time
+    by ``dequantize_fn`` (a path's dequantize), each row copied out of the buffer first: how the
+    kernel paths' ``dequantize_rows`` read rows they cannot read in place."""
+    for i in range(scale_rows.shape[0]):
+        row = QTensor(payload_rows[i].contiguous(), scale_rows[i].contiguous(), torch.Size([out.shape[1]]), out.dtype, fmt)
+        dequantize_fn(row, out=out[i])
 
 
 def quantization_error_bound(q: QTensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton
 
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
 from agoq.quant.packing import group_shape
-from agoq.quant.qtensor import FLOAT_DTYPES, QTensor
+from agoq.quant.qtensor import FLOAT_DTYPES, QTensor, dequantize_each_row
 from agoq.quant.triton import kernels as K
 
 
@@ -207,9 +207,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
 def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:
     """Writes into ``out`` ([W, n] values, n whole blocks) the values of W rows of ``fmt`` (payload
     [W, bytes], scales [W, n / block], e.g. rows of a collective's wire buffer), a launch per row."""
-    for i in range(scale_rows.shape[0]):
-        row = QTensor(payload_rows[i].contiguous(), scale_rows[i].contiguous(), torch.Size([out.shape[1]]), out.dtype, fmt)
-        dequantize(row, out=out[i])
+    dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
