@@ -304,9 +304,9 @@ def _encode(y: torch.Tensor, kind: str, zero: int, book: tuple) -> torch.Tensor:
     if half is not None:
         # fp4: sign and magnitude, searched on |y| among the positive boundaries alone (3
         # comparisons and 4 selects in place of 4 and 11; the formula on 1M bf16 values, one
-        # thread, AMX Xeon: 1.08 -> 0.93 ms). A negative y lies above
-        # the mirrored boundary -nextup(b) iff |y| <= b, so its magnitude counts the same
-        # boundaries; the reference's code is 0 for every y that rounds to zero, -0 included.
+        # thread, AMX Xeon: 1.08 -> 0.93 ms). A negative y lies above the mirrored boundary
+        # -nextup(b) iff |y| <= b, so its magnitude counts the same boundaries; the reference's
+        # code is 0 for every y that rounds to zero, -0 included.
         mbits = _search(y.abs(), half)
         m = sum(torch.where(bit, float(1 << (len(mbits) - 1 - k)), 0.0) for k, bit in enumerate(mbits))
         negative_code = (1 << (len(mbits) + 1)) - 1 - len(half)  # top - zero_at: code of magnitude 0 with the sign bit
