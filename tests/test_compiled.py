@@ -563,9 +563,9 @@ def test_fp4_codes_at_every_boundary_and_beside_it_are_the_references(dtype: tor
     import math
 
     fmt = parse_format("fp4/128")
-    half = C._mirrored_half(C._book("fp4"))
-    assert half is not None and C._mirrored_half(C._book("nf4")) is None
-    b = torch.tensor(half, dtype=torch.float32)
+    mirrored = C._mirrored_half(C._book("fp4"))
+    assert mirrored is not None and mirrored[1] == 8 and C._mirrored_half(C._book("nf4")) is None
+    b = torch.tensor(mirrored[0], dtype=torch.float32)
     points = torch.cat([b, torch.nextafter(b, torch.tensor(math.inf)), torch.nextafter(b, torch.tensor(-math.inf)), torch.tensor([0.0, 6.0])])
     block = torch.zeros(fmt.block_size)
     block[: 2 * points.numel()] = torch.cat([points, -points])

@@ -300,38 +300,49 @@ def _encode(y: torch.Tensor, kind: str, zero: int, book: tuple) -> torch.Tensor:
     # comparisons), and they select its code (see _search; a table lookup or a comparison against a
     # tensor measured 40x slower, counting all 15 boundaries 2.3x slower).
     boundaries, codes, _ = book
-    half = _mirrored_half(book)
-    if half is not None:
+    mirrored = _mirrored_half(book)
+    if mirrored is not None:
         # fp4: sign and magnitude, searched on |y| among the positive boundaries alone (3
         # comparisons and 4 selects in place of 4 and 11; the formula on 1M bf16 values, one
         # thread, AMX Xeon: 1.08 -> 0.93 ms). A negative y lies above the mirrored boundary
         # -nextup(b) iff |y| <= b, so its magnitude counts the same boundaries; the reference's
         # code is 0 for every y that rounds to zero, -0 included.
-        mbits = _search(y.abs(), half)
-        m = sum(torch.where(bit, float(1 << (len(mbits) - 1 - k)), 0.0) for k, bit in enumerate(mbits))
-        negative_code = (1 << (len(mbits) + 1)) - 1 - len(half)  # top - zero_at: code of magnitude 0 with the sign bit
-        return torch.where((y < 0) & (m > 0), m + negative_code, m)
+        half, negative_zero = mirrored
+        m = _index(_search(y.abs(), half))
+        return torch.where((y < 0) & (m > 0), m + negative_zero, m)
     bits = _search(y, boundaries)
     # The codes of the usual codebooks are linear in i on each side of zero: a few arithmetic ops
     # on i (its bits weighted) in place of a tree of 15 selects (the whole formula on 1M bf16
     # values, one thread, AMX Xeon: fp4 1.10 -> 1.01 ms, nf4 1.09 -> 0.93 ms). Any other codebook
     # takes the tree.
-    index = sum(torch.where(bit, float(1 << (len(bits) - 1 - k)), 0.0) for k, bit in enumerate(bits))
+    index = _index(bits)
     if codes == tuple(range(len(codes))):  # nf4: codes in value order
         return index
     zero_at = codes.index(0)
     top = (1 << len(bits)) - 1
-    if codes == tuple(top - i for i in range(zero_at)) + tuple(range(len(codes) - zero_at)):  # fp4: sign and magnitude
+    if _sign_magnitude(codes, top):  # fp4
         return torch.where(index < zero_at, top - index, index - zero_at)
     return _select(bits, codes)
 
 
-def _mirrored_half(book: tuple) -> tuple | None:
-    """The positive boundaries of a sign-and-magnitude codebook whose negative boundaries mirror
-    them (each -nextup(b), so that ties round the same way on both sides), or None.
+def _index(bits: list[torch.Tensor]) -> torch.Tensor:
+    """The index whose bits (highest first) are ``bits``, as floats: the bits weighted and summed."""
+    return sum(torch.where(bit, float(1 << (len(bits) - 1 - k)), 0.0) for k, bit in enumerate(bits))
 
-    Its codes in value order are top, top - 1, ..., (the negatives) then 0, 1, ..., and the zero
-    value is the only one between the two halves of the boundaries.
+
+def _sign_magnitude(codes: tuple, top: int) -> bool:
+    """Whether ``codes`` (in value order) are top, top - 1, ... for the negative values, then 0, 1, ...:
+    a sign bit over the magnitude's code."""
+    zero_at = codes.index(0) if 0 in codes else -1
+    return zero_at >= 0 and codes == tuple(top - i for i in range(zero_at)) + tuple(range(len(codes) - zero_at))
+
+
+def _mirrored_half(book: tuple) -> tuple[tuple, int] | None:
+    """(The positive boundaries, the code of -0) of a sign-and-magnitude codebook whose negative
+    boundaries mirror them (each -nextup(b), so that ties round the same way on both sides), or None.
+
+    The zero value is then the only one between the two halves of the boundaries, and a negative
+    magnitude m has code m + the code of -0 (top - zero's index).
     """
     boundaries, codes, _ = book
     n = len(boundaries)
@@ -344,8 +355,7 @@ def _mirrored_half(book: tuple) -> tuple | None:
     # The fp32 value above each b (b = m * 2**e with 0.5 <= m < 1: fp32's step there is 2**(e - 24)).
     up = [b + 2.0 ** (math.frexp(b)[1] - 24) for b in half]
     mirrored = all(boundaries[n // 2 - 1 - k] == -u for k, u in enumerate(up))
-    sign_magnitude = codes == tuple(top - i for i in range(n // 2)) + tuple(range(n // 2 + 1))
-    return half if mirrored and sign_magnitude else None
+    return (half, top - len(half)) if mirrored and _sign_magnitude(codes, top) else None
 
 
 def _search(y: torch.Tensor, boundaries: tuple) -> list[torch.Tensor]:
