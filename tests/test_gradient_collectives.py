@@ -23,7 +23,8 @@ from agoq.gradient import (
     reduce_scatter_8bit,
     ring_all_reduce_8bit,
 )
-from agoq.gradient.collectives import padded_rows
+from agoq.gradient import collectives
+from agoq.gradient.collectives import SPIN_MAX_ROW_BYTES, padded_rows, polls_for, wait_for
 from agoq.quant import dequantize, quantization_error_bound, quantize
 from tests._dist import run_distributed
 
@@ -175,6 +176,8 @@ def _checks(rank: int, world: int) -> dict:
     nan_mask = torch.isnan(x)
     out["nan"] = {"count": int(nan_mask.sum()), "has_1000": bool(nan_mask[1000]), "digest": _digest(x)}
     out["nan"]["within_one_block"] = bool(nan_mask.nonzero().max() - nan_mask.nonzero().min() < layout.fmt.block_size)
+    largest_polled = SPIN_MAX_ROW_BYTES // 260 * 256  # values per rank whose 8-bit row (codes + scales) still fits
+    out["polls"] = [polls_for(chunk_layout(world * c, world, FMT)) for c in (3000, largest_polled, largest_polled + 256)]
     return out
 
 
@@ -307,6 +310,40 @@ def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out
             block_bytes = layout.fmt.payload_bytes(layout.fmt.block_size)
             keep = finite.repeat_interleave(block_bytes, dim=1)
             assert torch.equal(got[:, :pb][keep], expected[:, :pb][keep]), (n, world)
+
+
+def test_gloo_waits_poll_only_for_rows_up_to_the_limit(groups):
+    for world, results in groups.items():
+        assert results[0]["polls"] == [True, True, False], world
+
+
+class _Work:
+    """A collective's handle that completes at its ``polls + 1``-th poll."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls, self.checked, self.waited = polls, 0, 0
+
+    def is_completed(self) -> bool:
+        self.checked += 1
+        return self.checked > self.polls
+
+    def wait(self) -> bool:
+        self.waited += 1
+        return True
+
+
+def test_a_polled_wait_polls_until_the_work_completes_then_waits_once(monkeypatch):
+    work = _Work(3)
+    wait_for(work, True)
+    assert (work.checked, work.waited) == (4, 1)
+    work = _Work(3)
+    wait_for(work, False)
+    assert (work.checked, work.waited) == (0, 1)
+    # A peer that is late: polling stops after SPIN_SECONDS and the wait sleeps instead.
+    monkeypatch.setattr(collectives, "SPIN_SECONDS", 0.02)
+    late = _Work(10**12)
+    wait_for(late, True)
+    assert late.waited == 1 and late.checked < 10**12
 
 
 def test_single_process_all_reduce_is_a_requantization():
