@@ -52,7 +52,7 @@ INT4_FMT = "int4/64"  # precision.gradients=int4 and hier-8/4's (agoq.gradient.s
 # nodes, all-gather of the int4 bytes within a node, dequantize.
 HIER_PARTS = ("hier_intra_reduce_scatter", "hier_inter_all_reduce", "hier_intra_all_gather", "dequantize")
 PARTS_OF = {"8bit": PARTS, "hier-8/4": HIER_PARTS}
-DEFAULT_SIZES = "32K,256K,2M,16M,64M"
+DEFAULT_SIZES = "32K,256K,2M,4M,8M,16M,64M"
 DEFAULT_NETNS_SIZES = "1M,8M,32M"
 DEFAULT_RATES = "1gbit,100mbit"
 
