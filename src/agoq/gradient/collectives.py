@@ -237,10 +237,11 @@ def gathers_by_node(nodes: NodeGroups | None) -> bool:
 # 2-vCPU VM whose idle vCPUs halt took about 2.3 ms for an all-to-all of 16 bytes a peer. Polling
 # keeps the CPU awake, as NCCL and MPI do. It pays only while the wait is mostly that latency:
 # there, an 8-bit all-reduce of 2 MiB of fp32 went from 1.10-1.28x of gloo's fp32 all-reduce to
-# 0.92-1.12x (6 runs of 200-300 alternating repetitions each, polling and not); of 16 MiB, where the peers are still
-# working while one waits, polling throughout took 1.03-1.09x against 0.97-0.98x sleeping. So only
-# messages of up to SPIN_MAX_ROW_BYTES a peer are polled for, and never beyond SPIN_SECONDS (a late
-# peer). NCCL's waits are left alone: they only order CUDA streams and never block the host.
+# 0.92-1.12x (6 runs each way of 200-300 alternating repetitions); at 8 MiB it changed nothing;
+# at 16 MiB, where the peers are still working while one waits, polling throughout took
+# 1.03-1.09x against 0.97-0.98x sleeping. So only messages of up to SPIN_MAX_ROW_BYTES a peer are
+# polled for, and never beyond SPIN_SECONDS (a late peer). NCCL's waits are left alone: they only
+# order CUDA streams and never block the host.
 SPIN_MAX_ROW_BYTES = 512 << 10
 SPIN_SECONDS = 0.005
 
