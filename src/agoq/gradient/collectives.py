@@ -310,14 +310,13 @@ class EightBitReduction:
         self.name = name
         self.timings = timings
         self.world_size, self.rank = world_of(group)
-        self._device = rows.device
+        self._device, self._poll = rows.device, self.world_size > 1 and polls_for(layout, group)
         if self.world_size != layout.world_size:
             raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
         if self.nodes is not None and self.nodes.world_size != self.world_size:
             raise ValueError(f"the nodes cover {self.nodes.world_size} ranks but the group has {self.world_size}")
         w = layout.world_size
         _check_rows(rows, layout)
-        self._poll = w > 1 and polls_for(layout, group)
         # One message per destination rank, payload then scales: a second all-to-all would cost a
         # whole collective's latency again (about 3 ms on 4 gloo ranks over loopback). A QTensor's
         # rows are copied into that layout (1/4 of the fp32 tensor, until the all-to-all
