@@ -24,7 +24,7 @@ from agoq.gradient import (
     ring_all_reduce_8bit,
 )
 from agoq.gradient import collectives
-from agoq.gradient.collectives import SPIN_MAX_ROW_BYTES, padded_rows, polls_for, wait_for
+from agoq.gradient.collectives import POLL_MAX_ROW_BYTES, padded_rows, polls_for, wait_for
 from agoq.quant import dequantize, quantization_error_bound, quantize
 from tests._dist import run_distributed
 
@@ -176,7 +176,7 @@ def _checks(rank: int, world: int) -> dict:
     nan_mask = torch.isnan(x)
     out["nan"] = {"count": int(nan_mask.sum()), "has_1000": bool(nan_mask[1000]), "digest": _digest(x)}
     out["nan"]["within_one_block"] = bool(nan_mask.nonzero().max() - nan_mask.nonzero().min() < layout.fmt.block_size)
-    largest_polled = SPIN_MAX_ROW_BYTES // 260 * 256  # values per rank whose 8-bit row (codes + scales) still fits
+    largest_polled = POLL_MAX_ROW_BYTES // 260 * 256  # values per rank whose 8-bit row (codes + scales) still fits
     out["polls"] = [polls_for(chunk_layout(world * c, world, FMT)) for c in (3000, largest_polled, largest_polled + 256)]
     return out
 
@@ -339,8 +339,8 @@ def test_a_polled_wait_polls_until_the_work_completes_then_waits_once(monkeypatc
     work = _Work(3)
     wait_for(work, False)
     assert (work.checked, work.waited) == (0, 1)
-    # A peer that is late: polling stops after SPIN_SECONDS and the wait sleeps instead.
-    monkeypatch.setattr(collectives, "SPIN_SECONDS", 0.02)
+    # A peer that is late: polling stops after POLL_SECONDS and the wait sleeps instead.
+    monkeypatch.setattr(collectives, "POLL_SECONDS", 0.02)
     late = _Work(10**12)
     wait_for(late, True)
     assert late.waited == 1 and late.checked < 10**12

@@ -232,35 +232,33 @@ def gathers_by_node(nodes: NodeGroups | None) -> bool:
 
 
 # Waiting for a short collective on gloo, the caller polls it (yielding its CPU between polls) for
-# up to SPIN_SECONDS before it sleeps on it. A sleeping caller is woken by gloo's threads once the
+# up to POLL_SECONDS before it sleeps on it. A sleeping caller is woken by gloo's threads once the
 # last bytes arrive, and where its CPU went idle meanwhile that wake-up is slow: 4 gloo ranks on a
 # 2-vCPU VM whose idle vCPUs halt took about 2.3 ms for an all-to-all of 16 bytes a peer. Polling
 # keeps the CPU awake, as NCCL and MPI do. It pays only while the wait is mostly that latency:
 # there, an 8-bit all-reduce of 2 MiB of fp32 went from 1.10-1.28x of gloo's fp32 all-reduce to
 # 0.92-1.12x (6 runs each way of 200-300 alternating repetitions); at 8 MiB it changed nothing;
 # at 16 MiB, where the peers are still working while one waits, polling throughout took
-# 1.03-1.09x against 0.97-0.98x sleeping. So only messages of up to SPIN_MAX_ROW_BYTES a peer are
-# polled for, and never beyond SPIN_SECONDS (a late peer). NCCL's waits are left alone: they only
+# 1.03-1.09x against 0.97-0.98x sleeping. So only messages of up to POLL_MAX_ROW_BYTES a peer are
+# polled for, and never beyond POLL_SECONDS (a late peer). NCCL's waits are left alone: they only
 # order CUDA streams and never block the host.
-SPIN_MAX_ROW_BYTES = 512 << 10
-SPIN_SECONDS = 0.005
+POLL_MAX_ROW_BYTES = 512 << 10
+POLL_SECONDS = 0.005
+_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def polls_for(layout: ChunkLayout, group: Group = None) -> bool:
     """Whether a reduction over ``layout`` on ``group`` polls for its collectives before sleeping on them."""
-    return SPIN_SECONDS > 0 and layout.row_bytes <= SPIN_MAX_ROW_BYTES and dist.get_backend(group) == "gloo"
+    return POLL_SECONDS > 0 and layout.row_bytes <= POLL_MAX_ROW_BYTES and dist.get_backend(group) == "gloo"
 
 
 def wait_for(work: dist.Work, poll: bool) -> None:
-    """``work.wait()``, polling the work first for up to SPIN_SECONDS where ``poll`` (see :func:`polls_for`)."""
+    """``work.wait()``, polling the work first for up to POLL_SECONDS where ``poll`` (see :func:`polls_for`)."""
     if poll:
-        end = time.perf_counter() + SPIN_SECONDS
+        end = time.perf_counter() + POLL_SECONDS
         while not work.is_completed() and time.perf_counter() < end:
             _yield_cpu()
     work.wait()
-
-
-_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _check_rows(rows: QTensor | torch.Tensor, layout: ChunkLayout) -> None:
