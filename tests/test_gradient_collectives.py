@@ -279,12 +279,10 @@ def test_layout_pads_to_whole_blocks_per_rank():
 @pytest.mark.parametrize("fmt", ["int8/256", "int4/64"])
 @pytest.mark.parametrize("piece", [512, 4096], ids=["pieces_of_rows", "rows_per_piece"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("overwrite", [False, True], ids=["new_rows", "rows_over_x"])
-def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt, piece, dtype, overwrite):
+def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out(monkeypatch, backend_name, fmt, piece, dtype):
     """quantize_to_wire (pieces of whole blocks straight into the rows) is to_wire(quantize_rows(...))
     bit for bit: padded chunks, a rank with no values, several pieces per row or several unpadded
-    rows per piece, NaN and Inf blocks; also where the rows are written over x's own bytes, every
-    byte after the values it holds were read (wire_fits_in for every case but the 1-value one)."""
+    rows per piece, NaN and Inf blocks; it leaves x as it was."""
     from agoq.gradient import collectives
     from agoq.quant import backend
 
@@ -296,10 +294,9 @@ def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out
                 x[1500], x[1800] = float("nan"), float("inf")
             layout = chunk_layout(n, world, fmt)
             expected = collectives.to_wire(collectives.quantize_rows(x, layout), world)
-            consumed = x.clone()
-            got = collectives.quantize_to_wire(consumed, layout, overwrite=overwrite)
-            assert (got.data_ptr() == consumed.data_ptr()) == (overwrite and n > 1), (n, world)
-            assert collectives.wire_fits_in(x, layout) == (n > 1), (n, world)
+            given = x.clone()
+            got = collectives.quantize_to_wire(given, layout)
+            assert torch.equal(given.view(torch.uint8), x.view(torch.uint8)), (n, world)  # x is only read
             assert got.shape == expected.shape == (world, layout.row_bytes)
             pb = layout.row_payload_bytes
             scales_got, scales_expected = got[:, pb:].contiguous().view(torch.float32), expected[:, pb:].contiguous().view(torch.float32)
@@ -310,6 +307,29 @@ def test_quantizing_into_wire_rows_gives_the_bytes_of_quantizing_then_laying_out
             block_bytes = layout.fmt.payload_bytes(layout.fmt.block_size)
             keep = finite.repeat_interleave(block_bytes, dim=1)
             assert torch.equal(got[:, :pb][keep], expected[:, :pb][keep]), (n, world)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_consumed_tensor_receives_the_rows_in_its_own_bytes_where_they_fit(dtype):
+    """receiving_rows: x's first W * row_bytes bytes as [W, row_bytes] rows where they fit in a
+    contiguous x; None for a non-contiguous x or one whose bytes are fewer than the rows'."""
+    from agoq.gradient.collectives import receiving_rows
+
+    for n, world, fmt in ((1, 4, "int8/256"), (1000, 3, "int8/256"), (8192, 4, "int8/256"), (30001, 3, "int4/64"), (64, 2, "int8/256")):
+        x = torch.zeros(n, dtype=dtype)
+        layout = chunk_layout(n, world, fmt)
+        need = world * layout.row_bytes
+        rows = receiving_rows(x, layout)
+        if need > n * x.element_size():
+            assert rows is None, (n, world, fmt)
+            continue
+        assert rows is not None and rows.shape == (world, layout.row_bytes) and rows.dtype == torch.uint8, (n, world, fmt)
+        assert rows.data_ptr() == x.data_ptr() and rows.is_contiguous()
+        rows.fill_(0xFF)  # the rows are x's bytes: exactly the first `need` of them
+        assert int((x.view(torch.uint8) == 0xFF).sum()) == need
+    # (1 value on 4 ranks: 4 padded rows of 260 bytes cannot fit in 4 bytes; 64 on 2: 2 x 260 > 256.)
+    assert receiving_rows(torch.zeros(1), chunk_layout(1, 4, "int8/256")) is None
+    assert receiving_rows(torch.zeros(4096, 2)[:, 0], chunk_layout(4096, 2, "int8/256")) is None
 
 
 def test_gloo_waits_poll_only_for_rows_up_to_the_limit(groups):

@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, parse_format, quantize
+from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, parse_format, quantize, quantize_rows_into
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.nodes import Group, NodeGroups, gather_within_node
@@ -274,6 +274,14 @@ def _check_rows(rows: QTensor | torch.Tensor, layout: ChunkLayout) -> None:
         )
 
 
+def _check_recv(recv: torch.Tensor | None, layout: ChunkLayout, owns_rows: bool) -> None:
+    """Refuse rows to receive into that are not ``layout``'s wire rows, or that the gathered rows would land in (``owns_rows`` False)."""
+    if recv is not None:
+        _check_rows(recv, layout)
+        if not owns_rows:
+            raise ValueError("recv is only for a reduction that owns its rows (owns_rows=True): its gathered rows land in those")
+
+
 class EightBitReduction:
     """One 8-bit reduction in flight: :meth:`reduce` (steps 2-3), then :meth:`start_gather` (4-5).
 
@@ -281,8 +289,10 @@ class EightBitReduction:
     [W, row_bytes], as :func:`to_wire` lays them out), which are then sent as they are: the caller
     must leave them unchanged until :meth:`reduce`. ``owns_rows``: the wire rows are this
     reduction's (e.g. :func:`quantize_to_wire`'s), free once sent, so :meth:`reduce_and_gather`
-    sends the all-gather's copies of this rank's row from them (a QTensor's rows are copied into
-    wire rows of its own). Construction starts the all-to-all (async).
+    gathers into them (a QTensor's rows are copied into wire rows of its own). ``recv``: free
+    rows (uint8 [W, row_bytes]) to receive the all-to-all into, e.g. :func:`receiving_rows` of the
+    tensor the result replaces, in place of a new tensor; only for a reduction that owns its rows,
+    so that the gathered rows never land there. Construction starts the all-to-all (async).
     Every rank must call the methods of its reductions in the same order, as for any
     torch.distributed collective.
     """
@@ -299,6 +309,7 @@ class EightBitReduction:
         timings: dict[str, float] | None = None,
         nodes: NodeGroups | None = None,
         owns_rows: bool = False,
+        recv: torch.Tensor | None = None,
     ) -> None:
         self.layout = layout
         self.op = parse_op(op)
@@ -315,6 +326,7 @@ class EightBitReduction:
             raise ValueError(f"the nodes cover {self.nodes.world_size} ranks but the group has {self.world_size}")
         w = layout.world_size
         _check_rows(rows, layout)
+        _check_recv(recv, layout, owns_rows)
         # One message per destination rank, payload then scales: a second all-to-all would cost a
         # whole collective's latency again (about 3 ms on 4 gloo ranks over loopback). A QTensor's
         # rows are copied into that layout (1/4 of the fp32 tensor, until the all-to-all
@@ -329,9 +341,7 @@ class EightBitReduction:
         self._recv: torch.Tensor | None = None
         self._rows: QTensor | None = None
         # Wire rows this reduction made itself (from a QTensor, or quantize_to_wire's): free once
-        # sent, so the all-gather's copies of this rank's row can go out from them. Fresh buffers
-        # cost a page fault per 4 KiB on CPUs (at 64 MiB of fp32 that was a third of the
-        # all-reduce's time), so reduce_and_gather reuses what it has.
+        # sent, so reduce_and_gather gathers into them rather than into a fresh buffer.
         self._own_send: torch.Tensor | None = None
         if w == 1:  # its own rows are the received ones
             if isinstance(rows, torch.Tensor):
@@ -342,7 +352,7 @@ class EightBitReduction:
         self._send: torch.Tensor | None = rows if isinstance(rows, torch.Tensor) else to_wire(rows, w)
         if owns_rows or not isinstance(rows, torch.Tensor):
             self._own_send = self._send
-        self._recv = torch.empty_like(self._send)
+        self._recv = torch.empty_like(self._send) if recv is None else recv
         with timed_phase(timings, "all_to_all"):
             self._a2a = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
             if timings is not None:
@@ -421,21 +431,22 @@ class EightBitReduction:
         are quantized independently, so the bytes equal those of requantizing the whole sum. The
         sync phase's temporaries shrink by the fp32 chunk (4 bytes per value of the chunk).
         ``out`` (uint8 [W, row_bytes], e.g. the rows this reduction sent, free once received)
-        receives the gathered rows in place of a new tensor; without it, the received rows do.
-        This rank's requantized row is then written into its own row there and gathered in place
-        (except where gloo gathers by a ring: its all-gather would copy that row onto itself). The
-        rows this reduction sent (the received ones where ``out`` is given) carry the all-to-all
-        gather's copies of that row: the reduction allocates no bucket-sized tensor beyond the
-        received rows.
+        receives the gathered rows in place of a new tensor; without it, the rows this reduction
+        sent where it owns them, else the received ones. This rank's requantized row is then
+        written into its own row there and gathered in place (except where gloo gathers by a ring:
+        its all-gather would copy that row onto itself). The received rows, once summed, carry the
+        all-to-all gather's copies of that row (a new tensor where they hold the gathered ones):
+        the reduction allocates no bucket-sized tensor beyond the rows it sends and receives.
         """
         *recv, spent = self._take_received()
         own, self._own_send = self._own_send, None
         if out is None:
-            # The gathered rows land in the received ones, free once summed (the sum reads each
-            # piece before this rank's requantized piece is written over it), and this reduction's
-            # own wire rows take the all-to-all gather's copies: those rows may be the caller's
-            # tensor itself (quantize_to_wire's overwrite), which the result is then written into.
-            out, spent = spent, own
+            # The gathered rows land in this reduction's own sent rows, free once the all-to-all
+            # is done, and the received rows take the all-to-all gather's copies: those may be the
+            # caller's tensor itself (receiving_rows), which the result is then written into. Sent
+            # rows it does not own are the caller's: the received rows then take the gathered ones
+            # (the sum reads each piece before this rank's requantized piece is written over it).
+            out, spent = (own, spent) if own is not None else (spent, None)
         layout = self.layout
         fmt, pb = layout.fmt, layout.row_payload_bytes
         in_place = (
@@ -452,11 +463,12 @@ class EightBitReduction:
                 p0, p1 = fmt.payload_bytes(start), fmt.payload_bytes(end)
                 if kernels is not None:
                     scale_rows = recv[1][:, b0:b1].contiguous()  # the kernels take whole rows of scales
-                    _, q = kernels.reduce_rows(recv[0][:, p0:p1], scale_rows, fmt, average=self.op == "avg", keep_sum=False, requantize=True)
+                    piece_out = (payload[p0:p1], scales[b0:b1])
+                    kernels.reduce_rows(recv[0][:, p0:p1], scale_rows, fmt, average=self.op == "avg", keep_sum=False, requantize=True, out=piece_out)
                 else:
                     q = quantize(self._sum(recv, start, end), fmt, nonfinite="propagate")
-                payload[p0:p1].copy_(q.payload)
-                scales[b0:b1].copy_(q.scales)
+                    payload[p0:p1].copy_(q.payload)
+                    scales[b0:b1].copy_(q.scales)
         del recv
         self._all_gather(send, out, scratch=spent)
 
@@ -530,51 +542,46 @@ def quantize_rows(x: torch.Tensor, layout: ChunkLayout) -> QTensor:
 QUANTIZE_PIECE = {"cpu": 1 << 20, "device": 1 << 26}
 
 
-def wire_fits_in(x: torch.Tensor, layout: ChunkLayout) -> bool:
-    """Whether :func:`quantize_to_wire` can write the wire rows of ``x`` over ``x``'s own bytes.
+def receiving_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor | None:
+    """``x``'s own bytes as rows for an all-to-all to receive into (uint8 [W, row_bytes]), once
+    ``x`` is quantized and consumed (an in-place all-reduce's tensor, which the result replaces);
+    None where they do not fit (W rows of wire bytes are more than x's bytes) or x is not one run.
 
-    Row r's bytes then start at r * row_bytes, at or before the bytes of row r's own values
-    (r * chunk values in), so every byte written belongs to a value already quantized; that needs
-    a row's wire bytes to be no more than its values' bytes, and x to be one contiguous run.
+    On CPUs a new tensor of the wire's size costs a page fault per 4 KiB each call (for an 8-bit
+    all-reduce of 64 MiB of fp32 on 4 gloo ranks over loopback, 2 cores: 9.5K faults and about a
+    fifth of its CPU time), so the reduction allocates one, for the rows it sends, not two. The
+    received rows are the ones written into x's bytes, not the sent ones: the codes are then
+    written straight into a fresh buffer, which aliases nothing the quantization reads, and the
+    all-to-all's received bytes land in memory the quantization has just read. (Writing the sent
+    rows over x instead, each row's bytes before its own values, took 1.08-1.10x of gloo's fp32
+    all-reduce at 2-8 MiB on 4 ranks, 2 cores, where this takes 0.77-0.98x: benchmarks/allreduce.py.)
     """
-    nbytes = layout.numel * x.element_size()
-    return x.is_contiguous() and layout.row_bytes <= layout.chunk * x.element_size() and layout.world_size * layout.row_bytes <= nbytes
+    nbytes = layout.world_size * layout.row_bytes
+    if not x.is_contiguous() or nbytes > x.numel() * x.element_size():
+        return None
+    return x.detach().reshape(-1).view(torch.uint8)[:nbytes].view(layout.world_size, layout.row_bytes)
 
 
-def quantize_to_wire(x: torch.Tensor, layout: ChunkLayout, *, overwrite: bool = False) -> torch.Tensor:
+def quantize_to_wire(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """The wire rows (uint8 [W, row_bytes]) of ``x``: the bytes of ``to_wire(quantize_rows(x, layout), W)``,
-    quantized a piece of whole blocks at a time straight into their rows.
-
-    ``overwrite``: ``x`` is consumed (an in-place all-reduce's tensor, which the result replaces),
-    so where :func:`wire_fits_in` the rows are written over its own first bytes instead of a new
-    tensor. On CPUs a new tensor of the wire's size costs a page fault per 4 KiB each call: for an
-    8-bit all-reduce of 64 MiB of fp32 on 4 gloo ranks over loopback (2 cores), 9.5K faults and
-    about a fifth of its CPU time.
-    """
+    quantized a piece of whole blocks at a time straight into the rows of a new tensor."""
     flat = x.detach().reshape(-1)
     fmt, pb, w = layout.fmt, layout.row_payload_bytes, layout.world_size
-    if overwrite and wire_fits_in(flat, layout):
-        wire = flat.view(torch.uint8)[: w * layout.row_bytes].view(w, layout.row_bytes)
-    else:
-        wire = torch.empty(w, layout.row_bytes, dtype=torch.uint8, device=x.device)
+    wire = torch.empty(w, layout.row_bytes, dtype=torch.uint8, device=x.device)
     step = max(1, QUANTIZE_PIECE["cpu" if x.device.type == "cpu" else "device"] // fmt.block_size) * fmt.block_size
     if layout.unpadded and layout.chunk <= step:
         # Rows of whole blocks with nothing to pad: as many rows as a piece holds per call (each
         # call costs tens of microseconds: for 2 MiB of fp32 on 4 ranks, 0.44 ms against 0.84 ms
-        # a row at a time, one thread, AMX Xeon).
+        # a row at a time, one thread, AMX Xeon), their codes written where they go.
         per_call = step // layout.chunk
         for r0 in range(0, w, per_call):
             r1 = min(w, r0 + per_call)
-            q = quantize(flat[r0 * layout.chunk : r1 * layout.chunk], fmt, nonfinite="propagate")
-            wire[r0:r1, :pb].copy_(q.payload.view(r1 - r0, pb))
-            wire[r0:r1, pb:].view(torch.float32).copy_(q.scales.view(r1 - r0, -1))
+            rows = flat[r0 * layout.chunk : r1 * layout.chunk].view(r1 - r0, -1)
+            quantize_rows_into(rows, wire[r0:r1, :pb], wire[r0:r1, pb:].view(torch.float32), fmt)
         return wire
-    # A row's scales follow its codes on the wire, past the bytes of the values quantized so far
-    # (when the rows overwrite x): they are written once the whole row is.
-    row_scales = torch.empty(layout.blocks_per_chunk, dtype=torch.float32, device=x.device)
     for r in range(w):
         lo, hi = layout.shard_range(r)
-        payload = wire[r, :pb]
+        payload, scales = wire[r, :pb], wire[r, pb:].view(torch.float32)
         for start in range(0, layout.padded_chunk, step):
             end = min(layout.padded_chunk, start + step)
             piece = flat[min(hi, lo + start) : min(hi, lo + end)]
@@ -582,8 +589,7 @@ def quantize_to_wire(x: torch.Tensor, layout: ChunkLayout, *, overwrite: bool = 
                 piece = torch.nn.functional.pad(piece, (0, end - start - piece.numel()))
             q = quantize(piece, fmt, nonfinite="propagate")
             payload[fmt.payload_bytes(start) : fmt.payload_bytes(end)].copy_(q.payload)
-            row_scales[start // fmt.block_size : end // fmt.block_size].copy_(q.scales)
-        wire[r, pb:].view(torch.float32).copy_(row_scales)
+            scales[start // fmt.block_size : end // fmt.block_size].copy_(q.scales)
     return wire
 
 
@@ -667,18 +673,19 @@ def _start_8bit(
     timings: dict[str, float] | None,
     name: str,
     nodes: NodeGroups | None = None,
-    overwrite: bool = False,
+    consume: bool = False,
 ) -> EightBitReduction:
     """Quantize ``tensor`` into rank chunks and start their all-to-all: steps 1-2 of both 8-bit collectives.
 
-    ``overwrite``: the tensor's bytes may hold the wire rows (see :func:`quantize_to_wire`).
+    ``consume``: the tensor's bytes may receive the all-to-all's rows (see :func:`receiving_rows`).
     """
     _check_float(tensor, name)
     world_size, _ = world_of(group)
     layout = chunk_layout(tensor.numel(), world_size, fmt)
     with timed_phase(timings, "quantize"):
-        rows = quantize_to_wire(tensor, layout, overwrite=overwrite)
-    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes, owns_rows=True)
+        rows = quantize_to_wire(tensor, layout)
+    recv = receiving_rows(tensor, layout) if consume else None
+    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes, owns_rows=True, recv=recv)
 
 
 def all_reduce_8bit(
@@ -700,14 +707,14 @@ def all_reduce_8bit(
     them (:func:`gathers_by_node`), with the same bytes and fewer across nodes; a large tensor then
     goes as a few pieces, each an all-reduce of its own (:func:`node_pieces`).
 
-    The tensor's own bytes carry the quantized rows it sends (:func:`quantize_to_wire`'s
-    ``overwrite``): with ``async_op``, as for any torch.distributed collective, its contents are
-    undefined until the handle's ``wait()`` returns.
+    The tensor's own bytes receive the quantized rows sent to this rank (:func:`receiving_rows`):
+    with ``async_op``, as for any torch.distributed collective, its contents are undefined until
+    the handle's ``wait()`` returns.
     """
     flat = tensor.detach().reshape(-1)  # a view where the tensor is contiguous
     pieces = [flat[a:b] for a, b in node_pieces(flat.numel(), nodes)]
     pending = PendingAllReduce(
-        [_start_8bit(piece, op, group, fmt, counter, timings, "all_reduce_8bit", nodes, overwrite=True) for piece in pieces], tensor
+        [_start_8bit(piece, op, group, fmt, counter, timings, "all_reduce_8bit", nodes, consume=True) for piece in pieces], tensor
     )
     if async_op:
         return pending

@@ -13,7 +13,7 @@ from agoq.quant.formats import (
     QuantFormat,
     parse_format,
 )
-from agoq.quant.dispatch import dequantize, quantize
+from agoq.quant.dispatch import dequantize, quantize, quantize_rows_into
 from agoq.quant.packing import pack, packed_nbytes, unpack
 from agoq.quant.qtensor import NonFiniteError, QTensor, quantization_error_bound
 
@@ -31,5 +31,6 @@ __all__ = [
     "parse_format",
     "quantization_error_bound",
     "quantize",
+    "quantize_rows_into",
     "unpack",
 ]

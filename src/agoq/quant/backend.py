@@ -139,10 +139,11 @@ def resolve(device: torch.device | str) -> str:
 def kernels(device: torch.device | str, fmt: QuantFormat | None = None) -> ModuleType | None:
     """The kernel module (agoq.quant.compiled or agoq.quant.triton) that should quantize ``fmt`` on ``device``, else None.
 
-    Both offer quantize, dequantize, dequantize_rows (rows of a wire buffer read in place),
-    accumulate_ (the gradient fold) and reduce_rows (the 8-bit all-reduce's local sum) with the
-    reference's exact results, and swiglu_quantize (the fused
-    SwiGLU forward: the product, and gate and up quantized as quantize does).
+    Both offer quantize, quantize_rows_into (rows of a wire buffer written in place), dequantize,
+    dequantize_rows (rows of a wire buffer read in place), accumulate_ (the gradient fold) and
+    reduce_rows (the 8-bit all-reduce's local sum) with the reference's exact results, and
+    swiglu_quantize (the fused SwiGLU forward: the product, and gate and up quantized as quantize
+    does).
     """
     which = resolve(device)
     if which == "torch":

@@ -36,6 +36,17 @@ def quantize(
     return qtensor.quantize(x, fmt, rounding=rounding, generator=generator, nonfinite=nonfinite)
 
 
+def quantize_rows_into(x: torch.Tensor, payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat) -> None:
+    """Quantizes ``x`` ([W, n] values, n whole blocks, contiguous) into ``payload_rows`` ([W, bytes])
+    and ``scale_rows`` ([W, n / block]), any row stride (e.g. a collective's wire rows); a block
+    holding NaN/Inf gets a NaN scale and unspecified codes (``nonfinite="propagate"``)."""
+    kernels = backend.kernels(x.device, fmt)
+    if kernels is not None:
+        kernels.quantize_rows_into(x, payload_rows, scale_rows, fmt)
+        return
+    qtensor.quantize_each_row_into(x, payload_rows, scale_rows, fmt, lambda v, f: qtensor.quantize(v, f, nonfinite="propagate"))
+
+
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); with ``out``, written there (one pass)."""
     check_dequantize_out(q, out)
@@ -45,4 +56,4 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     return qtensor.dequantize(q, dtype, out=out)
 
 
-__all__ = ["dequantize", "quantize"]
+__all__ = ["dequantize", "quantize", "quantize_rows_into"]

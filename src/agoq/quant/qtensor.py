@@ -337,6 +337,25 @@ def dequantize_each_row(
         dequantize_fn(row, out=out[i])
 
 
+def quantize_each_row_into(
+    x: torch.Tensor,
+    payload_rows: torch.Tensor,
+    scale_rows: torch.Tensor,
+    fmt: QuantFormat,
+    quantize_fn: Callable[[torch.Tensor, QuantFormat], QTensor],
+) -> None:
+    """Quantizes ``x`` ([W, n] values, n whole blocks, contiguous) by ``quantize_fn`` (a path's
+    quantize, NaN scales for blocks holding NaN/Inf) and copies the payload and scales into
+    ``payload_rows`` ([W, bytes]) and ``scale_rows`` ([W, n / block]), any row stride: how the
+    paths' ``quantize_rows_into`` write rows that their kernels do not write in place."""
+    rows, n = x.shape
+    if n % fmt.block_size:
+        raise ValueError(f"rows of {n} values are not whole blocks of {fmt.block_size} ({fmt.name})")
+    q = quantize_fn(x.reshape(-1), fmt)
+    payload_rows.copy_(q.payload.view(rows, -1))
+    scale_rows.copy_(q.scales.view(rows, -1))
+
+
 def quantization_error_bound(q: QTensor) -> torch.Tensor:
     """Per-element bound on |x - dequantize(quantize(x))| for nearest rounding, as fp32 in x's shape.
 

@@ -17,7 +17,7 @@ import triton
 
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
 from agoq.quant.packing import group_shape
-from agoq.quant.qtensor import FLOAT_DTYPES, QTensor, dequantize_each_row
+from agoq.quant.qtensor import FLOAT_DTYPES, QTensor, dequantize_each_row, quantize_each_row_into
 from agoq.quant.triton import kernels as K
 
 
@@ -208,6 +208,13 @@ def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Q
     """Writes into ``out`` ([W, n] values, n whole blocks) the values of W rows of ``fmt`` (payload
     [W, bytes], scales [W, n / block], e.g. rows of a collective's wire buffer), a launch per row."""
     dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
+
+
+def quantize_rows_into(x: torch.Tensor, payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat) -> None:
+    """Quantizes ``x`` ([W, n] values, n whole blocks) into ``payload_rows`` ([W, bytes]) and
+    ``scale_rows`` ([W, n / block]), any row stride (NaN scales for blocks holding NaN/Inf): one
+    launch, then copies into the rows."""
+    quantize_each_row_into(x, payload_rows, scale_rows, fmt, quantize)
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
@@ -463,13 +470,20 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
 
 
 def reduce_rows(
-    payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, *, average: bool, keep_sum: bool = True, requantize: bool = False
+    payload_rows: torch.Tensor,
+    scale_rows: torch.Tensor,
+    fmt: QuantFormat,
+    *,
+    average: bool,
+    keep_sum: bool = True,
+    requantize: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, QTensor | None]:
     """Sum W quantized rows in fp32, in row order (then / W if ``average``), in one pass.
 
     ``payload_rows``: uint8 [W, row payload bytes] (rows may be strided, bytes contiguous);
     ``scale_rows``: fp32 [W, blocks]. Returns (the fp32 sum if ``keep_sum``, the sum requantized
-    if ``requantize``).
+    if ``requantize``, written into ``out``, contiguous (payload, scales), where given).
     """
     _check_device(payload_rows)
     spec = _spec(fmt, str(payload_rows.device))
@@ -482,8 +496,11 @@ def reduce_rows(
         )
     dev = payload_rows.device
     acc = torch.empty(n, dtype=torch.float32, device=dev) if keep_sum else None
-    out_pay = torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=dev) if requantize else None
-    out_sc = torch.empty(nblocks, dtype=SCALE_DTYPE, device=dev) if requantize else None
+    if requantize and out is not None:
+        out_pay, out_sc = out
+    else:
+        out_pay = torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=dev) if requantize else None
+        out_sc = torch.empty(nblocks, dtype=SCALE_DTYPE, device=dev) if requantize else None
     dummy = scale_rows
     if nblocks:
         _launch_blocks(
