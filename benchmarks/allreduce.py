@@ -19,7 +19,11 @@ hosts (``netns``), the 8-bit and int4 all-reduces gather between hosts, then wit
 training does across nodes (agoq.gradient.collectives.gathers_by_node).
 
 Times are the slowest rank's, median over ``--reps``; "same repetition" ratios are the median of
-each repetition's ratio (the methods take turns within a repetition). Each rank uses one thread.
+each repetition's ratio (the methods take turns within a repetition, each repetition starting one
+method later, so that no method always runs right after the same one: on 4 ranks over 2 cores the
+same 8-bit code measured 1.09-1.35x slower run right after gloo's fp32 all-reduce than two places
+later, at 2-16 MiB).
+Each rank uses one thread.
 Each method's CPU time is recorded too (the busiest rank's process CPU seconds, gloo's threads
 included): over loopback, where bytes cost little and the ranks share the cores, it is what the
 methods compete on.
@@ -157,12 +161,13 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
             errors[method] = float((y.double() - exact).norm() / exact.norm())
             counters[method].reset()
         # The methods take turns within each repetition, so a change in the machine's load
-        # (4 ranks share the cores) falls on all of them alike instead of on whichever ran then.
+        # (4 ranks share the cores) falls on all of them alike instead of on whichever ran then,
+        # in an order rotated by one each repetition, so that each follows each other method.
         times: dict[str, list[float]] = {method: [] for method in METHODS}
         cpu: dict[str, list[float]] = {method: [] for method in METHODS}
         tx: dict[str, float] = dict.fromkeys(METHODS, 0.0)
-        for _ in range(reps):
-            for method in METHODS:
+        for rep in range(reps):
+            for method in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
                 y = bases[method].clone()
                 dist.barrier()
                 tx0 = _tx_bytes(link)

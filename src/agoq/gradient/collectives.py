@@ -549,12 +549,11 @@ def receiving_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor | None:
 
     On CPUs a new tensor of the wire's size costs a page fault per 4 KiB each call (for an 8-bit
     all-reduce of 64 MiB of fp32 on 4 gloo ranks over loopback, 2 cores: 9.5K faults and about a
-    fifth of its CPU time), so the reduction allocates one, for the rows it sends, not two. The
-    received rows are the ones written into x's bytes, not the sent ones: the codes are then
-    written straight into a fresh buffer, which aliases nothing the quantization reads, and the
-    all-to-all's received bytes land in memory the quantization has just read. (Writing the sent
-    rows over x instead, each row's bytes before its own values, took 1.08-1.10x of gloo's fp32
-    all-reduce at 2-8 MiB on 4 ranks, 2 cores, where this takes 0.77-0.98x: benchmarks/allreduce.py.)
+    fifth of its CPU time), so the reduction allocates one, for the rows it sends, not two. It is
+    the received rows that go into x's bytes, not the sent ones: the codes are then written
+    straight into a buffer that aliases nothing the quantization reads (agoq.quant.simd's kernel
+    writes them there in one pass), where sent rows written over x had to be quantized into a
+    temporary and copied, each row's bytes before its own values.
     """
     nbytes = layout.world_size * layout.row_bytes
     if not x.is_contiguous() or nbytes > x.numel() * x.element_size():
