@@ -81,7 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m benchmarks.allreduce``."""
     parser.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES), help=f"fp32 message sizes, local run (default {DEFAULT_SIZES})")
     parser.add_argument("--ranks", type=int, default=4, help="local ranks (default 4)")
-    parser.add_argument("--reps", type=int, default=11, help="timed repetitions per size, the methods taking turns; median reported (default 11)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=20,
+        help="timed repetitions per size, the methods taking turns (each first in 4 of 20); median reported (default 20)",
+    )
     parser.add_argument(
         "--netns-sizes",
         type=_sizes,
