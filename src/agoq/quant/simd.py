@@ -1,11 +1,13 @@
-"""A hand-written vector kernel (AVX-512 or AVX2) for the 8-bit gradient wire: fp32 rows into int8 blocks.
+"""Hand-written vector loops (AVX-512 or AVX2) for the 8-bit gradient wire's local work on CPUs:
+fp32 rows quantized into int8 blocks, and W rows of int8 blocks summed and requantized.
 
 Why not inductor's code here: quantizing fp32 into int8 blocks is the largest local cost of the
 8-bit all-reduce on a CPU, and inductor's code for it runs at about 0.3x of a copy (per block:
 two horizontal reductions, a scalar scale, and codes narrowed to bytes through a memcpy per
 vector). This loop runs at the speed of a copy: 2M values into wire rows, one thread, AMX Xeon
 (AVX-512), 0.59 ms against 1.93 ms warm and 0.77 ms against 2.53 ms from memory (a copy of the
-same fp32: 0.58 and 0.75 ms). It is plain C with the vector intrinsics, no torch headers, so it
+same fp32: 0.58 and 0.75 ms). The sum-and-requantize of the received rows shares its encoding.
+It is plain C with the vector intrinsics, no torch headers, so it
 builds in about a second, with the C++ compiler inductor uses, once per machine: the library is
 kept in inductor's cache folder (agoq.inductor_cache), named by the hash of its source, flags and
 compiler, and written under a temporary name then renamed, so ranks that build it at once never
@@ -18,8 +20,8 @@ reciprocal (that would change codes), s = 0 dividing by 1; a block holding NaN/I
 scale and the code of 0 for every value, as the reference writes it.
 
 Only where it applies: int8 codes of fp32 input on an x86 CPU with AVX-512 or AVX2 (as torch
-reports it, so ATEN_CPU_CAPABILITY=avx2 holds it to AVX2), and one or two torch threads: the loop
-is single-threaded, and inductor's parallel code overtakes it from about 3.4 threads. Everywhere
+reports it, so ATEN_CPU_CAPABILITY=avx2 holds it to AVX2), and at most MAX_THREADS torch threads:
+the loops are single-threaded, and inductor's parallel code overtakes them from about 3.4. Everywhere
 else, or with AGOQ_SIMD=0, or where it cannot be built (one warning), callers get None and use
 inductor's code.
 """
@@ -44,8 +46,9 @@ ENV_VAR = "AGOQ_SIMD"
 # The loop runs on one thread; inductor's OpenMP code was 3.4x slower per thread (above).
 MAX_THREADS = 3
 
-# One function per ISA: the same loop at its vector width. Blocks are whole multiples of twice
-# the width (two accumulators for the absmax: max has a latency of 4 cycles).
+# Each loop is written once, over a vector of W floats whose few operations each ISA defines in a
+# line. Blocks are whole multiples of 2W (two accumulators for the absmax: max has a latency of 4
+# cycles), and at most AGOQ_MAX_BLOCK values (the reduction keeps a block's sum on the stack).
 _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -54,6 +57,52 @@ _SOURCE = r"""
 
 #define AGOQ_MAX_BLOCK 4096
 
+#ifdef __AVX512F__
+#define W 16
+typedef __m512 vec;
+static inline vec vset(float a) { return _mm512_set1_ps(a); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vcodes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline vec vabs(vec v) { return _mm512_abs_ps(v); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline vec vround(vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* Lanes of |x| that are Inf or NaN: not below infinity, or unordered. */
+static inline int vnonfinite(vec a) { return _mm512_cmp_ps_mask(a, vset(INFINITY), _CMP_NLT_UQ) != 0; }
+static inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
+/* Codes (exact integers 0..255 as floats) to bytes. */
+static inline void vstore_codes(uint8_t* p, vec q) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q))); }
+#else
+#define W 8
+typedef __m256 vec;
+static inline vec vset(float a) { return _mm256_set1_ps(a); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vcodes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline vec vabs(vec v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline vec vround(vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline int vnonfinite(vec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, vset(INFINITY), _CMP_NLT_UQ)) != 0; }
+static inline float vhmax(vec v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+static inline void vstore_codes(uint8_t* p, vec q) {
+    __m256i k = _mm256_cvtps_epi32(q);
+    __m128i k16 = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(k16, k16));
+}
+#endif
+
 /* The reference's scale of a block whose largest |value| is absmax (finite). */
 static inline float block_scale(float absmax, float max_value) {
     float s = absmax / max_value;
@@ -61,159 +110,61 @@ static inline float block_scale(float absmax, float max_value) {
     return s;
 }
 
-#ifdef __AVX512F__
-void agoq_quantize_rows(const float* x, int64_t rows, int64_t n, int64_t block, uint8_t* codes, int64_t code_stride,
-                        float* scales, int64_t scale_stride, float max_value, float zero) {
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    const __m512 infinity = _mm512_set1_ps(INFINITY), zero_code = _mm512_set1_ps(zero);
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t b = 0; b < n / block; ++b) {
-            const float* v = x + r * n + b * block;
-            uint8_t* c = codes + r * code_stride + b * block;
-            __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
-            __mmask16 bad = 0;
-            for (int64_t i = 0; i < block; i += 32) {
-                __m512 a0 = _mm512_and_ps(_mm512_loadu_ps(v + i), abs_mask);
-                __m512 a1 = _mm512_and_ps(_mm512_loadu_ps(v + i + 16), abs_mask);
-                /* |x| not below infinity, or unordered: Inf or NaN */
-                bad |= _mm512_cmp_ps_mask(a0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, infinity, _CMP_NLT_UQ);
-                m0 = _mm512_max_ps(m0, a0);
-                m1 = _mm512_max_ps(m1, a1);
-            }
-            if (bad) {
-                scales[r * scale_stride + b] = NAN;
-                memset(c, (int)zero, (size_t)block); /* the reference's codes: the block's values as zeros */
-                continue;
-            }
-            float s = block_scale(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), max_value);
-            scales[r * scale_stride + b] = s;
-            const __m512 d = _mm512_set1_ps(s > 0 ? s : 1.0f);
-            for (int64_t i = 0; i < block; i += 16) {
-                __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + i), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                _mm_storeu_si128((__m128i*)(c + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(q, zero_code))));
-            }
-        }
+/* Codes of a block whose absmax is known (v: its values; bad: it holds NaN/Inf), and its scale. */
+static inline float encode_block(const float* v, int64_t block, float absmax, int bad, uint8_t* c, float max_value, float zero) {
+    if (bad) {
+        memset(c, (int)zero, (size_t)block); /* the reference's codes: the block's values as zeros */
+        return NAN;
     }
-}
-
-void agoq_reduce_rows(const uint8_t* codes, int64_t code_stride, const float* scales, int64_t scale_stride, int64_t rows,
-                      int64_t n, int64_t block, int average, uint8_t* out_codes, float* out_scales, float max_value, float zero) {
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    const __m512 infinity = _mm512_set1_ps(INFINITY), zero_code = _mm512_set1_ps(zero), count = _mm512_set1_ps((float)rows);
-    float sum[AGOQ_MAX_BLOCK] __attribute__((aligned(64)));
-    for (int64_t b = 0; b < n / block; ++b) {
-        __m512 m = _mm512_setzero_ps();
-        __mmask16 bad = 0;
-        for (int64_t i = 0; i < block; i += 16) {
-            const int64_t at = b * block + i;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t r = 0; r < rows; ++r) {
-                __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + r * code_stride + at))));
-                __m512 v = _mm512_mul_ps(_mm512_sub_ps(c, zero_code), _mm512_set1_ps(scales[r * scale_stride + b]));
-                acc = r ? _mm512_add_ps(acc, v) : v;
-            }
-            if (average) acc = _mm512_div_ps(acc, count);
-            _mm512_store_ps(sum + i, acc);
-            __m512 a = _mm512_and_ps(acc, abs_mask);
-            bad |= _mm512_cmp_ps_mask(a, infinity, _CMP_NLT_UQ);
-            m = _mm512_max_ps(m, a);
-        }
-        uint8_t* c = out_codes + b * block;
-        if (bad) {
-            out_scales[b] = NAN;
-            memset(c, (int)zero, (size_t)block); /* the reference's codes: the block's values as zeros */
-            continue;
-        }
-        float s = block_scale(_mm512_reduce_max_ps(m), max_value);
-        out_scales[b] = s;
-        const __m512 d = _mm512_set1_ps(s > 0 ? s : 1.0f);
-        for (int64_t i = 0; i < block; i += 16) {
-            __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_load_ps(sum + i), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i*)(c + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(q, zero_code))));
-        }
-    }
-}
-#else
-static inline float reduce_max8(__m256 m) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
+    float s = block_scale(absmax, max_value);
+    const vec d = vset(s > 0 ? s : 1.0f), zero_code = vset(zero);
+    for (int64_t i = 0; i < block; i += W) vstore_codes(c + i, vadd(vround(vdiv(vload(v + i), d)), zero_code));
+    return s;
 }
 
 void agoq_quantize_rows(const float* x, int64_t rows, int64_t n, int64_t block, uint8_t* codes, int64_t code_stride,
                         float* scales, int64_t scale_stride, float max_value, float zero) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 infinity = _mm256_set1_ps(INFINITY), zero_code = _mm256_set1_ps(zero);
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t b = 0; b < n / block; ++b) {
             const float* v = x + r * n + b * block;
-            uint8_t* c = codes + r * code_stride + b * block;
-            __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-            for (int64_t i = 0; i < block; i += 16) {
-                __m256 a0 = _mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask);
-                __m256 a1 = _mm256_and_ps(_mm256_loadu_ps(v + i + 8), abs_mask);
-                bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(a0, infinity, _CMP_NLT_UQ), _mm256_cmp_ps(a1, infinity, _CMP_NLT_UQ)));
-                m0 = _mm256_max_ps(m0, a0);
-                m1 = _mm256_max_ps(m1, a1);
+            vec m0 = vset(0.0f), m1 = vset(0.0f);
+            int bad = 0;
+            for (int64_t i = 0; i < block; i += 2 * W) {
+                vec a0 = vabs(vload(v + i)), a1 = vabs(vload(v + i + W));
+                bad |= vnonfinite(a0) | vnonfinite(a1);
+                m0 = vmax(m0, a0);
+                m1 = vmax(m1, a1);
             }
-            if (_mm256_movemask_ps(bad)) {
-                scales[r * scale_stride + b] = NAN;
-                memset(c, (int)zero, (size_t)block); /* the reference's codes: the block's values as zeros */
-                continue;
-            }
-            float s = block_scale(reduce_max8(_mm256_max_ps(m0, m1)), max_value);
-            scales[r * scale_stride + b] = s;
-            const __m256 d = _mm256_set1_ps(s > 0 ? s : 1.0f);
-            for (int64_t i = 0; i < block; i += 8) {
-                __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + i), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                __m256i k = _mm256_cvtps_epi32(_mm256_add_ps(q, zero_code));
-                __m128i k16 = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
-                _mm_storel_epi64((__m128i*)(c + i), _mm_packus_epi16(k16, k16));
-            }
+            float absmax = vhmax(vmax(m0, m1));
+            scales[r * scale_stride + b] = encode_block(v, block, absmax, bad, codes + r * code_stride + b * block, max_value, zero);
         }
     }
 }
 
+/* Sum W rows of codes as values (code - zero) * scale, in fp32 in row order (then / rows if
+   average), and requantize the sum: the reference's reduce_rows with requantize. */
 void agoq_reduce_rows(const uint8_t* codes, int64_t code_stride, const float* scales, int64_t scale_stride, int64_t rows,
                       int64_t n, int64_t block, int average, uint8_t* out_codes, float* out_scales, float max_value, float zero) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 infinity = _mm256_set1_ps(INFINITY), zero_code = _mm256_set1_ps(zero), count = _mm256_set1_ps((float)rows);
-    float sum[AGOQ_MAX_BLOCK] __attribute__((aligned(32)));
+    float sum[AGOQ_MAX_BLOCK];
+    const vec zero_code = vset(zero), count = vset((float)rows);
     for (int64_t b = 0; b < n / block; ++b) {
-        __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int64_t i = 0; i < block; i += 8) {
-            const int64_t at = b * block + i;
-            __m256 acc = _mm256_setzero_ps();
+        vec m = vset(0.0f);
+        int bad = 0;
+        for (int64_t i = 0; i < block; i += W) {
+            vec acc = vset(0.0f);
             for (int64_t r = 0; r < rows; ++r) {
-                __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + r * code_stride + at))));
-                __m256 v = _mm256_mul_ps(_mm256_sub_ps(c, zero_code), _mm256_set1_ps(scales[r * scale_stride + b]));
-                acc = r ? _mm256_add_ps(acc, v) : v;
+                vec value = vmul(vsub(vcodes(codes + r * code_stride + b * block + i), zero_code), vset(scales[r * scale_stride + b]));
+                acc = r ? vadd(acc, value) : value;
             }
-            if (average) acc = _mm256_div_ps(acc, count);
-            _mm256_store_ps(sum + i, acc);
-            __m256 a = _mm256_and_ps(acc, abs_mask);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, infinity, _CMP_NLT_UQ));
-            m = _mm256_max_ps(m, a);
+            if (average) acc = vdiv(acc, count);
+            vstore(sum + i, acc);
+            vec a = vabs(acc);
+            bad |= vnonfinite(a);
+            m = vmax(m, a);
         }
-        uint8_t* c = out_codes + b * block;
-        if (_mm256_movemask_ps(bad)) {
-            out_scales[b] = NAN;
-            memset(c, (int)zero, (size_t)block); /* the reference's codes: the block's values as zeros */
-            continue;
-        }
-        float s = block_scale(reduce_max8(m), max_value);
-        out_scales[b] = s;
-        const __m256 d = _mm256_set1_ps(s > 0 ? s : 1.0f);
-        for (int64_t i = 0; i < block; i += 8) {
-            __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_load_ps(sum + i), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m256i k = _mm256_cvtps_epi32(_mm256_add_ps(q, zero_code));
-            __m128i k16 = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
-            _mm_storel_epi64((__m128i*)(c + i), _mm_packus_epi16(k16, k16));
-        }
+        out_scales[b] = encode_block(sum, block, vhmax(m), bad, out_codes + b * block, max_value, zero);
     }
 }
-#endif
 """
 _FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"], "avx2": ["-mavx2", "-mfma"]}
 _LANES = {"avx512": 16, "avx2": 8}
@@ -225,7 +176,7 @@ def enabled() -> bool:
 
 
 def isa() -> str | None:
-    """The vector ISA the kernel is built for on this CPU (torch's own capability): avx512, avx2, or None."""
+    """The vector ISA the loops are built for on this CPU (torch's own capability): avx512, avx2, or None."""
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -242,7 +193,7 @@ def _compiler() -> str:
 
 @functools.lru_cache(maxsize=None)
 def library(which: str) -> ctypes.CDLL | None:
-    """The kernel built for ``which`` (avx512 / avx2), loaded; None (with one warning) where it cannot be built."""
+    """The loops built for ``which`` (avx512 / avx2), loaded; None (with one warning) where they cannot be built."""
     from agoq.inductor_cache import inductor_cache_folder
 
     try:
@@ -251,7 +202,7 @@ def library(which: str) -> ctypes.CDLL | None:
         flags = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-x", "c", *_FLAGS[which]]
         key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags]).encode()).hexdigest()[:20]
         folder = inductor_cache_folder() / "agoq_simd"
-        path = folder / f"quantize_rows_{which}_{key}.so"
+        path = folder / f"int8_wire_{which}_{key}.so"
         if not path.is_file():
             folder.mkdir(parents=True, exist_ok=True)
             _build(compiler, flags, folder, path)
@@ -259,7 +210,7 @@ def library(which: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         warnings.warn(
-            f"agoq: could not build the {which} quantize kernel ({first_line[:200]}); inductor's code runs instead "
+            f"agoq: could not build the {which} int8 wire kernels ({first_line[:200]}); inductor's code runs instead "
             f"(same results, slower); set {ENV_VAR}=0 to skip it",
             RuntimeWarning,
             stacklevel=2,
@@ -275,7 +226,7 @@ def library(which: str) -> ctypes.CDLL | None:
 def _build(compiler: str, flags: list[str], folder: Path, path: Path) -> None:
     """Compile _SOURCE into ``path``, through a temporary name renamed into place (atomic on one file system)."""
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        source, built = Path(tmp) / "quantize_rows.c", Path(tmp) / path.name
+        source, built = Path(tmp) / "int8_wire.c", Path(tmp) / path.name
         source.write_text(_SOURCE)
         result = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
@@ -283,7 +234,7 @@ def _build(compiler: str, flags: list[str], folder: Path, path: Path) -> None:
         os.replace(built, path)
 
 
-# The reduction sums a block in a buffer on the stack (16 KiB).
+# The reduction sums a block in a buffer on the stack (16 KiB): AGOQ_MAX_BLOCK above.
 MAX_BLOCK = 4096
 
 
