@@ -341,6 +341,27 @@ def test_reduce_rows_sums_in_rank_order_and_requantizes(average: bool) -> None:
     acc, q = tq.reduce_rows(wire[:, :pb], wire[:, pb:].contiguous().view(torch.float32), fmt, average=average, requantize=True)
     assert torch.equal(acc.cpu(), acc_ref)
     _assert_same_q(q, _reference_quantize(acc_ref, fmt, nonfinite="propagate"))
+    # Into given tensors (the row the all-reduce sends back), the sum not kept.
+    out = (torch.empty(pb, dtype=torch.uint8, device=DEVICE), torch.empty(c // 256, device=DEVICE))
+    none, into = tq.reduce_rows(
+        wire[:, :pb], wire[:, pb:].contiguous().view(torch.float32), fmt, average=average, keep_sum=False, requantize=True, out=out
+    )
+    assert none is None and into.payload.data_ptr() == out[0].data_ptr() and into.scales.data_ptr() == out[1].data_ptr()
+    _assert_same_q(into, q)
+
+
+def test_quantize_rows_into_wire_rows_writes_the_references_bytes() -> None:
+    """Codes and scales of 3 rows written into wire rows [codes | scales] (a row stride past the codes)."""
+    fmt = parse_format("int8/256")
+    x = torch.randn(3, 2048) * torch.tensor([[1.0], [1e-3], [1e3]])
+    x[2, 700] = float("nan")
+    wire = torch.zeros(3, 2048 + 32 + 8, dtype=torch.uint8, device=DEVICE)
+    tq.quantize_rows_into(x.to(DEVICE), wire[:, :2048], wire[:, 2048:2080].view(torch.float32), fmt)
+    for i in range(3):
+        want = _reference_quantize(x[i], fmt, nonfinite="propagate")
+        got = QTensor(wire[i, :2048].cpu(), wire[i, 2048:2080].contiguous().view(torch.float32).cpu(), torch.Size([2048]), torch.float32, fmt)
+        _assert_same_q(got, want)
+    assert bool((wire[:, 2080:] == 0).all())
 
 
 def test_dequantize_rows_reads_wire_rows_in_place_as_the_reference_dequantizes_each() -> None:
