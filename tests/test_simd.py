@@ -109,6 +109,27 @@ def test_the_kernels_apply_to_int8_fp32_on_few_threads_unless_turned_off(isa: st
     assert simd.quantize_rows_kernel(int8, x) is None and simd.reduce_rows_kernel(int8, x.device) is None
 
 
+def test_the_kernels_refuse_tensors_they_would_misread(isa: str) -> None:
+    """Shapes, strides and dtypes are checked before the loops run (they read raw pointers)."""
+    fmt = parse_format("int8/256")
+    x = torch.zeros(2, 512)
+    quantize_rows = simd.quantize_rows_kernel(fmt, x)
+    reduce_rows = simd.reduce_rows_kernel(fmt, x.device)
+    assert quantize_rows is not None and reduce_rows is not None
+    codes, scales = torch.empty(2, 512, dtype=torch.uint8), torch.empty(2, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize_rows(x.t().contiguous().t(), codes, scales)
+    with pytest.raises(ValueError, match="matching"):
+        quantize_rows(x, codes[:, :256], scales)
+    with pytest.raises(ValueError, match="uint8"):
+        quantize_rows(x, codes.float(), scales)
+    out_codes, out_scales = torch.empty(512, dtype=torch.uint8), torch.empty(2)
+    with pytest.raises(ValueError, match="uint8 codes and fp32 scales"):
+        reduce_rows(codes, scales.double(), out_codes, out_scales, False)
+    with pytest.raises(ValueError, match="outputs to match"):
+        reduce_rows(codes, scales, out_codes[:256], out_scales, False)
+
+
 def test_a_failed_build_warns_once_and_inductors_code_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """No compiler (or one that fails): one RuntimeWarning naming the way out, no kernel, and
     compiled.quantize_rows_into still writes the reference's bytes."""

@@ -299,6 +299,8 @@ def reduce_rows_kernel(fmt: QuantFormat, device: torch.device) -> Callable[..., 
             raise ValueError(f"reduce_rows: code rows [{rows}, {n}] of whole blocks, scale rows and outputs to match")
         if codes.stride(1) != 1 or scales.stride(1) != 1 or not (out_codes.is_contiguous() and out_scales.is_contiguous()):
             raise ValueError("reduce_rows: rows contiguous within a row, outputs contiguous")
+        if codes.dtype != torch.uint8 or out_codes.dtype != torch.uint8 or scales.dtype != torch.float32 or out_scales.dtype != torch.float32:
+            raise ValueError("reduce_rows: uint8 codes and fp32 scales, in and out")
         lib.agoq_reduce_rows(
             codes.data_ptr(),
             codes.stride(0),
