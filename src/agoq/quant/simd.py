@@ -175,8 +175,10 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+@functools.cache
 def isa() -> str | None:
-    """The vector ISA the loops are built for on this CPU (torch's own capability): avx512, avx2, or None."""
+    """The vector ISA the loops are built for on this CPU (torch's own capability, fixed when torch
+    loads): avx512, avx2, or None. Read once: every quantize and reduction of the wire asks."""
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
