@@ -30,7 +30,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -681,10 +681,27 @@ def _start_8bit(
     _check_float(tensor, name)
     world_size, _ = world_of(group)
     layout = chunk_layout(tensor.numel(), world_size, fmt)
+    return start_reduction(tensor, layout, op, group, consume=consume, counter=counter, name=name, timings=timings, nodes=nodes)
+
+
+def start_reduction(
+    tensor: torch.Tensor,
+    layout: ChunkLayout,
+    op: str | dist.ReduceOp,
+    group: Group,
+    *,
+    consume: bool = False,
+    timings: dict[str, float] | None = None,
+    **kwargs: Any,
+) -> EightBitReduction:
+    """The :class:`EightBitReduction` of ``tensor`` over ``layout``: quantized into wire rows of its
+    own (:func:`quantize_to_wire`), its all-to-all started. ``consume``: the tensor's bytes receive
+    the rows (:func:`receiving_rows`; the result replaces the tensor). ``kwargs``: the reduction's
+    (counter, name, nodes)."""
     with timed_phase(timings, "quantize"):
         rows = quantize_to_wire(tensor, layout)
     recv = receiving_rows(tensor, layout) if consume else None
-    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, timings=timings, nodes=nodes, owns_rows=True, recv=recv)
+    return EightBitReduction(rows, layout, op, group, timings=timings, owns_rows=True, recv=recv, **kwargs)
 
 
 def all_reduce_8bit(

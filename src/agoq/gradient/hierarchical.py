@@ -38,17 +38,15 @@ from agoq.quant import QuantFormat, dequantize, quantization_error_bound
 
 from agoq.gradient.collectives import (
     ChunkLayout,
-    EightBitReduction,
     chunk_layout,
     from_wire,
     parse_op,
     quantize_rows,
-    quantize_to_wire,
-    receiving_rows,
+    start_reduction,
     timed_phase,
 )
 from agoq.gradient.counter import COMM_COUNTER, CommCounter
-from agoq.gradient.nodes import Group, NodeGroups, check_node_size, gather_within_node
+from agoq.gradient.nodes import NodeGroups, check_node_size, gather_within_node
 
 DEFAULT_INTRA_FORMAT = "int8/256"
 DEFAULT_INTER_FORMAT = "int4/128"
@@ -120,10 +118,10 @@ def all_reduce_hierarchical(
     counter = COMM_COUNTER if counter is None else counter
     layout = hierarchical_layout(tensor.numel(), groups.node_size, groups.nodes, intra_fmt, inter_fmt)
     with timed_phase(timings, HOP_NAMES[0]):
-        hop1 = _start_hop(tensor, layout.outer, op, groups.intra, counter, HOP_NAMES[0])
+        hop1 = start_reduction(tensor, layout.outer, op, groups.intra, consume=True, counter=counter, name=HOP_NAMES[0])
         partial = hop1.reduce()[: layout.outer.chunk]
     with timed_phase(timings, HOP_NAMES[1]):
-        hop2 = _start_hop(partial, layout.inner, op, groups.inter, counter, HOP_NAMES[1])
+        hop2 = start_reduction(partial, layout.inner, op, groups.inter, consume=True, counter=counter, name=HOP_NAMES[1])
         del partial
         hop2.reduce_and_gather()
         chunk_bytes = hop2.gathered().reshape(-1)
@@ -144,12 +142,6 @@ def all_reduce_hierarchical(
         _unpack(wire, layout, flat)
         if flat.data_ptr() != tensor.data_ptr() or flat.dtype != tensor.dtype:
             tensor.copy_(flat.view(tensor.shape))
-
-
-def _start_hop(tensor: torch.Tensor, layout: ChunkLayout, op: str, group: Group, counter: CommCounter, name: str) -> EightBitReduction:
-    """A hop's reduction of ``tensor``, which it consumes: quantized into wire rows of its own, received into its bytes."""
-    rows = quantize_to_wire(tensor, layout)
-    return EightBitReduction(rows, layout, op, group, counter=counter, name=name, owns_rows=True, recv=receiving_rows(tensor, layout))
 
 
 def _fp32_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
