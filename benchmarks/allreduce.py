@@ -19,10 +19,10 @@ hosts (``netns``), the 8-bit and int4 all-reduces gather between hosts, then wit
 training does across nodes (agoq.gradient.collectives.gathers_by_node).
 
 Times are the slowest rank's, median over ``--reps``; "same repetition" ratios are the median of
-each repetition's ratio (the methods take turns within a repetition, each repetition starting one
-method later, so that no method always runs right after the same one: on 4 ranks over 2 cores the
-same 8-bit code measured 1.09-1.35x slower run right after gloo's fp32 all-reduce than two places
-later, at 2-16 MiB).
+each repetition's ratio (the methods take turns within a repetition, in an order shuffled each
+repetition, seeded by it so every rank runs the same one: on 4 ranks over 2 cores the same 8-bit
+code measured 1.09-1.35x slower run right after gloo's fp32 all-reduce than two places later, at
+2-16 MiB, and a fixed order, rotated or not, keeps each method after the same one).
 Each rank uses one thread.
 Each method's CPU time is recorded too (the busiest rank's process CPU seconds, gloo's threads
 included): over loopback, where bytes cost little and the ranks share the cores, it is what the
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reps",
         type=int,
         default=20,
-        help="timed repetitions per size, the methods taking turns (each first in 4 of 20); median reported (default 20)",
+        help="timed repetitions per size, the methods taking turns in a shuffled order; median reported (default 20)",
     )
     parser.add_argument(
         "--netns-sizes",
@@ -167,12 +168,14 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
             counters[method].reset()
         # The methods take turns within each repetition, so a change in the machine's load
         # (4 ranks share the cores) falls on all of them alike instead of on whichever ran then,
-        # in an order rotated by one each repetition, so that each follows each other method.
+        # in an order shuffled each repetition, so that each method follows each of the others.
         times: dict[str, list[float]] = {method: [] for method in METHODS}
         cpu: dict[str, list[float]] = {method: [] for method in METHODS}
         tx: dict[str, float] = dict.fromkeys(METHODS, 0.0)
         for rep in range(reps):
-            for method in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
+            order = list(METHODS)
+            random.Random(rep).shuffle(order)  # the same order on every rank: they run collectives together
+            for method in order:
                 y = bases[method].clone()
                 dist.barrier()
                 tx0 = _tx_bytes(link)
