@@ -224,6 +224,27 @@ def test_a_batch_longer_than_the_corpus_is_refused_before_launch(tmp_path, capsy
     assert "training tokens, fewer than one batch of data.batch_size=4 x (data.seq_len=100000 + 1) = 400004" in err, err
 
 
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_launch(tmp_path, capsys, launches, monkeypatch):
+    """The check compares agoq plan's estimate of every local process's tensors with the machine's
+    memory; here the machine is made to report 64 MiB, less than the default run's four processes need."""
+    import agoq.train.config as config_mod
+    from agoq.plan.config import from_train_config
+    from agoq.plan.memory import plan_memory
+
+    cfg = load_config(None, ["--precision.compute_dtype=fp32"])
+    (setup,) = plan_memory(from_train_config(cfg)).setups
+    need = sum(r.total for r in setup.ranks) * cfg.parallel.dp
+    assert need > 64 * 2**20
+    monkeypatch.setattr(config_mod, "machine_memory_bytes", lambda: 64 * 2**20)
+    args = ["--precision.compute_dtype=fp32", f"--train.out_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    err = _refused(capsys, args, launches)
+    assert (
+        f"data.batch_size=16 x data.seq_len=128 needs about {need / 2**30:.1f} GiB over the 4 local processes (agoq plan's estimate), "
+        "more than this machine's 0.1 GiB; lower data.seq_len or data.batch_size, or raise parallel.microbatches"
+    ) in err, err
+    assert not (tmp_path / "cache").exists()  # refused before the data was prepared
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
