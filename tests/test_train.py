@@ -185,7 +185,7 @@ def test_validation_is_checked_for_a_whole_batch_and_only_when_the_run_reads_it(
     launch naming the fix, unless it neither evaluates nor measures the baseline."""
     from agoq.train.run import check_data
 
-    long = ["--data.seq_len=4096", "--data.batch_size=8"]
+    long = ["--data.seq_len=4096", "--model.max_seq_len=4096", "--data.batch_size=8"]
     with pytest.raises(ConfigError, match=r"10000 validation tokens .* fewer than one batch of .* = 32769; raise data.val_fraction") as e:
         check_data(load_config(None, long), 10**6, 10_000)
     assert "\n" not in str(e.value)

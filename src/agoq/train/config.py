@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 import types
 import typing
@@ -92,7 +93,7 @@ class DataSection:
 
     corpus: str = "kjv"  # 'kjv' or a .txt/.jsonl file or folder
     tokenizer: str | None = None  # a tokenizer.json; default: train a byte-level BPE on the corpus
-    vocab_size: int = 4096  # of the BPE tokenizer trained on the corpus (ignored with a tokenizer file)
+    vocab_size: int = 4096  # of the BPE tokenizer trained on the corpus, and the model's embedding rows (with a tokenizer file: its vocabulary)
     seq_len: int = 128  # tokens per sequence
     batch_size: int = 16  # sequences per step, over all dp ranks
     val_fraction: float = 0.01  # of the corpus held out for validation
@@ -140,10 +141,11 @@ class TrainConfig:
         return self.parallel.pp * self.parallel.dp * self.parallel.tp
 
     def model_config(self) -> LlamaConfig:
-        """The LLaMA architecture, with the tokenizer's vocabulary and the sequence length applied."""
+        """The LLaMA architecture trained: the preset, its overrides, and the tokenizer's vocabulary
+        (data.vocab_size, or the vocabulary of the data.tokenizer file); max_seq_len is the preset's
+        unless model.overrides sets it (validate refuses a data.seq_len beyond it)."""
         overrides = dict(self.model.overrides)
-        overrides.setdefault("vocab_size", self.data.vocab_size)
-        overrides.setdefault("max_seq_len", max(self.data.seq_len, PRESETS[self.model.preset].max_seq_len if self.model.preset in PRESETS else 0))
+        overrides["vocab_size"] = _tokenizer_vocab(self.data)
         try:
             return get_config(self.model.preset, **overrides)
         except ValueError as e:
@@ -209,6 +211,41 @@ def _section_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
+def _tokenizer_vocab(d: DataSection) -> int:
+    """The vocabulary the model's embedding has one row per id of: data.vocab_size for the BPE
+    trained on the corpus (which may hold fewer tokens on a small corpus: their rows stay unused),
+    else the data.tokenizer file's."""
+    if d.tokenizer is None:
+        return d.vocab_size
+    if not Path(d.tokenizer).expanduser().is_file():
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a file; pass a tokenizer.json or leave it unset to train one")
+    from agoq.train.tokenizer import tokenizer_vocab_size
+
+    try:
+        return tokenizer_vocab_size(d.tokenizer)
+    except Exception as e:  # tokenizers raises its own exception types for a file it cannot parse
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer!r} is not a tokenizer file that loads ({str(e).splitlines()[0][:120]}); pass a Hugging Face tokenizer.json"
+        ) from None
+
+
+def _model_overrides(cfg: TrainConfig) -> None:
+    """Every model override names a LlamaConfig field of the right type, other than vocab_size (the tokenizer's)."""
+    fields = typing.get_type_hints(LlamaConfig)
+    settable = [f for f in fields if f != "vocab_size"]
+    for key, value in cfg.model.overrides.items():
+        if key == "vocab_size":
+            raise ConfigError(
+                f"model.vocab_size={value!r} cannot be set: the model has one embedding row per id of the tokenizer; "
+                f"set data.vocab_size=N instead (the BPE trained on the corpus, N >= {MIN_VOCAB_SIZE}) or pass a data.tokenizer file"
+            )
+        if key not in fields:
+            raise ConfigError(f"model.overrides has unknown field {key!r}; valid fields: {', '.join(settable)}")
+        coerced = _coerce(value, fields[key], f"model.{key}")
+        if type(coerced) is not type(value) and not (fields[key] is float and type(value) is int):
+            raise ConfigError(f"model.{key}={value!r} has the wrong type; expected {fields[key].__name__}")
+
+
 def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_literal: bool) -> None:
     sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
     if section not in sections:
@@ -226,7 +263,12 @@ def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_litera
         raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(field_types)}")
     if parse_literal and not _is_text(field_types[key]):
         value = _literal(value)
-    setattr(obj, key, _coerce(value, field_types[key], f"{section}.{key}"))
+    value = _coerce(value, field_types[key], f"{section}.{key}")
+    if section == "model" and key == "overrides":
+        # Typed like model.FIELD=value: a table's values are coerced to their fields' types.
+        hints = typing.get_type_hints(LlamaConfig)
+        value = {k: _coerce(v, hints[k], f"model.{k}") if k in hints else v for k, v in value.items()}
+    setattr(obj, key, value)
 
 
 def _is_text(annotation: Any) -> bool:
@@ -290,12 +332,46 @@ def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError for the first value that cannot work, section by section."""
     if cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; use one of {', '.join(PRESETS)}")
-    mc = cfg.model_config()
+    _model_overrides(cfg)
+    d = cfg.data
+    if d.corpus != "kjv" and not Path(d.corpus).expanduser().exists():
+        raise ConfigError(f"data.corpus={d.corpus!r} does not exist; pass a .txt/.jsonl file or folder, or 'kjv'")
+    mc = cfg.model_config()  # loads data.tokenizer, if set, for its vocabulary
     _validate_parallel(cfg.parallel, mc)
     _validate_data(cfg.data, cfg.parallel)
+    _validate_model(cfg, mc)
     _validate_precision(cfg.precision, cfg.parallel, cfg.optim)
     _validate_optim(cfg.optim, mc)
     _validate_sizes(cfg)
+
+
+def _validate_model(cfg: TrainConfig, mc: LlamaConfig) -> None:
+    """The architecture against the data and the layout: context length, norm epsilon, recomputed layers, vocabulary."""
+    d, p, pr = cfg.data, cfg.parallel, cfg.precision
+    if d.seq_len > mc.max_seq_len:
+        if "max_seq_len" in cfg.model.overrides:
+            raise ConfigError(
+                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mc.max_seq_len}; lower data.seq_len or set --model.overrides={{max_seq_len={d.seq_len}}}"
+            )
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} exceeds model {cfg.model.preset}'s max_seq_len={mc.max_seq_len}; lower data.seq_len, "
+            f"or train the model at that context with --model.overrides={{max_seq_len={d.seq_len}}}"
+        )
+    if not math.isfinite(mc.norm_eps) or mc.norm_eps <= 0:
+        raise ConfigError(f"model.norm_eps={mc.norm_eps} must be a finite number > 0 (RMSNorm divides by sqrt(mean + eps); 1e-5 is usual)")
+    stages = p.pp * p.virtual_stages
+    per_stage = mc.n_layers // stages
+    if pr.recompute_layers > per_stage:
+        raise ConfigError(
+            f"precision.recompute_layers={pr.recompute_layers} exceeds the {per_stage} decoder layers of each pipeline stage "
+            f"(model.n_layers={mc.n_layers} over parallel.pp x parallel.virtual_stages = {stages}); use at most {per_stage}"
+        )
+    default_vocab = DataSection().vocab_size
+    if d.tokenizer is not None and d.vocab_size not in (default_vocab, mc.vocab_size):
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} is not used with data.tokenizer={d.tokenizer!r}, whose vocabulary is {mc.vocab_size}; "
+            f"drop data.vocab_size or set it to {mc.vocab_size}"
+        )
 
 
 def _validate_parallel(p: ParallelSection, mc: LlamaConfig) -> None:
@@ -349,19 +425,7 @@ def _validate_data(d: DataSection, p: ParallelSection) -> None:
         )
     if not 0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
-    if d.corpus != "kjv" and not Path(d.corpus).exists():
-        raise ConfigError(f"data.corpus={d.corpus!r} does not exist; pass a .txt/.jsonl file or folder, or 'kjv'")
-    if d.tokenizer is not None:
-        if not Path(d.tokenizer).is_file():
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a file; pass a tokenizer.json or leave it unset to train one")
-        from agoq.train.tokenizer import load_tokenizer
-
-        try:
-            load_tokenizer(d.tokenizer)
-        except Exception as e:  # tokenizers raises its own exception types for a file it cannot parse
-            raise ConfigError(
-                f"data.tokenizer={d.tokenizer!r} is not a tokenizer file that loads ({str(e).splitlines()[0][:120]}); pass a Hugging Face tokenizer.json"
-            ) from None
+    # data.corpus and data.tokenizer are checked first, in validate (the vocabulary is the tokenizer's).
 
 
 def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSection) -> None:
@@ -442,6 +506,49 @@ def _validate_sizes(cfg: TrainConfig) -> None:
         raise ConfigError("train.out_dir is empty; name a folder, e.g. --train.out_dir=runs/NAME")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(cfg: TrainConfig) -> None:
+    """ConfigError when the tensors of a local run's processes (agoq plan's estimate, which the
+    trainer's own counts match within 5%) exceed this machine's memory, or a GPU's: such a run could
+    only swap or be killed. Configurations the planner does not model are not checked."""
+    import torch
+
+    from agoq.plan.config import from_train_config
+    from agoq.plan.memory import plan_memory
+
+    try:
+        (setup,) = plan_memory(from_train_config(cfg)).setups
+    except ValueError:  # PlanError: a configuration outside the planner's accounting
+        return
+    d, p = cfg.data, cfg.parallel
+    shape = f"data.batch_size={d.batch_size} x data.seq_len={d.seq_len}"
+    fix = "lower data.seq_len or data.batch_size, or raise parallel.microbatches"
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        per_gpu = -(-cfg.world_size // gpus) * setup.peak  # ranks beyond the GPU count share them
+        have = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+        if per_gpu > have:
+            raise ConfigError(
+                f"{shape} needs about {per_gpu / 2**30:.1f} GiB per GPU (agoq plan's estimate), more than its {have / 2**30:.1f} GiB; {fix}"
+            )
+        return
+    # On the CPU every local process shares the machine's memory; replicas over dp and tp hold alike.
+    need = sum(r.total for r in setup.ranks) * p.dp * p.tp
+    have = machine_memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"{shape} needs about {need / 2**30:.1f} GiB over the {cfg.world_size} local processes (agoq plan's estimate), "
+            f"more than this machine's {have / 2**30:.1f} GiB; {fix}"
+        )
 
 
 # ---- help and printing ------------------------------------------------------------------------

@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from agoq.train.config import ConfigError
 from agoq.train.tokenizer import (
+    CACHE_ENV,
     DEFAULT_VOCAB_SIZE,
     Tokenizer,
     atomic_write_text,
@@ -33,6 +35,7 @@ from agoq.train.tokenizer import (
     file_lock,
     load_or_train_bpe,
     load_tokenizer,
+    notify,
     temp_file_beside,
 )
 
@@ -42,7 +45,8 @@ DEFAULT_VAL_FRACTION = 0.015
 # Bump when the way files become documents changes: it is part of every corpus fingerprint, so
 # cached tokenizers and token files built the old way are not reused.
 READER_VERSION = "1"
-PACKED_FORMAT = 1
+# 2: the metadata holds the SHA-256 of the token file, checked before the tokens are trained on.
+PACKED_FORMAT = 2
 # Characters encoded per call when packing: large enough for the tokenizer's thread pool, small
 # enough to bound memory on big corpora.
 _PACK_CHUNK_CHARS = 1 << 22
@@ -79,12 +83,12 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(
-            f"corpus path {str(p)!r} does not exist; give a .txt or .jsonl file, a folder of them, or {KJV!r} for the bundled King James Bible"
+            f"{str(p)!r} does not exist; give a .txt or .jsonl file, a folder of them, or {KJV!r} for the bundled King James Bible"
         )
     if p.is_file():
         if p.suffix.lower() not in CORPUS_SUFFIXES:
             raise ValueError(
-                f"corpus file {str(p)!r} has unsupported extension {p.suffix!r}; use .txt (one "
+                f"{str(p)!r} has unsupported extension {p.suffix!r}; use .txt (one "
                 'document per file) or .jsonl (one JSON object with a "text" field per line)'
             )
         return (p,)
@@ -93,7 +97,7 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
     if not files:
         others = sorted({f.suffix or "(none)" for f in found})
         raise ValueError(
-            f"corpus folder {str(p)!r} holds no .txt or .jsonl files"
+            f"folder {str(p)!r} holds no .txt or .jsonl files"
             + (f" (found extensions: {', '.join(others)})" if others else " (it is empty)")
             + "; add some or point to another folder"
         )
@@ -132,7 +136,7 @@ def open_corpus(path: str | os.PathLike[str] | None = None) -> Corpus:
         corpus.num_chars += len(doc)
     if corpus.num_documents == 0:
         shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
-        raise ValueError(f"corpus {str(path)!r} is empty: no text in {shown}; add text or point to another corpus")
+        raise ValueError(f"the corpus is empty: no text in {shown}; add text or point to another corpus")
     corpus.fingerprint = h.hexdigest()
     return corpus
 
@@ -150,12 +154,22 @@ def _read_file(path: Path, is_kjv: bool) -> Iterator[str]:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"corpus file {str(path)!r} is not UTF-8 text ({exc}); convert it to UTF-8") from exc
+            raise ValueError(f"{str(path)!r} is not UTF-8 text ({exc}); convert it to UTF-8 or remove it from the corpus") from exc
+        if "\0" in text:
+            # Valid UTF-8 but not text (NUL bytes: an executable, an archive, an image).
+            raise ValueError(f"{str(path)!r} holds NUL bytes: it is a binary file, not text; remove it from the corpus or convert it to UTF-8 text")
         if text:
             yield text
 
 
 def _read_jsonl(path: Path) -> Iterator[str]:
+    try:
+        yield from _jsonl_rows(path)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text ({exc}); write the .jsonl file as UTF-8") from exc
+
+
+def _jsonl_rows(path: Path) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -196,6 +210,14 @@ def _read_kjv(path: Path) -> Iterator[str]:
         yield "\n".join(verses)
 
 
+class DataError(ConfigError):
+    """The corpus, tokenizer or cache of a run cannot be used; the message names the setting and the fix."""
+
+
+class CacheMismatch(ValueError):
+    """A cached token file whose bytes differ from the digest written with it."""
+
+
 # ----------------------------------------------------------------------------- packed tokens
 
 
@@ -216,26 +238,49 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def pack_corpus(corpus: Corpus, tokenizer: Tokenizer, cache: str | os.PathLike[str] | None = None) -> PackedTokens:
-    """The corpus's packed token file from the cache, tokenizing and writing it once if absent."""
+def pack_corpus(corpus: Corpus, tokenizer: Tokenizer, cache: str | os.PathLike[str] | None = None, verify: bool = True) -> PackedTokens:
+    """The corpus's packed token file from the cache, tokenizing and writing it once if absent.
+
+    A cached file is used only if its size and (with ``verify``) its SHA-256 match its metadata;
+    otherwise it is rebuilt, with one line saying why. Hashing reads the whole file once, so a run
+    verifies it in one process and the processes that read it after that may skip it.
+    """
     stem = f"{corpus.fingerprint[:16]}-{tokenizer.fingerprint[:16]}"
     path = cache_dir(cache) / "tokens" / f"{stem}.bin"
     with file_lock(path):
         try:
-            packed = open_packed(path)
+            packed = open_packed(path, verify=verify)
             if (packed.meta["corpus_fingerprint"], packed.meta["tokenizer_fingerprint"]) == (
                 corpus.fingerprint,
                 tokenizer.fingerprint,
             ):
                 return packed
-        except (FileNotFoundError, ValueError):
-            pass  # absent or broken: rebuild it below
+            notify(f"agoq train: token cache {path} was built from other data; rebuilt")
+        except FileNotFoundError:
+            pass  # not built yet
+        except CacheMismatch:
+            notify(f"agoq train: token cache {path} did not match its digest; rebuilt")
+        except ValueError as exc:
+            if not str(exc).startswith(_OLD_FORMAT):  # a cache of an earlier format is rebuilt silently
+                notify(f"agoq train: token cache {path} was unreadable ({str(exc).split(';')[0]}); rebuilt")
         _write_packed(path, corpus, tokenizer)
     return open_packed(path)
 
 
-def open_packed(path: str | os.PathLike[str]) -> PackedTokens:
-    """A packed token file (.bin, with its .json metadata beside it), memory-mapped read-only."""
+_OLD_FORMAT = "older format:"
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def open_packed(path: str | os.PathLike[str], verify: bool = False) -> PackedTokens:
+    """A packed token file (.bin, with its .json metadata beside it), memory-mapped read-only.
+
+    ``verify``: also check the file's SHA-256 against its metadata (:class:`CacheMismatch` if not).
+    """
     path = Path(path)
     meta_path = path.with_suffix(".json")
     if not path.is_file() or not meta_path.is_file():
@@ -248,7 +293,7 @@ def open_packed(path: str | os.PathLike[str]) -> PackedTokens:
         raise ValueError(f"metadata {str(meta_path)!r} is unreadable ({exc}); delete it and the .bin to rebuild") from exc
     if meta.get("format") != PACKED_FORMAT:
         raise ValueError(
-            f"packed token file {str(path)!r} has format {meta.get('format')!r}, this version reads {PACKED_FORMAT}; delete it to rebuild"
+            f"{_OLD_FORMAT} packed token file {str(path)!r} has format {meta.get('format')!r}, this version reads {PACKED_FORMAT}; delete it to rebuild"
         )
     expected = num_tokens * dtype.itemsize
     size = path.stat().st_size
@@ -257,6 +302,8 @@ def open_packed(path: str | os.PathLike[str]) -> PackedTokens:
             f"packed token file {str(path)!r} has {size} bytes, its metadata says {expected} "
             f"({num_tokens} x {dtype.name}); it is truncated or stale: delete it to rebuild"
         )
+    if verify and file_sha256(path) != meta.get("sha256"):
+        raise CacheMismatch(f"packed token file {str(path)!r} does not match the SHA-256 in {meta_path.name!r}; delete it to rebuild")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
     return PackedTokens(path=path, meta=meta, tokens=tokens)
 
@@ -265,6 +312,7 @@ def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
     fd, tmp = temp_file_beside(path)
     num_tokens = num_docs = 0
+    digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as f:
             chunk: list[str] = []
@@ -276,7 +324,9 @@ def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
                 for doc_ids in tokenizer.encode_batch(chunk):
                     ids.extend(doc_ids)
                     ids.append(tokenizer.eos_id)
-                np.asarray(ids, dtype=dtype).tofile(f)
+                data = np.asarray(ids, dtype=dtype).tobytes()
+                f.write(data)
+                digest.update(data)
                 num_tokens += len(ids)
                 num_docs += len(chunk)
                 chunk.clear()
@@ -302,6 +352,7 @@ def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
         "format": PACKED_FORMAT,
         "dtype": dtype.name,
         "num_tokens": num_tokens,
+        "sha256": digest.hexdigest(),
         "num_documents": num_docs,
         "num_chars": corpus.num_chars,
         "vocab_size": tokenizer.vocab_size,
@@ -506,13 +557,56 @@ def prepare_data(
     cache: str | os.PathLike[str] | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     eos_token: str | None = None,
+    verify: bool = True,
 ) -> TokenData:
-    """Tokenizer + packed token file for a corpus (KJV by default), built once and cached."""
-    c = open_corpus(corpus)
-    if tokenizer is not None:
-        tok = load_tokenizer(tokenizer, eos_token)
-    else:
-        tok = load_or_train_bpe(c.documents(), c.fingerprint, vocab_size, cache)
-    packed = pack_corpus(c, tok, cache)
+    """Tokenizer + packed token file for a corpus (KJV by default), built once and cached.
+
+    A corpus, tokenizer or cache folder that cannot be used raises :class:`DataError`, one line
+    naming the setting (data.corpus, data.tokenizer, data.cache_dir) and the fix. ``verify``: check
+    the cached token file's digest (see :func:`pack_corpus`).
+    """
+    try:
+        c = open_corpus(corpus)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data.corpus={KJV if corpus is None else str(corpus)!r}: {_one_line(exc)}") from exc
+    _check_writable(cache)
+    try:
+        if tokenizer is not None:
+            try:
+                tok = load_tokenizer(tokenizer, eos_token)
+            except (OSError, ValueError) as exc:
+                raise DataError(f"data.tokenizer={str(tokenizer)!r}: {_one_line(exc)}") from exc
+        else:
+            tok = load_or_train_bpe(c.documents(), c.fingerprint, vocab_size, cache)
+        packed = pack_corpus(c, tok, cache, verify=verify)
+    except OSError as exc:
+        raise DataError(_cache_message(cache, exc)) from exc
     train, val = split_tokens(packed.tokens, val_fraction)
     return TokenData(corpus=c, tokenizer=tok, packed=packed, train=train, val=val)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_writable(cache: str | os.PathLike[str] | None) -> None:
+    """DataError unless the cache folder exists or can be made, and a file can be written in it."""
+    folder = cache_dir(cache)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = temp_file_beside(folder / "probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise DataError(_cache_message(cache, exc)) from exc
+
+
+def _cache_message(cache: str | os.PathLike[str] | None, exc: OSError) -> str:
+    why = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else _one_line(exc)
+    if cache is not None:
+        return f"data.cache_dir={str(cache)!r} cannot be written ({why}); pass a writable folder with --data.cache_dir=PATH"
+    return (
+        f"the data cache {cache_dir(None)} (data.cache_dir unset: ${CACHE_ENV}, else ~/.cache/agoq) cannot be written ({why}); "
+        "pass a writable folder with --data.cache_dir=PATH"
+    )

@@ -291,11 +291,16 @@ def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
         print("agoq train: no loss.png: matplotlib is not installed (pip install 'agoq[plot]')", flush=True)
 
 
-def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int) -> None:
-    """ConfigError unless the corpus holds at least one step's batch for training and one for validation."""
+def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int, tokenizer_vocab: int | None = None) -> None:
+    """ConfigError unless the corpus holds at least one step's batch for training and one for
+    validation, and the model has an embedding row for every id of the tokenizer (``tokenizer_vocab``)."""
     from agoq.train.config import ConfigError
 
     d = cfg.data
+    if tokenizer_vocab is not None and tokenizer_vocab > cfg.model_config().vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer_vocab} ids, more than the model's vocabulary {cfg.model_config().vocab_size}; set data.vocab_size={tokenizer_vocab}"
+        )
     batch = d.batch_size * (d.seq_len + 1)  # each sequence also needs its next-token targets
     if train_tokens < batch:
         raise ConfigError(
@@ -452,11 +457,13 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
 
     # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,
     # and the workers only read the cache.
+    from agoq.train.config import check_memory
     from agoq.train.data import prepare_data
 
+    check_memory(cfg)
     d = cfg.data
     data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
-    check_data(cfg, len(data.train), len(data.val))
+    check_data(cfg, len(data.train), len(data.val), data.tokenizer.vocab_size)
     choices = resolve_auto_choices(cfg)
     announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}", choices)
     # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store

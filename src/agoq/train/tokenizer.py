@@ -8,8 +8,10 @@ deterministic, so every process that builds it gets the same ids.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +27,8 @@ KNOWN_EOS_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>",
 # Fewer ids than this cannot hold the 256 byte symbols plus the end-of-document token.
 MIN_VOCAB_SIZE = 257
 CACHE_ENV = "AGOQ_CACHE_DIR"
+# Beside each cached tokenizer: the SHA-256 of its bytes, checked before it is used.
+DIGEST_SUFFIX = ".sha256"
 
 
 def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -126,13 +130,24 @@ def load_or_train_bpe(
 ) -> Tokenizer:
     """The BPE for (corpus, vocab size): from the cache, else trained on ``texts`` and cached."""
     path = cache_dir(cache) / "tokenizers" / f"bpe-{corpus_fingerprint[:16]}-v{vocab_size}.json"
+    digest_path = path.with_name(path.name + DIGEST_SUFFIX)
     with file_lock(path):
         if path.is_file():
-            return _cached(path, vocab_size)
+            data = path.read_bytes()
+            try:
+                recorded = digest_path.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError):
+                recorded = None  # a cache written before digests were kept: rebuilt below, silently
+            if recorded == hashlib.sha256(data).hexdigest():
+                return _cached(path, vocab_size)
+            if recorded is not None:
+                notify(f"agoq train: tokenizer cache {path} did not match its digest; rebuilt")
         if texts is None:
             raise ValueError(f"no cached tokenizer at {str(path)!r} and no texts to train one on")
         tokenizer = train_bpe(texts, vocab_size)
         tokenizer.save(path)
+        # The digest goes last: a tokenizer file without its digest is never trusted.
+        atomic_write_text(digest_path, hashlib.sha256(path.read_bytes()).hexdigest() + "\n")
     return _cached(path, vocab_size)
 
 
@@ -140,6 +155,25 @@ def _cached(path: Path, vocab_size: int) -> Tokenizer:
     tokenizer = load_tokenizer(path, EOS_TOKEN)
     tokenizer.source = f"bpe-{vocab_size} ({path})"
     return tokenizer
+
+
+def notify(line: str) -> None:
+    """One line for the user about something the data preparation repaired (on stderr: stdout is the run's)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_size_of(path: str, mtime_ns: int, size: int) -> int:
+    return load_tokenizer(path).vocab_size
+
+
+def tokenizer_vocab_size(path: str | os.PathLike[str]) -> int:
+    """The vocabulary of a tokenizer.json (loaded once per file version: configs ask for it repeatedly)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    st = p.stat()
+    return _vocab_size_of(str(p), st.st_mtime_ns, st.st_size)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

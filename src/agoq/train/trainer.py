@@ -188,7 +188,8 @@ def _prepare_data(cfg: TrainConfig, ctx: RankContext):
     d = cfg.data
 
     def build():
-        return prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+        # The launcher (or, under torchrun, rank 0) verified the token file's digest: the others only read it.
+        return prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction, verify=ctx.rank == 0)
 
     if ctx.rank == 0:
         data = build()
@@ -287,9 +288,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.data = _prepare_data(cfg, ctx)
         p = cfg.parallel
-        # The tokenizer's vocabulary (a tokenizer file may differ from data.vocab_size); derived
-        # here, the config itself is left as validated.
-        self.model_cfg = replace(cfg.model_config(), vocab_size=self.data.tokenizer.vocab_size)
+        # The model the opening lines announce: its vocabulary is data.vocab_size or the tokenizer
+        # file's (a BPE that found fewer tokens on a small corpus leaves the last rows unused).
+        self.model_cfg = cfg.model_config()
         self.local_batch = cfg.data.batch_size // p.dp
         self.micro_batch = self.local_batch // p.microbatches
         layout = pipeline_layout(cfg)
