@@ -406,7 +406,8 @@ def _verified(
     """(parts, step folder, manifest, dcp metadata), once every rank has found its files complete
     and their checksums right: every file is verified by some rank before any rank unpickles the
     index or reads a tensor."""
-    parts, step_dir, manifest, metadata, error = None, None, None, None, None
+    parts, step_dir, manifest, metadata = None, None, None, None
+    error: CheckpointError | None = None
     try:
         parts = _Parts(model, optimizer)
         step_dir = _resolve(Path(root_or_step_dir), trust_unverified)
@@ -414,12 +415,12 @@ def _verified(
         _check_files(step_dir, manifest)
         _check_digests(step_dir, manifest, rank, world, trust_unverified)
     except CheckpointError as e:
-        error = str(e)
+        error = e
     _agree(error, process_group)
     try:
         metadata = _read_metadata(step_dir)
     except CheckpointError as e:
-        error = str(e)
+        error = e
     _agree(error, process_group)
     assert parts is not None and step_dir is not None and manifest is not None and metadata is not None
     return parts, step_dir, manifest, metadata
@@ -466,12 +467,17 @@ def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
-def _agree(error: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise the first rank's error on every rank (a lone raise would leave the others hanging)."""
-    errors = _gather(error, group)
+def _agree(error: str | CheckpointError | None, group: dist.ProcessGroup | None) -> None:
+    """Raise the first rank's error on every rank (a lone raise would leave the others hanging); an
+    :class:`UnverifiedCheckpoint` stays one, so that callers can tell consent from damage."""
+    unverified = (str(error.step_dir), error.problem) if isinstance(error, UnverifiedCheckpoint) else None
+    errors = _gather(None if error is None else (str(error), unverified), group)
     for r, e in enumerate(errors):
         if e is not None:
-            raise CheckpointError(e if len(errors) == 1 else f"rank {r}: {e}")
+            message, unverified = e
+            if unverified is not None:
+                raise UnverifiedCheckpoint(Path(unverified[0]), unverified[1])
+            raise CheckpointError(message if len(errors) == 1 else f"rank {r}: {message}")
 
 
 def _extra_key(rank: int) -> str:
