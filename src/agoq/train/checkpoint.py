@@ -259,15 +259,7 @@ def save_checkpoint(
     except OSError as e:
         digests, error = {}, f"hashing checkpoint {tmp} failed ({e}); the previous checkpoint is untouched"
     _agree(error, process_group)
-    summary = {
-        **_rank_summary(rank, msd),
-        "dtypes": _float_dtypes(msd),
-        "optimizer_state": optimizer is not None and stepped,
-        # fp32 copies of lower-precision weights in the optimizer state (agoq's MasterWeightOptimizer).
-        "master_weights": any(k.rsplit(".", 1)[-1] == "master" for k, _ in _flatten(osd)) if "optim" in state else False,
-        "sha256": digests,
-    }
-    ranks = _gather(summary, process_group)
+    ranks = _gather(_saved_summary(rank, msd, state.get("optim"), digests), process_group)
     error = None
     if rank == 0:
         try:
@@ -278,6 +270,18 @@ def save_checkpoint(
     # returns must find it.
     _agree(error, process_group)
     return final
+
+
+def _saved_summary(rank: int, msd: dict, osd: dict | None, digests: dict[str, str]) -> dict:
+    """What the manifest records of one rank's save: its keys, dtypes, optimizer state and file digests."""
+    return {
+        **_rank_summary(rank, msd),
+        "dtypes": _float_dtypes(msd),
+        "optimizer_state": osd is not None,
+        # fp32 copies of lower-precision weights in the optimizer state (agoq's MasterWeightOptimizer).
+        "master_weights": osd is not None and any(k.rsplit(".", 1)[-1] == "master" for k, _ in _flatten(osd)),
+        "sha256": digests,
+    }
 
 
 def _check_save_arguments(step: int, keep: int, extra: dict) -> None:
