@@ -120,9 +120,9 @@ class CheckpointSection:
     every: int = 100  # steps; 0 disables
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
-    overwrite: bool = (
-        False  # with resume=false: delete out_dir/checkpoints before training (without it, a fresh run into a folder with checkpoints is refused)
-    )
+    # With resume=false: delete out_dir/checkpoints before training (without it, a fresh run into a
+    # folder with checkpoints is refused, so that two runs' checkpoints never mix).
+    overwrite: bool = False
     trust_unverified: bool = False  # load a checkpoint whose manifest.json is missing or lacks a file's SHA-256 (refused otherwise)
 
 
