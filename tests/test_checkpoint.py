@@ -280,7 +280,9 @@ def test_unusable_checkpoints_give_one_line_errors_naming_path_and_fix(tmp_path)
     msg = damaged(truncate)
     assert "__0_0.distcp" in msg and "truncated" in msg and "1000 bytes" in msg
     assert "missing .metadata" in damaged(lambda d: (d / ".metadata").unlink())
-    assert "never finished" in damaged(lambda d: (d / "manifest.json").unlink())
+    # A published folder always has its manifest: without it, nothing can be verified.
+    msg = damaged(lambda d: (d / "manifest.json").unlink())
+    assert "has no manifest.json" in msg and "cannot be verified" in msg and "trust_unverified=True" in msg
     (tmp_path / "ck" / "step_000002.tmp").mkdir()
     assert "unfinished save" in _error(load_checkpoint, tmp_path / "ck" / "step_000002.tmp", run.model, run.opt)
 

@@ -10,7 +10,9 @@ from agoq.train.config import ConfigError, load_config
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch, tmp_path):
+    # The probe's record goes to the agoq cache folder: a faked probe must not land in the user's.
+    monkeypatch.setenv("AGOQ_CACHE_DIR", str(tmp_path))
     cd.choose_compute_dtype.cache_clear()
     yield
     cd.choose_compute_dtype.cache_clear()

@@ -13,7 +13,9 @@ Layout of a checkpoint root::
 
 A save writes everything into ``step_N.tmp/``; after all ranks have finished, one rank writes the
 manifest, renames the folder to ``step_N/`` and replaces ``latest`` (temp file + ``os.replace``),
-so a crash at any point leaves the previous checkpoint intact and pointed to.
+so a crash at any point leaves the previous checkpoint intact and pointed to. A ``step_N/`` folder
+therefore always has its manifest: one without it was altered (the manifest removed) or copied
+incompletely, and is refused, never skipped for an older step.
 
 State dict keys are the model's global names (``model.layers.5.attn.q.weight``,
 ``optim.state.layers.5.attn.q.weight.exp_avg``), so pipeline ranks write disjoint keys and
@@ -23,7 +25,9 @@ data-parallel replicas write identical ones, which DCP's planner stores once. Ea
 Integrity and trust: every file's SHA-256 is computed right after the save (each rank hashes a
 share of the files) and recorded in the manifest; a load checks every file's size and digest
 (again shared among the ranks) before anything is unpickled or read into the model, and refuses a
-mismatch with one line naming the file. The extra state is read with ``torch.load(weights_only=True)``,
+mismatch with one line naming the file. A checkpoint whose manifest is missing, or lacks the digest of
+any file in its folder, cannot be verified and is refused (:class:`UnverifiedCheckpoint`) unless the
+caller passes ``trust_unverified=True``. The extra state is read with ``torch.load(weights_only=True)``,
 which builds tensors and plain values only. DCP's ``.metadata`` index is itself a pickle, read only
 after its digest matched: a folder whose manifest was rewritten along with it is trusted, so a
 checkpoint folder must only be writable by whoever is trusted to run code as the training job.
@@ -70,6 +74,21 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or loaded, with the path and the fix in one line."""
 
 
+class UnverifiedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot all be checked against digests recorded at save time; loaded only with ``trust_unverified=True``."""
+
+    def __init__(self, step_dir: Path, problem: str) -> None:
+        self.step_dir = step_dir
+        self.problem = problem  # what is missing, e.g. "has no manifest.json"
+        super().__init__(
+            f"checkpoint {step_dir} {problem}, so its files cannot be verified; restore the folder from a good copy, "
+            f"delete it, or load it unverified with trust_unverified=True"
+        )
+
+
+_NO_MANIFEST = f"has no {MANIFEST} (a save writes it before publishing the folder: it was removed, or the copy is incomplete)"
+
+
 def step_dir_name(step: int) -> str:
     """Folder name of the checkpoint of a step (``step_000123``)."""
     return f"step_{step:06d}"
@@ -83,20 +102,89 @@ def checkpoint_step(step_dir: str | os.PathLike) -> int:
     return int(m.group(1))
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest finished checkpoint folder under root (``latest`` first, else a scan), or None."""
+def latest_checkpoint(root: str | os.PathLike, *, trust_unverified: bool = False) -> Path | None:
+    """The newest checkpoint folder under root (the one ``latest`` names, else the highest step), or None.
+
+    Raises :class:`UnverifiedCheckpoint` when that folder has no manifest, unless ``trust_unverified``:
+    a published folder always has one, so an older step is never taken in its place.
+    """
     root = Path(root)
     if not root.is_dir():
         return None
+    chosen = None
     pointer = root / LATEST
     if pointer.is_file():
         name = pointer.read_text().strip()
-        # A pointer to a folder that vanished (pruned by hand, or a crash while re-saving the same
-        # step) must not hide older finished checkpoints: fall through to the scan.
-        if _STEP_RE.match(name) and (root / name / MANIFEST).is_file():
-            return root / name
-    finished = _finished_steps(root)
-    return finished[-1][1] if finished else None
+        # A pointer to a folder that vanished (deleted by hand, or a crash while re-saving the same
+        # step) must not hide older checkpoints: fall through to the scan.
+        if _STEP_RE.match(name) and (root / name).is_dir():
+            chosen = root / name
+    if chosen is None:
+        steps = step_folders(root)
+        chosen = steps[-1] if steps else None
+    if chosen is not None and not (chosen / MANIFEST).is_file() and not trust_unverified:
+        raise UnverifiedCheckpoint(chosen, _NO_MANIFEST)
+    return chosen
+
+
+def step_folders(root: str | os.PathLike) -> list[Path]:
+    """Every ``step_NNNNNN`` folder under root, with or without a manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def unverified_files(step_dir: str | os.PathLike) -> list[str]:
+    """Files of a checkpoint folder that its manifest records no SHA-256 digest for (every file, manifest missing).
+
+    A load checks the digest of every other file; an empty list means the whole folder is verified.
+    """
+    step_dir = Path(step_dir)
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    present = sorted(p.name for p in step_dir.iterdir() if p.is_file() and p.name != MANIFEST) if step_dir.is_dir() else []
+    if not isinstance(manifest, dict):
+        return present
+    recorded = manifest.get("sha256") if isinstance(manifest.get("sha256"), dict) else {}
+    listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    return sorted((set(present) | set(listed)) - set(recorded))
+
+
+def unverified_problem(step_dir: str | os.PathLike) -> str | None:
+    """Why a checkpoint folder cannot be verified, in words ("has no manifest.json ..."), or None when it can."""
+    step_dir = Path(step_dir)
+    if not (step_dir / MANIFEST).is_file():
+        return _NO_MANIFEST
+    missing = unverified_files(step_dir)
+    if not missing:
+        return None
+    return f"has {len(missing)} file{'s' if len(missing) > 1 else ''} without a SHA-256 digest in its {MANIFEST} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+
+
+def remove_checkpoints(root: str | os.PathLike) -> int:
+    """Delete every checkpoint under root (step folders, unfinished saves, the pointer); return how many step folders went.
+
+    The folder is renamed aside first, so an interruption leaves either all of them or none where a run looks.
+    """
+    root = Path(root)
+    if not root.exists():
+        return 0
+    count = len(step_folders(root))
+    aside = root.with_name(f".{root.name}.removed.{os.getpid()}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(root, aside)
+    _fsync_dir(root.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+    return count
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -171,7 +259,7 @@ def save_checkpoint(
     except OSError as e:
         digests, error = {}, f"hashing checkpoint {tmp} failed ({e}); the previous checkpoint is untouched"
     _agree(error, process_group)
-    ranks = _gather({**_rank_summary(rank, msd), "optimizer_state": optimizer is not None and stepped, "sha256": digests}, process_group)
+    ranks = _gather(_saved_summary(rank, msd, state.get("optim"), digests), process_group)
     error = None
     if rank == 0:
         try:
@@ -182,6 +270,18 @@ def save_checkpoint(
     # returns must find it.
     _agree(error, process_group)
     return final
+
+
+def _saved_summary(rank: int, msd: dict, osd: dict | None, digests: dict[str, str]) -> dict:
+    """What the manifest records of one rank's save: its keys, dtypes, optimizer state and file digests."""
+    return {
+        **_rank_summary(rank, msd),
+        "dtypes": _float_dtypes(msd),
+        "optimizer_state": osd is not None,
+        # fp32 copies of lower-precision weights in the optimizer state (agoq's MasterWeightOptimizer).
+        "master_weights": osd is not None and any(k.rsplit(".", 1)[-1] == "master" for k, _ in _flatten(osd)),
+        "sha256": digests,
+    }
 
 
 def _check_save_arguments(step: int, keep: int, extra: dict) -> None:
@@ -252,17 +352,21 @@ def load_checkpoint(
     *,
     process_group: dist.ProcessGroup | None = None,
     layout: dict | None = None,
+    trust_unverified: bool = False,
 ) -> tuple[int, dict]:
     """Load model (and optimizer) state in place from a checkpoint; return (step, this rank's extra).
 
-    ``root_or_step_dir`` is a checkpoint root (its latest finished step is loaded) or one
-    ``step_N`` folder. Every rank must call it. Checks the checkpoint against this job (files
-    complete, world size, layout, model config, keys and shapes) before reading any tensor, and
-    raises :class:`CheckpointError` on every rank when any rank finds a problem. With
-    ``optimizer=None`` only the model is loaded. Gradients of a torch optimizer are cleared.
+    ``root_or_step_dir`` is a checkpoint root (its latest step is loaded) or one ``step_N`` folder.
+    Every rank must call it. Checks the checkpoint against this job (files complete and their
+    SHA-256 digests, world size, layout, model config, keys, shapes and dtypes) before reading any
+    tensor, and raises :class:`CheckpointError` on every rank when any rank finds a problem. A
+    checkpoint without its manifest, or whose manifest lacks a file's digest, raises
+    :class:`UnverifiedCheckpoint` unless ``trust_unverified`` (then the files with digests are
+    still verified, the others checked by size where recorded). With ``optimizer=None`` only the
+    model is loaded. Gradients of a torch optimizer are cleared.
     """
     rank, world = _rank_world(process_group)
-    parts, step_dir, manifest, metadata = _verified(root_or_step_dir, model, optimizer, rank, world, process_group)
+    parts, step_dir, manifest, metadata = _verified(root_or_step_dir, model, optimizer, rank, world, process_group, trust_unverified)
 
     # Saved before the optimizer's first step: the fresh optimizer already equals the saved one.
     stepped = manifest["ranks"][rank].get("optimizer_state", True) if rank < len(manifest["ranks"]) else True
@@ -295,25 +399,32 @@ def load_checkpoint(
 
 
 def _verified(
-    root_or_step_dir: str | os.PathLike, model: Any, optimizer: Any, rank: int, world: int, process_group: dist.ProcessGroup | None
+    root_or_step_dir: str | os.PathLike,
+    model: Any,
+    optimizer: Any,
+    rank: int,
+    world: int,
+    process_group: dist.ProcessGroup | None,
+    trust_unverified: bool = False,
 ) -> tuple[_Parts, Path, dict, Any]:
     """(parts, step folder, manifest, dcp metadata), once every rank has found its files complete
     and their checksums right: every file is verified by some rank before any rank unpickles the
     index or reads a tensor."""
-    parts, step_dir, manifest, metadata, error = None, None, None, None, None
+    parts, step_dir, manifest, metadata = None, None, None, None
+    error: CheckpointError | None = None
     try:
         parts = _Parts(model, optimizer)
-        step_dir = _resolve(Path(root_or_step_dir))
-        manifest = _read_manifest(step_dir)
+        step_dir = _resolve(Path(root_or_step_dir), trust_unverified)
+        manifest = _read_manifest(step_dir, trust_unverified, world)
         _check_files(step_dir, manifest)
-        _check_digests(step_dir, manifest, rank, world)
+        _check_digests(step_dir, manifest, rank, world, trust_unverified)
     except CheckpointError as e:
-        error = str(e)
+        error = e
     _agree(error, process_group)
     try:
         metadata = _read_metadata(step_dir)
     except CheckpointError as e:
-        error = str(e)
+        error = e
     _agree(error, process_group)
     assert parts is not None and step_dir is not None and manifest is not None and metadata is not None
     return parts, step_dir, manifest, metadata
@@ -360,12 +471,17 @@ def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
-def _agree(error: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise the first rank's error on every rank (a lone raise would leave the others hanging)."""
-    errors = _gather(error, group)
+def _agree(error: str | CheckpointError | None, group: dist.ProcessGroup | None) -> None:
+    """Raise the first rank's error on every rank (a lone raise would leave the others hanging); an
+    :class:`UnverifiedCheckpoint` stays one, so that callers can tell consent from damage."""
+    unverified = (str(error.step_dir), error.problem) if isinstance(error, UnverifiedCheckpoint) else None
+    errors = _gather(None if error is None else (str(error), unverified), group)
     for r, e in enumerate(errors):
         if e is not None:
-            raise CheckpointError(e if len(errors) == 1 else f"rank {r}: {e}")
+            message, unverified = e
+            if unverified is not None:
+                raise UnverifiedCheckpoint(Path(unverified[0]), unverified[1])
+            raise CheckpointError(message if len(errors) == 1 else f"rank {r}: {message}")
 
 
 def _extra_key(rank: int) -> str:
@@ -487,6 +603,11 @@ class _Parts:
         return name
 
 
+def _float_dtypes(msd: dict) -> list[str]:
+    """The dtypes of a model state's floating-point tensors (what it computes in), e.g. ["torch.bfloat16"]."""
+    return sorted({str(v.dtype) for v in msd.values() if isinstance(v, torch.Tensor) and v.is_floating_point()})
+
+
 def _rank_summary(rank: int, msd: dict) -> dict:
     keys = sorted(msd)
     digest = hashlib.sha1("\n".join(f"{k}:{tuple(msd[k].shape)}" for k in keys).encode()).hexdigest()[:16]
@@ -549,6 +670,10 @@ def _publish(
         "files": files,
         "sha256": digests,
         "total_bytes": sum(files.values()),
+        # What the weights are and whether fp32 masters stand beside them: a load into another
+        # dtype is refused (it would drop the masters, or find none).
+        "weights_dtype": "+".join(sorted({d for r in ranks for d in r["dtypes"]})) or None,
+        "master_weights": any(r["master_weights"] for r in ranks),
         "run_config": config,
     }
     _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
@@ -589,7 +714,7 @@ def _prune(root: Path, current: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _resolve(path: Path) -> Path:
+def _resolve(path: Path, trust_unverified: bool = False) -> Path:
     if not path.exists():
         raise CheckpointError(
             f"checkpoint path {path} does not exist; pass a checkpoint root (the folder holding 'latest') or one of its step_NNNNNN folders"
@@ -602,18 +727,18 @@ def _resolve(path: Path) -> Path:
         )
     if (path / MANIFEST).is_file() or (path / ".metadata").exists() or _STEP_RE.match(path.name):
         return path
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(path, trust_unverified=trust_unverified)
     if found is None:
-        raise CheckpointError(
-            f"no finished checkpoint under {path} (no step_NNNNNN folder with a {MANIFEST}); start without resuming or point to the right folder"
-        )
+        raise CheckpointError(f"no finished checkpoint under {path} (no step_NNNNNN folder); start without resuming or point to the right folder")
     return found
 
 
-def _read_manifest(step_dir: Path) -> dict:
+def _read_manifest(step_dir: Path, trust_unverified: bool = False, world: int = 1) -> dict:
     path = step_dir / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {step_dir} has no {MANIFEST}, so its save never finished; delete it and load an earlier checkpoint")
+        if not trust_unverified:
+            raise UnverifiedCheckpoint(step_dir, _NO_MANIFEST)
+        return _stand_in_manifest(step_dir, world)
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -622,6 +747,24 @@ def _read_manifest(step_dir: Path) -> dict:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; load it with the agoq version that wrote it")
     return manifest
+
+
+def _stand_in_manifest(step_dir: Path, world: int) -> dict:
+    """What a load trusting a folder without its manifest assumes: this job's world, the folder's step
+    and files as they are; the rest is checked against DCP's index (keys, shapes, dtypes)."""
+    m = _STEP_RE.match(step_dir.name)
+    if m is None:
+        raise CheckpointError(f"{step_dir} has no {MANIFEST} and is not a step_NNNNNN folder, so its step is unknown; rename it step_NNNNNN")
+    files = {p.name: p.stat().st_size for p in sorted(step_dir.iterdir()) if p.is_file()}
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(m.group(1)),
+        "world_size": world,
+        "layout": None,
+        "ranks": [],
+        "files": files,
+        "stand_in": True,
+    }
 
 
 def _check_files(step_dir: Path, manifest: dict) -> None:
@@ -659,20 +802,17 @@ def _digest_share(folder: Path, rank: int, world: int) -> dict[str, str]:
     return {name: _sha256(folder / name) for name in _share(names, rank, world)}
 
 
-def _check_digests(step_dir: Path, manifest: dict, rank: int, world: int) -> None:
-    """Raise unless this rank's share of the files has the digests the save recorded."""
-    recorded = manifest.get("sha256")
-    if recorded is None:
-        if rank == 0:
-            warnings.warn(
-                f"checkpoint {step_dir} records no checksums (written before they were added): its files are checked by size only", stacklevel=3
-            )
-        return
-    if sorted(recorded) != sorted(manifest["files"]):
-        raise CheckpointError(
-            f"{step_dir / MANIFEST} lists files without checksums or checksums without files; delete {step_dir} and load an earlier checkpoint"
-        )
+def _check_digests(step_dir: Path, manifest: dict, rank: int, world: int, trust_unverified: bool = False) -> None:
+    """Raise unless this rank's share of the files has the digests the save recorded, and (unless
+    ``trust_unverified``) every file of the folder has one."""
+    recorded = manifest.get("sha256") if isinstance(manifest.get("sha256"), dict) else {}
+    if not manifest.get("stand_in") and not trust_unverified:
+        problem = unverified_problem(step_dir)
+        if problem is not None:
+            raise UnverifiedCheckpoint(step_dir, problem)
     for name in _share(list(recorded), rank, world):
+        if not (step_dir / name).is_file():
+            raise CheckpointError(f"checkpoint {step_dir} is missing {name}; copy the whole folder, or delete it and load an earlier checkpoint")
         if _sha256(step_dir / name) != recorded[name]:
             raise CheckpointError(
                 f"checkpoint file {step_dir / name} of step {manifest['step']} is damaged (its SHA-256 differs from the one "
@@ -713,7 +853,7 @@ def _check_job(step_dir: Path, manifest: dict, rank: int, world: int, parts: _Pa
             if saved_cfg.get(k) != cfg.get(k)
         ]
         raise CheckpointError(f"checkpoint {step_dir} holds a different model: {', '.join(diffs)}; build the model with the saved config")
-    if parts.optimizer is not None:
+    if parts.optimizer is not None and not manifest.get("stand_in"):
         name = parts.optimizer_name()
         if manifest.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {step_dir} holds no optimizer state; load it with optimizer=None and start the optimizer fresh")
@@ -753,6 +893,15 @@ def _check_keys(step_dir: Path, manifest: dict, metadata: Any, parts: _Parts, ms
                 raise CheckpointError(
                     f"{what} '{short}' has shape {_fmt_shape(meta.size)} in checkpoint {step_dir} but "
                     f"{_fmt_shape(value.shape)} here; build the model with the saved config"
+                )
+            saved_dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            if prefix == "model" and isinstance(value, torch.Tensor) and saved_dtype is not None and saved_dtype != value.dtype:
+                # DCP would convert silently: bf16 weights read into fp32 ones leave the fp32 masters
+                # behind, fp32 ones read into bf16 find no masters.
+                masters = " (its fp32 master weights are in the optimizer state)" if manifest.get("master_weights") else ""
+                raise CheckpointError(
+                    f"model key '{short}' is {saved_dtype} in checkpoint {step_dir}{masters} but {value.dtype} here; "
+                    f"build the model in {saved_dtype}, the dtype it was saved in"
                 )
 
     check(msd, "model", "model key")
@@ -809,6 +958,8 @@ def _check_layout(step_dir: Path, manifest: dict, rank: int, msd: dict, metadata
     """Raise if this rank holds other model keys than the same rank held when saving."""
     if f"extra.{_extra_key(rank)}" not in metadata.state_dict_metadata:
         raise CheckpointError(f"checkpoint {step_dir} has no extra state for rank {rank}; resume with the saved world size")
+    if rank >= len(manifest["ranks"]):  # a trusted folder without its manifest: keys and shapes were checked
+        return
     mine, theirs = _rank_summary(rank, msd), manifest["ranks"][rank]
     if mine["keys_digest"] != theirs["keys_digest"]:
         raise CheckpointError(

@@ -121,6 +121,10 @@ class CheckpointSection:
     every: int = 100  # steps; 0 disables
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
+    # With resume=false: delete out_dir/checkpoints before training (without it, a fresh run into a
+    # folder with checkpoints is refused, so that two runs' checkpoints never mix).
+    overwrite: bool = False
+    trust_unverified: bool = False  # load a checkpoint whose manifest.json is missing or lacks a file's SHA-256 (refused otherwise)
 
 
 @dataclass
@@ -506,6 +510,11 @@ def _validate_sizes(cfg: TrainConfig) -> None:
         raise ConfigError("train.out_dir is empty; name a folder, e.g. --train.out_dir=runs/NAME")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
+        raise ConfigError(
+            "checkpoint.overwrite=true deletes the run's checkpoints and starts over, so it needs --checkpoint.resume=false "
+            "(or drop overwrite to continue from them)"
+        )
 
 
 def machine_memory_bytes() -> int | None:

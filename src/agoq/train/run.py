@@ -144,18 +144,37 @@ def _note_compiled_kernels(cfg: TrainConfig, trainer: Any) -> None:
 
 
 def _resume(trainer: Any, cfg: TrainConfig) -> None:
-    """Continue from the newest checkpoint when resuming, and drop metrics rows of the steps this run will (re)do."""
-    if cfg.checkpoint.resume:
-        from agoq.train.checkpoint import latest_checkpoint, load_checkpoint
+    """Continue from the newest checkpoint when resuming (or, with checkpoint.overwrite, delete the old
+    ones first), and drop metrics rows of the steps this run will (re)do."""
+    ck = cfg.checkpoint
+    if ck.resume:
+        from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, unverified_problem
 
-        root = checkpoint_root(cfg)
-        latest = latest_checkpoint(root)
+        latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=ck.trust_unverified)
         if latest is not None:
             state = trainer.checkpoint_state()
-            step, extra = load_checkpoint(root, state["model"], state["optimizer"], layout=trainer.layout())
+            step, extra = load_checkpoint(latest, state["model"], state["optimizer"], layout=trainer.layout(), trust_unverified=ck.trust_unverified)
             trainer.load_extra(step, extra)
             if trainer.ctx.rank == 0:
-                print(f"agoq train: resuming from {latest} (step {step} of {cfg.train.steps}; every file's checksum verified)", flush=True)
+                # "verified" only where the load hashed every file of the folder against its digest.
+                problem = unverified_problem(latest)
+                checked = (
+                    "every file's checksum verified"
+                    if problem is None
+                    else f"NOT verified: it {problem}; loaded because checkpoint.trust_unverified=true"
+                )
+                print(f"agoq train: resuming from {latest} (step {step} of {cfg.train.steps}; {checked})", flush=True)
+    elif ck.overwrite:
+        from agoq.train.checkpoint import remove_checkpoints
+
+        if trainer.ctx.rank == 0:
+            removed = remove_checkpoints(checkpoint_root(cfg))
+            if removed:
+                print(
+                    f"agoq train: deleted {removed} checkpoint(s) of the earlier run in {checkpoint_root(cfg)} (checkpoint.overwrite=true)",
+                    flush=True,
+                )
+        dist.barrier()  # no rank saves into the folder while it is being deleted
     trainer.metrics.keep_until(trainer.step)
 
 
@@ -342,16 +361,45 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
 
 
 def finished_run(cfg: TrainConfig) -> int | None:
-    """The step of the newest checkpoint when it already reaches train.steps (so resuming would train nothing), else None."""
-    if not cfg.checkpoint.resume:
-        return None
-    from agoq.train.checkpoint import checkpoint_step, latest_checkpoint
+    """The step of the newest checkpoint when it already reaches train.steps (so resuming would train nothing), else None.
 
-    latest = latest_checkpoint(checkpoint_root(cfg))
+    Run before any worker starts, it also refuses (ConfigError, one line naming the fix) what would
+    load an unverifiable checkpoint, resume in another compute dtype than the checkpoint's, or mix
+    a fresh run's checkpoints with an earlier run's in the same folder.
+    """
+    from agoq.train.checkpoint import UnverifiedCheckpoint, checkpoint_step, latest_checkpoint, step_folders, unverified_problem
+    from agoq.train.config import ConfigError
+
+    ck, root = cfg.checkpoint, checkpoint_root(cfg)
+    if not ck.resume:
+        old = step_folders(root)
+        if old and not ck.overwrite:
+            raise ConfigError(
+                f"train.out_dir={cfg.train.out_dir!r} holds checkpoints of an earlier run (newest {old[-1].name}) and checkpoint.resume=false "
+                "would mix them with this run's; choose a new folder (--train.out_dir=runs/NAME) or delete them first (--checkpoint.overwrite=true)"
+            )
+        return None
+    try:
+        latest = latest_checkpoint(root, trust_unverified=ck.trust_unverified)
+    except UnverifiedCheckpoint as e:
+        raise ConfigError(_unverified_line(e.step_dir, e.problem)) from None
     if latest is None:
         return None
+    problem = unverified_problem(latest)
+    if problem is not None and not ck.trust_unverified:
+        raise ConfigError(_unverified_line(latest, problem))
+    from agoq.train.compute_dtype import check_resume_dtype
+
+    check_resume_dtype(cfg)
     step = checkpoint_step(latest)
     return step if step >= cfg.train.steps else None
+
+
+def _unverified_line(step_dir: Path, problem: str) -> str:
+    return (
+        f"checkpoint {step_dir} {problem}, so its files cannot be verified; restore the folder from a good copy, "
+        "delete it to resume from an earlier checkpoint, or load it anyway with --checkpoint.trust_unverified=true"
+    )
 
 
 def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
@@ -366,8 +414,8 @@ def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError) as e:
         print(f"agoq train: its summary ({path}) cannot be shown: {e}")
     print(
-        "agoq train: to train again, choose a new folder (--train.out_dir=runs/NAME), start over in this one "
-        "(--checkpoint.resume=false), or train further (--train.steps=N with N > " + str(step) + ")",
+        "agoq train: to train again, choose a new folder (--train.out_dir=runs/NAME), start over in this one, deleting its checkpoints "
+        "(--checkpoint.resume=false --checkpoint.overwrite=true), or train further (--train.steps=N with N > " + str(step) + ")",
         flush=True,
     )
     return summary
