@@ -4,12 +4,14 @@ HF model patched by apply_agoq, nested patching, and the CLI's stderr at exit.""
 from __future__ import annotations
 
 import json
+import pickle
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from agoq.gradient.layout import Segment, bucket_runs, plan_buckets
 from agoq.plan import make_plan_config, parse_setup
@@ -169,3 +171,115 @@ def test_cli_stderr_has_no_nanobind_leak_report(argv, code, err):
     proc = _python("-m", "agoq", *argv)
     assert "nanobind" not in proc.stderr
     assert (proc.returncode, proc.stderr) == (code, err)
+
+
+# ---------------------------------------------------------------- saving and nesting a patched HF model
+
+
+def _hf_model(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 101, (2, 19), generator=torch.Generator().manual_seed(3))
+
+
+def _loss(model) -> torch.Tensor:
+    with torch.enable_grad():  # the patched path runs under autograd
+        return model(_ids(), labels=_ids()).loss.detach()
+
+
+def _module_attributes(model) -> dict[str, set[str]]:
+    return {name: set(m.__dict__) for name, m in model.named_modules()}
+
+
+def test_torch_save_of_a_patched_model_loads_still_patched_with_the_same_loss(tmp_path):
+    from agoq.integrations.hf import agoq_patch, apply_agoq, remove_agoq
+
+    model = _hf_model()
+    apply_agoq(model)
+    loss = _loss(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    patch = agoq_patch(loaded)
+    assert patch is not None and patch.model is loaded and patch.layers[0] is loaded.model.layers[0]
+    assert torch.equal(_loss(loaded), loss)
+    remove_agoq(loaded)
+    assert not any("forward" in m.__dict__ or "_agoq_owner" in m.__dict__ for m in loaded.modules())
+    assert torch.equal(_loss(loaded), _loss(_hf_model()))
+    # weights_only=True reads tensors and containers, never a whole module, patched or not; a
+    # state dict loads that way.
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(tmp_path / "model.pt", weights_only=True)
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in _hf_model().state_dict().items())
+
+
+def test_state_dict_of_a_patched_model_is_the_unpatched_one():
+    from agoq.integrations.hf import apply_agoq
+
+    plain, model = _hf_model(), _hf_model()
+    apply_agoq(model)
+    ours, theirs = model.state_dict(), plain.state_dict()
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_patching_inside_a_patched_model_is_refused_in_one_line():
+    from agoq.integrations.hf import apply_agoq, remove_agoq
+
+    model = _hf_model()
+    apply_agoq(model)
+    with pytest.raises(ValueError) as caught:
+        apply_agoq(model.model)
+    assert str(caught.value) == (
+        "this LlamaModel is inside a LlamaForCausalLM already patched by agoq; patch once at the top "
+        "(the LlamaForCausalLM, already done), or call remove_agoq on the LlamaForCausalLM first"
+    )
+    remove_agoq(model)
+    apply_agoq(model.model)  # once the outer patch is gone
+    remove_agoq(model.model)
+    assert _module_attributes(model) == _module_attributes(_hf_model())
+
+
+def test_patching_around_a_patched_model_is_refused_in_one_line():
+    from agoq.integrations.hf import apply_agoq, remove_agoq
+
+    model = _hf_model()
+    apply_agoq(model.model)
+    with pytest.raises(ValueError) as caught:
+        apply_agoq(model)
+    assert str(caught.value) == (
+        "its submodule 'model' (LlamaModel) is already patched by agoq; call remove_agoq(model.model) first, then patch once at the top"
+    )
+    remove_agoq(model.model)
+    apply_agoq(model)
+
+
+@pytest.mark.parametrize("target", ["model", "model.model"])
+def test_remove_agoq_restores_the_never_patched_model(target):
+    from agoq.integrations.hf import apply_agoq, remove_agoq
+
+    never, model = _hf_model(), _hf_model()
+    patched = model if target == "model" else model.model
+    apply_agoq(patched)
+    _loss(model)
+    remove_agoq(patched)
+    assert _module_attributes(model) == _module_attributes(never)
+    with torch.enable_grad():
+        assert torch.equal(model(_ids()).logits, never(_ids()).logits)
+    assert torch.equal(_loss(model), _loss(never))
+    ours, theirs = model.state_dict(), never.state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
