@@ -88,7 +88,7 @@ def test_planner_bytes_from_runs_equal_the_bytes_of_every_bucket():
 
 
 _RSS_SCRIPT = """
-import argparse, contextlib, io, json, resource, sys
+import argparse, contextlib, io, json, resource, sys, time
 import agoq.models.llama, agoq.plan.memory, agoq.plan.report  # imported before the baseline: not the plan's memory
 from agoq.plan.cli import add_arguments, run
 parser = argparse.ArgumentParser()
@@ -96,10 +96,12 @@ add_arguments(parser)
 args = parser.parse_args(sys.argv[1:])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = io.StringIO()
+start = time.perf_counter()
 with contextlib.redirect_stdout(out):
     code = run(args)
+seconds = time.perf_counter() - start
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
-print(json.dumps({"code": code, "grown_kib": grown, "plan": json.loads(out.getvalue())}))
+print(json.dumps({"code": code, "seconds": seconds, "grown_kib": grown, "plan": json.loads(out.getvalue())}))
 """
 
 
@@ -109,7 +111,8 @@ def test_plan_of_a_billion_wide_model_is_bounded(field):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["code"] == 0
-    assert doc["grown_kib"] < 200 * 1024
+    # Bucket by bucket, these models list millions of segments; their runs are a few per parameter.
+    assert doc["grown_kib"] < 200 * 1024 and doc["seconds"] < 60
     key, value = field.split("=")
     model = make_plan_config("llama3-8b", {key: int(value)}, seq_len=4096).model
     (rank,) = doc["plan"]["configurations"][0]["ranks"]
