@@ -357,3 +357,22 @@ def test_plan_reports_gradient_bytes_by_link_in_markdown_and_json():
     data = plan.to_dict()["gradient_link_bytes"]
     assert data["node_size"] == 8 and set(data["per_rank_per_step"]) == {"fp32", "int8", "int4", "hier-8/4"}
     assert "Gradient bytes per rank" not in markdown(_plan("llama3-8b", seq_len=1024))  # dp = 1: nothing to reduce
+
+
+def test_zero1_at_one_dp_rank_shards_nothing_and_adds_no_temporaries(capsys):
+    from agoq.cli import main
+
+    plan = _plan("llama3-8b", seq_len=8192, gpu_memory=80 * GiB)
+    for sharded, unsharded in (("baseline+zero1", "baseline"), ("A+G+O+zero1", "A+G+O")):
+        z, u = plan.get(sharded), plan.get(unsharded)
+        assert [r.to_dict() for r in z.ranks] == [r.to_dict() for r in u.ranks]
+        assert (z.fits, z.recompute_layers, z.relative_time) == (u.fits, u.recompute_layers, u.relative_time)
+    assert plan.get("A+G+O").fits is True and plan.get("A+G+O+zero1").fits is True
+    # From dp=2 on ZeRO-1 shards the optimizer state.
+    two = _plan("llama3-8b", seq_len=8192, dp=2, global_batch=2, gpu_memory=80 * GiB)
+    assert two.get("A+G+O+zero1").ranks[0].optimizer < two.get("A+G+O").ranks[0].optimizer
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "8192", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "At dp=1 ZeRO-1 has one rank to shard over and shards nothing: each +zero1 row is the configuration without it" in out
+    assert main(["plan", "--model", "llama3-8b", "--dp", "2", "--global-batch", "2"]) == 0
+    assert "At dp=1" not in capsys.readouterr().out

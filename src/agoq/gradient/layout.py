@@ -5,8 +5,9 @@ into buckets; every parameter starts on a quantization-block boundary, so foldin
 never re-rounds another's values, and a parameter larger than what is left of a bucket continues in
 the next one (buckets end on block boundaries, so blocks never straddle buckets). Each bucket is
 padded to W x (whole blocks), the layout of the 8-bit collective, so a bucket's storage goes on the
-wire as it is. :func:`plan_buckets` is the one rule; the 8-bit buffer, ZeRO-1's fp32 path and the
-memory planner all call it.
+wire as it is. :func:`bucket_runs` is the one rule, run-length encoded (the memory planner reads it
+for models of any size); :func:`plan_buckets`, which the 8-bit buffer and ZeRO-1's fp32 path call,
+is the same layout bucket by bucket.
 """
 
 from __future__ import annotations
@@ -41,32 +42,78 @@ class Segment:
     numel: int
 
 
+@dataclass(frozen=True)
+class BucketRun:
+    """``count`` consecutive buckets laid out alike: ``segments`` are the first one's; the j-th next
+    holds the same parameters ``j`` buckets and ``j x cap`` values further (a parameter spanning
+    whole buckets, which alone are ever repeated)."""
+
+    count: int
+    padded: int
+    segments: tuple[Segment, ...]
+    cap: int
+
+    def expand(self) -> list[tuple[int, list[Segment]]]:
+        """(padded flat size, segments) of each bucket of the run."""
+        return [
+            (self.padded, [Segment(s.param, s.bucket + j, s.offset, s.param_offset + j * self.cap, s.numel) for s in self.segments])
+            for j in range(self.count)
+        ]
+
+
+def bucket_runs(numels: list[int], block: int, bucket_numel: int, world: int) -> list[BucketRun]:
+    """The layout of :func:`plan_buckets` with the whole buckets of one parameter collapsed into one run.
+
+    It holds at most two runs per parameter (plus one) whatever their sizes, so the memory planner
+    reads the buckets of any model from it in time and memory bounded by the parameter count.
+    """
+    cap = round_up(bucket_numel, block)
+    runs: list[BucketRun] = []
+    current: list[Segment] = []
+    fill = bucket = 0
+
+    def padded(segs: list[Segment] | tuple[Segment, ...]) -> int:
+        used = max((s.offset + round_up(s.numel, block) for s in segs), default=block)
+        return round_up(used, world * block)
+
+    def close() -> None:
+        nonlocal current, fill, bucket
+        runs.append(BucketRun(1, padded(current), tuple(current), cap))
+        current, fill, bucket = [], 0, bucket + 1
+
+    for pi in reversed(range(len(numels))):
+        remaining, poff = numels[pi], 0
+        while remaining > 0:
+            if fill >= cap:
+                close()
+            if fill == 0 and remaining >= cap:
+                # Whole buckets of this parameter alone: one run, however many.
+                whole = remaining // cap
+                first = (Segment(pi, bucket, 0, poff, cap),)
+                runs.append(BucketRun(whole, padded(first), first, cap))
+                bucket += whole
+                remaining -= whole * cap
+                poff += whole * cap
+                continue
+            take = min(remaining, cap - fill)
+            current.append(Segment(pi, bucket, fill, poff, take))
+            fill += round_up(take, block)
+            remaining -= take
+            poff += take
+    if current or not runs:
+        close()
+    return runs
+
+
 def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -> list[tuple[int, list[Segment]]]:
     """(padded flat size, segments) of each gradient bucket: the one layout rule of every 8-bit or sharded buffer.
 
     Parameters go in reverse order (the order backward produces them), each starting on a block
     boundary; a parameter larger than what is left of a bucket continues in the next; a bucket is
-    padded to world x whole blocks (the layout of the 8-bit collectives).
+    padded to world x whole blocks (the layout of the 8-bit collectives). :func:`bucket_runs` is the
+    same layout, run-length encoded.
     """
-    cap = round_up(bucket_numel, block)
-    per_bucket: list[list[Segment]] = [[]]
-    fill = 0
-    for pi in reversed(range(len(numels))):
-        remaining, poff = numels[pi], 0
-        while remaining > 0:
-            if fill >= cap:
-                per_bucket.append([])
-                fill = 0
-            take = min(remaining, cap - fill)
-            per_bucket[-1].append(Segment(pi, len(per_bucket) - 1, fill, poff, take))
-            fill += round_up(take, block)
-            remaining -= take
-            poff += take
-    out = []
-    for segs in per_bucket:
-        used = max((s.offset + round_up(s.numel, block) for s in segs), default=block)
-        out.append((round_up(used, world * block), segs))
-    return out
+    return [bucket for run in bucket_runs(numels, block, bucket_numel, world) for bucket in run.expand()]
 
 
 def bucket_numel_for(bucket_numel: int | None, bucket_bytes: int | None) -> int:

@@ -16,6 +16,8 @@ What does not change: the forward's values (fp32: equal to the unpatched model w
 rounding; bf16: agoq's norm multiplies by its weight in fp32 before one rounding, HF rounds twice),
 the parameters and buffers (``save_pretrained`` writes the same files), and every call made without
 autograd (``generate``, evaluation): it runs the model's own code. :func:`remove_agoq` undoes the patch.
+A patched model pickles (``torch.save``) and loads (``torch.load(weights_only=False)``) still patched;
+a model is patched once, at the top: patching a module inside a patched one, or around one, is refused.
 
 Projections wrapped by adapters (PEFT/LoRA) are not fused: such a layer runs its own code, with a
 warning, since the adapter reads the normed input that the fused op never materialises.
@@ -26,7 +28,7 @@ than SiLU is refused when patching.
 from __future__ import annotations
 
 import dataclasses
-import types
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -45,6 +47,7 @@ _PATCH = "_agoq_patch"  # the model attribute holding the applied patch
 _PENDING = "_agoq_pending"  # a projection's output (or its fused call) set by its layer for one call
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _DEFERRED = "_agoq_deferred"  # set on the final norm while the fused loss applies it itself
+_OWNER = "_agoq_owner"  # every patched module's patch, to name the patched model when patching nests
 
 
 @dataclass
@@ -59,8 +62,8 @@ class AgoqPatch:
     def remove(self) -> None:
         """Drop every patched forward (the modules' own class methods apply again)."""
         for module in self.patched:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop(_PENDING, None)
+            for name in ("forward", _PENDING, _OWNER):
+                module.__dict__.pop(name, None)
         for layer in self.layers.values():
             for name in ("_agoq_index", "_agoq_policy", "_agoq_warned"):
                 layer.__dict__.pop(name, None)
@@ -83,8 +86,7 @@ def apply_agoq(
     kind's format (e.g. ``{"act_input": "fp4/128"}``); ``layer_bits`` gives each decoder layer its
     integer bit width (16 keeps it unquantized), as ``agoq train``'s stage bits do.
     """
-    if getattr(model, _PATCH, None) is not None:
-        raise ValueError("this model is already patched by agoq; call remove_agoq(model) first to change the policy")
+    _refuse_nested(model)
     layers = _decoder_layers(model)
     if isinstance(policy, str):
         policy = make_policy(policy, formats, layer_bits=layer_bits, fused_loss=fused_loss)
@@ -134,6 +136,30 @@ def agoq_patch(model: nn.Module) -> AgoqPatch | None:
 # ---- finding and checking the layers -------------------------------------------------------------
 
 
+def _refuse_nested(model: nn.Module) -> None:
+    """Refuse, in one line naming the patched module, a model that is, holds or sits inside a patched one.
+
+    Two patches over the same layers would overwrite each other's forwards, and removing either
+    would leave the other's attribute behind.
+    """
+    if model.__dict__.get(_PATCH) is not None:
+        raise ValueError("this model is already patched by agoq; call remove_agoq(model) first to change the policy")
+    for name, module in model.named_modules():
+        if module.__dict__.get(_PATCH) is not None:
+            raise ValueError(
+                f"its submodule {name!r} ({type(module).__name__}) is already patched by agoq; "
+                f"call remove_agoq(model.{name}) first, then patch once at the top"
+            )
+    for module in model.modules():
+        owner = module.__dict__.get(_OWNER)
+        if owner is not None:
+            outer = type(owner.model).__name__
+            raise ValueError(
+                f"this {type(model).__name__} is inside a {outer} already patched by agoq; patch once at the top "
+                f"(the {outer}, already done), or call remove_agoq on the {outer} first"
+            )
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     """The decoder stack: ``model.model`` of a causal LM, or the model itself."""
     inner = getattr(model, "model", None)
@@ -166,7 +192,10 @@ def _check_layer(index: int, layer: nn.Module) -> None:
 
 
 def _set_forward(patch: AgoqPatch, module: nn.Module, fn: Callable[..., Any]) -> None:
-    module.__dict__["forward"] = types.MethodType(fn, module)
+    # A partial of a module-level function pickles by name (a bound method would pickle as
+    # getattr(module, fn.__name__), which the loaded module lacks), so torch.save of a patched model loads.
+    module.__dict__["forward"] = functools.partial(fn, module)
+    module.__dict__[_OWNER] = patch
     patch.patched.append(module)
 
 

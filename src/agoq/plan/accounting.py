@@ -33,8 +33,8 @@ from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.ops import NORM_CHUNK_VALUES, SWIGLU_CHUNK_VALUES, chunk_rows
 from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
-from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, FOLD_PIECE, plan_buckets
 from agoq.gradient.collectives import reduce_piece
+from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, FOLD_PIECE, BucketRun, bucket_runs
 from agoq.parallel.dbca import stage_layer_bits, stage_saved_bytes
 from agoq.parallel.inflight import inflight_microbatches, loss_recompute_needed, loss_weight_grad_in_forward, peak_inflight_bytes
 from agoq.parallel.layout import PipelineLayout
@@ -133,14 +133,15 @@ class StateBytes:
                     out.append(sh.vocab_tp * m.hidden)
         return out
 
-    def buckets(self, numels: list[int]) -> list[tuple[int, list]]:
-        """The gradient buckets of a rank's parameters: the layout rule of the 8-bit buffer and of ZeRO-1's shards."""
-        return plan_buckets(numels, self.cfg.gradient_block, DEFAULT_BUCKET_BYTES // 4, self.cfg.dp)
+    def buckets(self, numels: list[int]) -> list[BucketRun]:
+        """The gradient buckets of a rank's parameters, run-length encoded: the layout rule of the 8-bit
+        buffer and of ZeRO-1's shards, read in time bounded by the parameter count whatever their sizes."""
+        return bucket_runs(numels, self.cfg.gradient_block, DEFAULT_BUCKET_BYTES // 4, self.cfg.dp)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019  (one accounting per plan; the bucket layout is costly for 70B)
-    def bucket_sizes(self, rank: int) -> tuple[int, ...]:
-        """Padded value counts of a rank's gradient buckets."""
-        return tuple(n for n, _ in self.buckets(self.rank_numels(rank)))
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (one accounting per plan, read by every setup and recompute count)
+    def bucket_sizes(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """(count, padded value count) of each run of a rank's gradient buckets."""
+        return tuple((run.count, run.padded) for run in self.buckets(self.rank_numels(rank)))
 
     def parameter_bytes(self, numels: list[int]) -> int:
         """Model weights in the compute dtype."""
@@ -150,9 +151,9 @@ class StateBytes:
         """fp32 main gradients (flat, or bucketed and padded for ZeRO-1), or the 8-bit block-wise buffer."""
         if setup.gradients:
             fmt = QuantFormat("int", 8, self.cfg.gradient_block)
-            return sum(fmt.nbytes(n) for n, _ in self.buckets(numels))
+            return sum(run.count * fmt.nbytes(run.padded) for run in self.buckets(numels))
         if setup.zero1:
-            return 4 * sum(n for n, _ in self.buckets(numels))
+            return 4 * sum(run.count * run.padded for run in self.buckets(numels))
         return 4 * sum(numels)
 
     def _moments(self, n: int, setup: Setup) -> int:
@@ -167,11 +168,11 @@ class StateBytes:
         if not setup.zero1:
             return sum(master * n + self._moments(n, setup) + STEP_BYTES for n in numels)
         total = 0
-        for n, segments in self.buckets(numels):
-            chunk = n // self.cfg.dp
+        for run in self.buckets(numels):
+            chunk = run.padded // self.cfg.dp
             # one step counter per (parameter, shard) piece; dp rank 0's shard
-            pieces = sum(1 for sg in segments if sg.offset < chunk)
-            total += master * chunk + self._moments(chunk, setup) + STEP_BYTES * pieces
+            pieces = sum(1 for sg in run.segments if sg.offset < chunk)
+            total += run.count * (master * chunk + self._moments(chunk, setup) + STEP_BYTES * pieces)
         return total
 
     # ---- activations
@@ -347,8 +348,9 @@ class TemporaryBytes:
             folding = largest * es + worst
         reduction = optimizer = 0
         fmt8 = QuantFormat("int", 8, self.cfg.gradient_block)
-        buckets = self.states.bucket_sizes(rank)
-        bucket = max(buckets)
+        runs = self.states.bucket_sizes(rank)
+        n_buckets = sum(count for count, _ in runs)
+        bucket = max(n for _, n in runs)
         chunk = bucket // dp
         in_flight = 0
         if setup.gradients and dp > 1:
@@ -356,7 +358,7 @@ class TemporaryBytes:
             # bucket's received rows, and on a CPU, where a rank has more than one bucket, the
             # previous bucket's, which carry its all-gather row sent to every rank until that
             # gather completes (see gathers_by_all_to_all); a GPU gathers in place.
-            in_flight = min(len(buckets), 2 if self.shape.device.type == "cpu" else 1) * fmt8.nbytes(bucket)
+            in_flight = min(n_buckets, 2 if self.shape.device.type == "cpu" else 1) * fmt8.nbytes(bucket)
             # One bucket reduced a piece at a time into its own row of the storage: one piece summed
             # in fp32 and requantized (the fp32 values and integer codes the quantizer works on),
             # beside the buckets in flight. A ZeRO-1 reduce-scatter keeps its fp32 shards (below).
@@ -364,12 +366,12 @@ class TemporaryBytes:
         # A bucket is sent once the gradient that completed it is folded and dropped, so the buckets
         # in flight and the full-precision gradient being folded are not held at once; a rank's
         # only bucket is sent after its last layer's backward, others during a later layer's.
-        beside = worst if len(buckets) > 1 else 0
+        beside = worst if n_buckets > 1 else 0
         backward = p2p + max(folding, in_flight + beside)
         if setup.zero1:
             # Every bucket's fp32 shard of the reduced gradient waits for the optimizer step, which
             # then all-gathers one bucket's updated weights in the compute dtype.
-            shards = 4 * sum(n // dp for n in buckets)
+            shards = 4 * sum(count * (n // dp) for count, n in runs)
             reduction = max(reduction, shards)
             optimizer = shards + es * (bucket + chunk)
         elif setup.gradients:

@@ -37,6 +37,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 
 
 MAX_SIZE = 2**60  # 1 EiB: any memory size above is a typo
 MAX_LAYERS = 4096  # the planner walks layers one by one; real models have at most a few hundred
+# The planner replays torch's pipeline schedule, a few actions per micro-batch and stage; a real
+# step has at most a few thousand micro-batches.
+MAX_MICROBATCHES = 16384
 
 
 def parse_size(text: str | int | float, *, allow_zero: bool = False) -> int:
@@ -182,6 +185,12 @@ class PlanConfig:
                 f"global-batch={gb} is not a multiple of micro-batch x dp = {self.micro_batch} x {self.dp}; "
                 f"use a multiple of {self.micro_batch * self.dp}"
             )
+        if self.pp > 1 and self.microbatches > MAX_MICROBATCHES:
+            raise PlanError(
+                f"global-batch={gb} makes {self.microbatches} micro-batches per step, which cannot be planned (the limit is "
+                f"{MAX_MICROBATCHES}); lower --global-batch or raise --micro-batch"
+            )
+        check_parameter_sizes(c, self.model_name)
         try:
             key = check_schedule(self.schedule, self.pp, self.microbatches, self.vstages)
             split_layers(c.n_layers, self.pp, self.vstages)
@@ -209,6 +218,22 @@ class PlanConfig:
             raise PlanError(f"memory-budget={self.memory_budget} exceeds gpu-memory={self.gpu_memory}; lower the budget")
         if self.gpu_memory is not None and self.gpu_memory <= self.reserved:
             raise PlanError(f"gpu-memory={self.gpu_memory} is not above the reserve of {self.reserved} bytes; lower --reserved")
+
+
+def check_parameter_sizes(model: LlamaConfig, name: str = "custom") -> None:
+    """Raise PlanError (one line) where one parameter tensor would hold more than MAX_SIZE bytes in fp32."""
+    h = model.hidden
+    tensors = (
+        ("vocab_size", model.vocab_size * h, f"vocab_size={model.vocab_size} x hidden={h}"),
+        ("intermediate", model.intermediate * h, f"intermediate={model.intermediate} x hidden={h}"),
+        ("hidden", h * h, f"hidden={h} x hidden={h}"),
+    )
+    for field_name, numel, product in tensors:
+        if 4 * numel > MAX_SIZE:
+            raise PlanError(
+                f"{name}: {product} = {numel:.3g} values in one parameter tensor, beyond any machine in fp32 "
+                f"(the limit is 1 EiB); check --model-field {field_name}"
+            )
 
 
 def make_plan_config(model: str = "tiny", model_fields: dict[str, object] | None = None, **kwargs: object) -> PlanConfig:

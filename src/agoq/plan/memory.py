@@ -9,6 +9,8 @@ its JSON form).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from agoq.activation.policy import ActivationPolicy
 from agoq.parallel.dbca import BIT_CANDIDATES
 from agoq.plan.accounting import PlanAccounting
@@ -46,8 +48,15 @@ __all__ = [
 ]
 
 
-def _plan_setup(acc: PlanAccounting, setup: Setup, budget_mode: bool) -> tuple[SetupPlan, list[float]]:
+def planned_setup(setup: Setup, dp: int) -> Setup:
+    """The configuration whose bytes a row shows: at dp = 1 ZeRO-1 has one rank to shard over and
+    shards nothing, so a +zero1 row is the configuration without it."""
+    return replace(setup, zero1=False) if setup.zero1 and dp == 1 else setup
+
+
+def _plan_setup(acc: PlanAccounting, named: Setup, budget_mode: bool) -> tuple[SetupPlan, list[float]]:
     """The plan of one configuration, and its per-rank times (for the relative time)."""
+    setup = planned_setup(named, acc.cfg.dp)
     policy = acc.policy(setup)
     cap = acc.cfg.capacity
     base_bits = acc.shape.fmt.bits
@@ -83,7 +92,7 @@ def _plan_setup(acc: PlanAccounting, setup: Setup, budget_mode: bool) -> tuple[S
     fits = None if cap is None else all(r.total <= cap for r in ranks)
     applied = k if k is not None else max(len(r) for r in acc.shape.ranges)
     times = [acc.rank_time(r, setup, applied, policy, bits) for r in range(acc.cfg.pp)]
-    return SetupPlan(setup, ranks, fits, k, 0.0), times
+    return SetupPlan(named, ranks, fits, k, 0.0), times
 
 
 def _budget_bits(acc: PlanAccounting, setup: Setup, policy: ActivationPolicy, cap: int) -> list[int]:

@@ -15,6 +15,11 @@ TIME_NOTE = (
     "communication and pipeline bubbles are not modelled."
 )
 
+ZERO1_DP1_NOTE = (
+    "At dp=1 ZeRO-1 has one rank to shard over and shards nothing: each +zero1 row is the configuration without it "
+    "(set parallel.zero1=false to train it; ZeRO-1 saves memory from dp=2 on)."
+)
+
 
 def to_json(plan: Plan) -> str:
     """The plan as indented JSON (schema agoq.plan/1)."""
@@ -107,6 +112,8 @@ def markdown(plan: Plan) -> str:
             f"| {'-' if speed is None else f'{speed:.2f}x'} |"
         )
     lines += _link_table(plan)
+    if c.dp == 1 and any(sp.setup.zero1 for sp in plan.setups):
+        lines += ["", ZERO1_DP1_NOTE]
     lines += [
         "",
         TIME_NOTE,
