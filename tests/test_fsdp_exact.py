@@ -97,7 +97,7 @@ def _unit_checks(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from agoq.gradient.fsdp import QuantizedReduceScatter, fsdp_managed_parameters, use_quantized_reduce_scatter
+    from agoq.gradient.fsdp import QuantizedReduceScatter, fsdp_group_parameters, use_quantized_reduce_scatter
 
     mesh = init_device_mesh("cpu", (world,))
     x, z = _batch(rank)
@@ -119,10 +119,11 @@ def _unit_checks(rank: int, world: int) -> dict:
         fully_shard(m, mesh=mesh)
         if kind == "aligned":
             use_quantized_reduce_scatter(m)
-            out["order"] = [n for n, _ in fsdp_managed_parameters(m)]
-            # The order FSDP2 itself holds (private; read here only to check the public derivation).
-            group_params = [fp.sharded_param for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
-            out["order_matches_fsdp"] = [p for _, p in fsdp_managed_parameters(m)] == group_params
+            by_id = {id(p): n for n, p in m.named_parameters()}
+            out["order"] = [by_id[id(p)] for p in fsdp_group_parameters(m)]
+            out["shard_numels"] = QuantizedReduceScatter(m).shard_numels(world)
+            # torch's own per-rank shard sizes (private; read here only to check the formula).
+            out["torch_shard_numels"] = [fp.padded_sharded_param_size.numel() for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
         else:
             m.set_custom_reduce_scatter(_Unaligned())
         m(x, z).backward()
@@ -159,8 +160,10 @@ def _unit_checks(rank: int, world: int) -> dict:
         dist.all_gather(inputs, inp)
         rows = torch.stack(inputs).view(world, world, -1)[:, rank]  # every rank's row for this rank
         ratios, offset = {}, 0
-        for n, p in fsdp_managed_parameters(m):
+        names_of = {id(p): n for n, p in m.named_parameters()}
+        for p in fsdp_group_parameters(m):
             k = -(-p.shape[0] // world) * math.prod(p.shape[1:])
+            n = names_of[id(p)]
             seg_in, seg_out = rows[:, None, offset : offset + k], output[None, offset : offset + k]
             bound = _bound(seg_in, seg_out) * SLACK
             if reduce_dtype == torch.bfloat16:
@@ -195,11 +198,13 @@ def unit(request) -> tuple[int, list[dict]]:
     return request.param, run_distributed(_unit_checks, request.param)
 
 
-def test_fsdp2_managed_parameters_come_in_fsdp2s_own_order(unit):
-    _, results = unit
+def test_the_shards_are_laid_out_in_fsdp2s_order_and_sizes(unit):
+    world, results = unit
+    expected = [-(-37 // world) * 37, -(-250 // world) * 250, -(-37 // world)]  # ceil(dim0 / W) * prod(rest)
     for r in results:
         assert r["order"] == ["small.weight", "big.weight", "scale"]
-        assert r["order_matches_fsdp"]
+        assert r["shard_numels"] == r["torch_shard_numels"] == expected
+        assert all(n % BLOCK for n in expected)  # every shard ends mid-block
 
 
 def test_every_parameter_stays_within_the_int8_bound_of_its_own_blocks(unit):
@@ -265,9 +270,11 @@ def test_hf_trainer_under_fsdp2_with_8bit_reduce_scatter_reaches_the_fp32_loss(t
     int8 = _trainer(tmp_path, "int8")
     fp32 = _trainer(tmp_path, "fp32")
     for run in (int8, fp32):
-        # Accelerate's FSDP2 wrapped the two decoder layers and the root (not DDP).
-        assert run["fsdp_units"] >= 3, run
-    assert fp32["wire_bytes"] == 0 and int8["wire_bytes"] > 0
+        # Accelerate's FSDP2 (not DDP): the decoder layers, the embedding, the tail and the root.
+        assert run["fsdp_units"] >= 3 and run["multi_module_groups"] == 1, run
+    # Every parameter group went through the aligned 8-bit reduce-scatter, the tail group
+    # (fully_shard([norm, lm_head])) included: the bytes are those of the aligned rows.
+    assert fp32["wire_bytes"] == 0 and int8["wire_bytes"] == int8["expected_wire_bytes"] > 0, int8
     # The last 5 steps' mean training loss (single steps are noisy); both start at ln(96) = 4.56.
     tail = {k: sum(r["losses"][-5:]) / 5 for k, r in (("int8", int8), ("fp32", fp32))}
     assert tail["fp32"] < 0.6 * math.log(96), tail

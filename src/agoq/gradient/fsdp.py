@@ -9,21 +9,20 @@ back, reduced. Quantized as it is, a block holding the end of one parameter's sh
 of the next shares one scale: a small gradient next to one 1e4 larger came out 62% wrong. So each
 row is copied with every parameter's shard starting a block of its own (:func:`block_starts`, as
 the DDP hook does), reduced by :func:`reduce_scatter_8bit`, and copied back. The shards' sizes
-come from the module's parameters (:func:`fsdp_managed_parameters`) and are checked against what
-FSDP2 sends at every call. Runs on CPU/gloo and on GPUs.
+come from the global shapes of the parameter group's DTensors (:func:`fsdp_group_parameters`) and
+are checked against what FSDP2 sends at every call. Runs on CPU/gloo and on GPUs.
 """
 
 from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.tensor import DTensor
 
 from agoq.quant import QuantFormat
 
@@ -32,32 +31,20 @@ from agoq.gradient.counter import CommCounter
 from agoq.gradient.layout import block_starts
 
 
-def fsdp_managed_parameters(module: FSDPModule) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) of the parameters ``module``'s own ``fully_shard`` manages, in FSDP2's order.
+def _param_group(module: FSDPModule) -> Any:
+    """``module``'s FSDP2 parameter group (None where it manages no parameters)."""
+    # The one private read of FSDP2 here. The public view (the module's own DTensor parameters in
+    # post-order, nested fully_shard modules left out) misses groups over several modules:
+    # fully_shard([final_norm, lm_head]), Accelerate's unit for a model's tail, makes one group whose
+    # rows hold both modules' shards, and no public API lists its modules. The group's fsdp_params
+    # are the list foreach_reduce copies the gradients from, in that order.
+    return module._get_fsdp_state()._fsdp_param_group
 
-    That order is torch's ``_get_managed_modules`` / ``_get_managed_states``: the modules in
-    post-order (children before their parent), those under a nested ``fully_shard`` left out, each
-    module's own parameters in registration order, a shared one at its first place. Ignored
-    parameters (``fully_shard(ignored_params=...)``) stay plain tensors and are left out too.
-    """
-    out: list[tuple[str, torch.nn.Parameter]] = []
-    seen_params: set[int] = set()
-    seen_modules: set[int] = set()
 
-    def visit(prefix: str, m: torch.nn.Module) -> None:
-        if m is not module and isinstance(m, FSDPModule):
-            return  # its parameters are the nested fully_shard's
-        seen_modules.add(id(m))
-        for child_name, child in m.named_children():
-            if id(child) not in seen_modules:
-                visit(f"{prefix}{child_name}.", child)
-        for name, p in m.named_parameters(recurse=False):
-            if isinstance(p, DTensor) and id(p) not in seen_params:
-                seen_params.add(id(p))
-                out.append((prefix + name, p))
-
-    visit("", module)
-    return out
+def fsdp_group_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
+    """The sharded parameters of ``module``'s FSDP2 parameter group, in the order FSDP2 lays out their gradients."""
+    group = _param_group(module)
+    return [] if group is None else [fp.sharded_param for fp in group.fsdp_params]
 
 
 def shard_numel(param: torch.Tensor, world: int) -> int:
@@ -88,7 +75,7 @@ class QuantizedReduceScatter(ReduceScatter):
 
     def shard_numels(self, world: int) -> list[int]:
         """Values per reduce-scatter row of each parameter FSDP2 reduces (those that require grad), in its order."""
-        return [shard_numel(p, world) for _, p in fsdp_managed_parameters(self.module) if p.requires_grad]
+        return [shard_numel(p, world) for p in fsdp_group_parameters(self.module) if p.requires_grad]
 
     def __call__(
         self,
@@ -142,12 +129,17 @@ class QuantizedReduceScatter(ReduceScatter):
 
 
 def use_quantized_reduce_scatter(model: torch.nn.Module, fmt: QuantFormat | str | None = None, counter: CommCounter | None = None) -> int:
-    """Install a :class:`QuantizedReduceScatter` on every FSDP2 module in ``model``; return how many."""
-    count = 0
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(QuantizedReduceScatter(module, fmt, counter, name=name or type(module).__name__))
-            count += 1
-    if count == 0:
+    """Install a :class:`QuantizedReduceScatter` on every FSDP2 module in ``model``; return how many modules."""
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
         raise ValueError("no fully_shard-ed module found; call torch.distributed.fsdp.fully_shard first")
-    return count
+    # Modules sharded together (fully_shard([a, b])) share one parameter group: one reduce-scatter for them, named by all.
+    by_group: dict[int, list[tuple[str, FSDPModule]]] = {}
+    for name, m in modules:
+        group = _param_group(m)
+        by_group.setdefault(id(m) if group is None else id(group), []).append((name or type(m).__name__, m))
+    for members in by_group.values():
+        comm = QuantizedReduceScatter(members[0][1], fmt, counter, name="+".join(name for name, _ in members))
+        for _, m in members:
+            m.set_custom_reduce_scatter(comm)
+    return len(modules)
