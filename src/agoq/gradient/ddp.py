@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from agoq.quant import QuantFormat
-from agoq.quant.formats import round_up
 
 from agoq.gradient.collectives import PendingAllReduce, all_reduce_8bit, gradient_format
 from agoq.gradient.counter import CommCounter
+from agoq.gradient.layout import block_starts
 
 
 @dataclass
@@ -52,10 +52,7 @@ class _AlignedBucket:
         block = gradient_format(state.fmt).block_size
         self.buffer = bucket.buffer()
         self.gradients = [g.view(-1) for g in bucket.gradients()]
-        self.starts, total = [], 0
-        for g in self.gradients:
-            self.starts.append(total)
-            total += round_up(g.numel(), block)
+        self.starts, total = block_starts([g.numel() for g in self.gradients], block)
         self.padded = self.buffer.new_zeros(total)
         for g, start in zip(self.gradients, self.starts):
             self.padded[start : start + g.numel()].copy_(g)

@@ -116,6 +116,21 @@ def plan_buckets(numels: list[int], block: int, bucket_numel: int, world: int) -
     return [bucket for run in bucket_runs(numels, block, bucket_numel, world) for bucket in run.expand()]
 
 
+def block_starts(numels: list[int], block: int) -> tuple[list[int], int]:
+    """(start of each of ``numels``' values, total): laid end to end, each starting a block of its own.
+
+    The layout of one flat buffer of several gradients quantized together (a DDP bucket, an FSDP2
+    shard row): a block shared by two gradients takes one scale for both, so the smaller one, next to
+    a gradient 1e4 larger, keeps almost no digits; with each gradient's last block padded with zeros
+    every block holds one gradient's values.
+    """
+    starts, total = [], 0
+    for n in numels:
+        starts.append(total)
+        total += round_up(n, block)
+    return starts, total
+
+
 def bucket_numel_for(bucket_numel: int | None, bucket_bytes: int | None) -> int:
     """Values per bucket from either size (fp32 bytes count 4 a value); DDP's default when neither is given."""
     if bucket_numel is not None and bucket_bytes is not None:
