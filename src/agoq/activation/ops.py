@@ -556,14 +556,17 @@ def kept_by_attention(x: torch.Tensor) -> bool:
     return bool(getattr(base, _KEPT_BY_ATTENTION, False)) and x.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
+def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat | None, *, attention_output: bool = False) -> torch.Tensor:
     """x times weight (transposed); with fmt, saves x quantized for the weight gradient.
 
     When x is a view of an attention output that attention already keeps at full precision, x is
     saved as that view (zero extra bytes) instead of as a quantized copy, whatever ``fmt`` says.
+    Under torch.compile no tensor can be asked whether it is such a view: there ``attention_output``
+    (x is :func:`causal_attention`'s output, unquantized) says so, as the eager check would find it.
     """
     with meter_scope(kind="out_proj_input"):
-        if fmt is None or kept_by_attention(x):
+        if fmt is None or (attention_output and torch.compiler.is_compiling()) or kept_by_attention(x):
+            # In a compiled graph SDPA's backward needs its output too: the partitioner saves it once for both.
             return F.linear(x, weight)
         return _saved_input_linear_op(x, weight, fmt.name)[0]
 

@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
         k = rotary_embedding(k.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         o = causal_attention(q, k, v, p.attention).transpose(1, 2).reshape(b, s, cfg.hidden)
-        x = x + saved_input_linear(o, a.o.weight, p.out_proj_input)
+        x = x + saved_input_linear(o, a.o.weight, p.out_proj_input, attention_output=p.attention is None)
         m = self.mlp
         gate, up = rms_norm_linear(x, self.mlp_norm.weight, cfg.norm_eps, (m.gate.weight, m.up.weight), p.norm_input)
         return x + swiglu_linear(gate, up, m.down.weight, p.act_input)
