@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -158,6 +159,13 @@ class Llama(nn.Module):
             std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    def compile_layers(self, **options: Any) -> None:
+        """torch.compile each decoder layer in place with fullgraph=True (parameter names unchanged)."""
+        # Per block, as torchtitan compiles: the layers share one graph (their parameters are its
+        # inputs), and the embedding, rope tables and loss stay eager around them.
+        for layer in self.layers.values():
+            layer.compile(fullgraph=True, **options)
 
     def set_policy(self, policy: ActivationPolicy) -> None:
         """Switch the activation precision policy (takes effect on the next forward)."""
