@@ -17,6 +17,10 @@ Forward outputs are the baseline's bit for bit; only gradients see the quantizat
 Triton backend of :mod:`agoq.quant.backend`, the fused norm and SwiGLU kernels reduce and
 exponentiate in their own order: outputs then agree within the rounding of their dtype; the saved
 codes stay bit-identical.) Every op sets the kind of what it saves for :mod:`agoq.activation.meter`.
+
+The fused ops are ``torch.library`` custom ops (namespace ``agoq``) with fake kernels and registered
+autograd, so torch.compile sees each as one graph node (docs/ARCHITECTURE.md); what they run is the
+eager code below, the definition a compiled graph must equal.
 """
 
 from __future__ import annotations
@@ -242,7 +246,7 @@ def _norm_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> N
 def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
     payload, scales, norm_weight, *weights = ctx.saved_tensors
     shape, dtype, eps, fmt = ctx.meta
-    need_x, need_norm_weight, need_weights = ctx.needs_input_grad[:3]
+    need_norm_weight, need_weights = ctx.needs_input_grad[1:3]
     outs = _norm_linear_backward_op(
         list(grads[: len(weights)]), payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, list(need_weights)
     )
