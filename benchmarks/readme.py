@@ -106,7 +106,11 @@ def machine_words(payload: dict[str, Any]) -> str:
     """The machine a result file was measured on, in words: CPU, cores, the CPU flags that set its speed, GPU."""
     m = payload.get("machine", {})
     flags = f", flags {'/'.join(f.upper() for f in m['cpu_flags'])}" if m.get("cpu_flags") else ""
-    return f"{m.get('processor', '?')}, {m.get('cpu_count', '?')} cores{flags}" + (f", {m['gpu']}" if m.get("gpu") else "") + f", torch {m.get('torch', '?')}"
+    return (
+        f"{m.get('processor', '?')}, {m.get('cpu_count', '?')} cores{flags}"
+        + (f", {m['gpu']}" if m.get("gpu") else "")
+        + f", torch {m.get('torch', '?')}"
+    )
 
 
 def _provenance(payload: dict[str, Any]) -> str:
@@ -162,7 +166,10 @@ def _headline_from_train_ratio(payload: dict[str, Any]) -> str:
     side = {s: [row for row in r["rows"] if row["side"] == s] for s in ("agoq", "bf16")}
     first = {s: rows[0] for s, rows in side.items()}
     step = {s: median(row["step_time_s"] for row in rows) for s, rows in side.items()}
-    lines = [*HEADER, f"| step time (s, median of {r['repeats']} alternating runs each) | {step['bf16']:.3f} | {step['agoq']:.3f} | {r['ratios']['step_time_s']:.2f}x |"]
+    lines = [
+        *HEADER,
+        f"| step time (s, median of {r['repeats']} alternating runs each) | {step['bf16']:.3f} | {step['agoq']:.3f} | {r['ratios']['step_time_s']:.2f}x |",
+    ]
     lines += _headline_rows(first["agoq"], first["bf16"])
     if first["agoq"].get("val_loss") is not None and first["bf16"].get("val_loss") is not None:
         val = {s: median(row["val_loss"] for row in rows) for s, rows in side.items()}
@@ -188,9 +195,10 @@ def _headline_from_convergence(payload: dict[str, Any]) -> str:
     )
     return (
         f"`agoq train`, embedded default ({r['config']}), {r['steps']} steps; AGoQ against "
-        "`--precision.activations=bf16 --precision.gradients=fp32`. Bytes are counted, not timed, so they do not depend on the machine.\n\n"
+        "`--precision.activations=bf16 --precision.gradients=fp32`. The bytes are counted, not timed.\n\n"
         + "\n".join(lines)
-        + f"\n\nReproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)})."
+        + f"\n\nReproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)}). "
+        + f"The step-time ratio of whole runs, taking turns, is what `{OPTIONAL['train_ratio']}` measures; it is not committed yet."
     )
 
 

@@ -145,7 +145,10 @@ def readme_markdown(results: dict[str, Any]) -> str:
             f"| {_mib(r['peak_tensor_bytes'])} | {_mib(r['wire_bytes_per_step'])} | {val} | {r['wall_s']:.0f} |"
         )
     q = results["ratios"]
-    cells = [f"{q[k]:.3f}x" if q.get(k) is not None else "" for k in ("step_time_s", "peak_saved_bytes", "peak_tensor_bytes", "wire_bytes_per_step", "val_loss")]
+    cells = [
+        f"{q[k]:.3f}x" if q.get(k) is not None else ""
+        for k in ("step_time_s", "peak_saved_bytes", "peak_tensor_bytes", "wire_bytes_per_step", "val_loss")
+    ]
     lines.append(f"| median | agoq / bf16 | | | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} | |")
     return "\n".join(lines)
 
