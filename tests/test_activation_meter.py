@@ -102,8 +102,8 @@ def test_meter_equals_accounting_to_the_byte(batch: int, seq: int, overrides: di
         make_policy("agoq"),
         make_policy("uniform4"),
         make_policy("agoq", layer_bits=[5, 8]),
-        make_policy("agoq", overrides={"act_input": "nf4/64", "norm_input": None}),
-        make_policy("uniform4", overrides={"out_proj_input": None, "attention": "int8/32"}),
+        make_policy("agoq", formats={"act_input": "nf4/64", "norm_input": None}),
+        make_policy("uniform4", formats={"out_proj_input": None, "attention": "int8/32"}),
     ]
     model = Llama(cfg, policies[0]).to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
