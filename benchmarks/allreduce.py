@@ -129,8 +129,8 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
     import torch
     import torch.distributed as dist
 
-    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_fp, all_reduce_hierarchical, node_groups
-    from agoq.gradient.collectives import inter_node_name, ring_all_reduce_8bit
+    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_hierarchical, node_groups
+    from agoq.gradient.collectives import all_reduce_fp, inter_node_name, ring_all_reduce_8bit
 
     groups = node_groups(node_size(world))
     # The flat all-reduces know the nodes only where the ranks really span hosts, as in training.

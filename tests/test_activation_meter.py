@@ -7,14 +7,9 @@ import gc
 import pytest
 import torch
 
-from agoq.activation import (
-    METER_KINDS,
-    SavedBytesMeter,
-    U_bytes,
-    layer_saved_bytes,
-    make_policy,
-    meter_scope,
-)
+from agoq.activation import SavedBytesMeter, make_policy
+from agoq.activation.accounting import U_bytes, layer_saved_bytes
+from agoq.activation.meter import METER_KINDS, meter_scope
 from agoq.models import Llama, get_config
 
 

@@ -148,3 +148,25 @@ def test_torch_is_declared_as_the_tested_range_not_a_pin():
     clauses = spec.split(",")
     assert not any(c.startswith("==") for c in clauses), spec
     assert sorted(clauses) == ["<2.14", ">=2.13"], spec
+
+
+PACKAGE_NAMES = {
+    "agoq.activation": 13,
+    "agoq.gradient": 10,
+    "agoq.models": 4,
+    "agoq.parallel": 12,
+    "agoq.plan": 8,
+    "agoq.quant": 7,
+}
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_NAMES))
+def test_each_package_advertises_a_short_list_that_resolves(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert len(module.__all__) == PACKAGE_NAMES[package], module.__all__
+    for name in module.__all__:
+        value = getattr(module, name)
+        assert getattr(value, "__name__", name) == name or not callable(value), (package, name)
+    assert set(module.__all__) <= set(dir(module))

@@ -8,21 +8,9 @@ from hypothesis import strategies as st
 
 from agoq.activation.policy import make_policy, with_loss_path
 from agoq.models import get_config
-from agoq.parallel import (
-    PipelineLayout,
-    allocate_rank_bits,
-    allocate_stage_bits,
-    inflight_microbatches,
-    layer_bits,
-    loss_recompute_needed,
-    loss_weight_grad_in_forward,
-    peak_bytes,
-    peak_inflight_bytes,
-    schedule_order,
-    split_layers,
-    stage_layer_bits,
-    stage_saved_bytes,
-)
+from agoq.parallel import PipelineLayout, allocate_stage_bits, inflight_microbatches, split_layers, stage_layer_bits
+from agoq.parallel.dbca import allocate_rank_bits, layer_bits, peak_bytes, stage_saved_bytes
+from agoq.parallel.inflight import loss_recompute_needed, loss_weight_grad_in_forward, peak_inflight_bytes, schedule_order
 
 
 def proportional(bits: int) -> int:

@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 
-from agoq.activation import U_bytes, layer_saved_bytes, make_policy
+from agoq.activation import make_policy
+from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import loss_saved_bytes
 from agoq.models import PRESETS
 from agoq.parallel import PipelineLayout, stage_layer_bits
-from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
+from agoq.plan import PlanError, make_plan_config, plan_memory
+from agoq.plan.config import parse_setup, parse_size
 from agoq.plan.accounting import PlanAccounting
 from agoq.plan.report import verdict
 

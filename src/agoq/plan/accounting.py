@@ -1,11 +1,11 @@
 """The byte and time formulas of one training configuration, per pipeline rank, for the baseline and AGoQ.
 
 Every byte count here comes from the code the trainer runs or measures, not from a second copy
-of a formula: saved activations per layer from :func:`agoq.activation.layer_saved_bytes` (checked
+of a formula: saved activations per layer from :func:`agoq.activation.accounting.layer_saved_bytes` (checked
 to the byte against the meter), the loss's from :func:`agoq.activation.loss.loss_saved_bytes`,
-a stage's from :func:`agoq.parallel.stage_saved_bytes`, in-flight peaks from torch's own
-schedule order (:func:`agoq.parallel.peak_inflight_bytes`), stage bits from the trainer's DBCA
-function (:func:`agoq.parallel.stage_layer_bits`), parameter shapes from the model's own modules
+a stage's from :func:`agoq.parallel.dbca.stage_saved_bytes`, in-flight peaks from torch's own
+schedule order (:func:`agoq.parallel.inflight.peak_inflight_bytes`), stage bits from the trainer's DBCA
+function (:func:`agoq.parallel.dbca.stage_layer_bits`), parameter shapes from the model's own modules
 (built on the meta device), and 8-bit sizes from :meth:`agoq.quant.QuantFormat.nbytes`.
 
 Tensor parallelism with sequence parallelism (Megatron-LM's TP + SP) divides every saved tensor
