@@ -35,7 +35,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, parse_format, quantize, quantize_rows_into
+from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
+from agoq.quant.dispatch import quantize_rows_into
+from agoq.quant.formats import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.nodes import Group, NodeGroups, gather_within_node
