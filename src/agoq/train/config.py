@@ -475,6 +475,9 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
             check()
         except (ValueError, TypeError) as e:
             raise ConfigError(f"precision.{key}={getattr(pr, key)!r} is invalid: {e}") from None
+    if p.zero1 and p.dp == 1:
+        # One replica has nothing to shard over: the planner shows such a run as the unsharded one.
+        raise ConfigError("parallel.zero1=true shards optimizer state over the dp ranks, but parallel.dp=1; set parallel.dp >= 2 or drop zero1")
     if p.zero1 and o.name == "adamw8bit":
         raise ConfigError("parallel.zero1=true shards AdamW's fp32 state; it does not support optim.name='adamw8bit' (use one or the other)")
     if p.zero1 and pr.gradients == "bf16":
