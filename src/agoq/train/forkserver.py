@@ -18,8 +18,6 @@ import socket
 from contextlib import contextmanager
 from typing import Iterator
 
-from agoq.inductor_cache import use_capability_cache
-
 # The environment this module was imported with: in a worker forked from the fork server, the
 # server's; the launcher's per-rank variables are what differs from it (adopt_launcher_env).
 _ENV_AT_IMPORT = dict(os.environ)
@@ -100,7 +98,6 @@ def start_early() -> None:
     """
     if under_torchrun() or _forkserver_env is not None:
         return
-    use_capability_cache()  # as agoq.quant does on import in every process: the server's variables then match the launch's
     with workers_environment():
         if start_method() == "forkserver":
             multiprocessing.forkserver.ensure_running()
