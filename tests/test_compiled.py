@@ -21,7 +21,14 @@ pytestmark = [
 ]
 
 # (format, input dtype): every kind, the activation formats in bf16.
-FORMATS = [("int4/128", torch.bfloat16), ("int3/64", torch.bfloat16), ("int8/256", torch.float32), ("fp4/128", torch.bfloat16), ("nf4/128", torch.bfloat16), ("fp8/128", torch.float32)]
+FORMATS = [
+    ("int4/128", torch.bfloat16),
+    ("int3/64", torch.bfloat16),
+    ("int8/256", torch.float32),
+    ("fp4/128", torch.bfloat16),
+    ("nf4/128", torch.bfloat16),
+    ("fp8/128", torch.float32),
+]
 
 
 def _data(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -190,7 +197,9 @@ def test_a_formula_reading_codes_equals_the_formula_on_dequantized_values() -> N
         fused(grad[:-1, :-1].contiguous(), quantize(gate[:-1, :-1], fmt), quantize(up[:-1, :-1], fmt))
 
 
-@pytest.mark.parametrize("spec,dtype,shape", [("int4/128", torch.bfloat16, (3, 37, 200)), ("fp4/64", torch.float32, (64, 688))], ids=["int4_bf16_padded", "fp4_fp32"])
+@pytest.mark.parametrize(
+    "spec,dtype,shape", [("int4/128", torch.bfloat16, (3, 37, 200)), ("fp4/64", torch.float32, (64, 688))], ids=["int4_bf16_padded", "fp4_fp32"]
+)
 def test_the_fused_swiglu_forward_quantizes_as_quantize_does_and_rounds_the_product_once(spec: str, dtype: torch.dtype, shape) -> None:
     """swiglu_quantize: gate's and up's codes and scales are the reference's bits; SiLU(gate) * up
     is the fp32 product rounded once to the dtype (eagerly SiLU is rounded first), so it is within

@@ -151,7 +151,7 @@ def console_main() -> None:
     """The ``agoq`` console script and ``python -m agoq``: :func:`main`, then exit without the final collection.
 
     At exit the interpreter's last garbage collection walks every object that torch, Dynamo and
-    inductor created, about 1 s of a short run's wall time on a 2-core CPU; none of them needs
+    inductor created, a noticeable part of a short run's wall time; none of them needs
     finalizing, and the process's memory goes back to the system at once. Frozen objects are
     skipped by that collection. (Only here: :func:`main` also serves callers that go on running.)
     Not once a nanobind extension is loaded: nanobind reports every object of its own still alive

@@ -1,8 +1,8 @@
 """Inductor's cache folder for a torch held to another instruction set (ATEN_CPU_CAPABILITY).
 
-Inductor's on-disk cache does not tell code built for AVX512 from code built under
-ATEN_CPU_CAPABILITY=avx2: with that variable set, a cache filled without it hands back AVX512
-kernels that crash the process ("free(): invalid pointer" in the first step). So, unless the user
+Inductor's on-disk cache does not tell code built for the CPU's own instruction set from code
+built under ATEN_CPU_CAPABILITY=avx2: with that variable set, a cache filled without it hands back
+kernels for the wider instruction set that crash the process ("free(): invalid pointer" in the first step). So, unless the user
 chose a cache folder, a run held to a capability compiles into a folder of its own.
 
 Only agoq's own launcher applies it, for its workers: ``agoq train`` calls

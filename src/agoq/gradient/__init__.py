@@ -8,7 +8,7 @@
 - :data:`COMM_COUNTER`: bytes each rank sent, per collective.
 
 This package imports only agoq.quant. The FSDP2 adapter is loaded on first use (importing
-torch's FSDP costs about 1.5 s).
+torch's FSDP is slow).
 """
 
 from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES, QuantGradBuffer, Segment

@@ -135,9 +135,7 @@ def _swiglu_graph(
     return (act, *block_codes(g, fmt, tables), *block_codes(u, fmt, tables))
 
 
-def _reading_codes_graph(
-    fn: Callable[..., Any], items: tuple[Any, ...], fmt: QuantFormat, tables: CodebookTables | None, **constants: Any
-) -> Any:
+def _reading_codes_graph(fn: Callable[..., Any], items: tuple[Any, ...], fmt: QuantFormat, tables: CodebookTables | None, **constants: Any) -> Any:
     # ``items``: fn's arguments, a quantized one as its (codes, scales) pair.
     args = [_block_values(item[0], item[1], fmt, tables) if isinstance(item, tuple) else item for item in items]
     return fn(*args, **constants)
@@ -215,7 +213,9 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     if not gate.numel():
         return torch.empty_like(gate), quantize(gate, fmt), quantize(up, fmt)
     flat_gate, flat_up = (_whole_blocks(t.detach().reshape(-1), fmt.block_size) for t in (gate, up))
-    act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph)(flat_gate, flat_up, fmt, _tables(fmt, gate.device), act_dtype=gate.dtype)
+    act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph)(
+        flat_gate, flat_up, fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
+    )
     return act[: gate.numel()].view(gate.shape), _qtensor(gate, gate_codes, gate_scales, fmt), _qtensor(up, up_codes, up_scales, fmt)
 
 

@@ -2,9 +2,9 @@
 faster) and the quantization backend (compiled CPU code only where it pays for its compile).
 
 GPUs with bf16 support get bf16. On CPUs the answer depends on the instruction set, and a wrong
-default is expensive: measured with the embedded default run, a bf16 step was 0.86x the fp32 step on
-one AMD EPYC (flags not recorded), 1.45x on an Intel Xeon with AVX512-BF16 and no AMX, and 10.7x on
-an AVX2-only AMD EPYC (torch then emulates every bf16 operation). So a CPU without AVX512-BF16 or AMX-BF16 gets fp32 at once, and one
+default is expensive: on a CPU without bf16 instructions torch emulates every bf16 operation, and
+even with them bf16 was not faster on every CPU (benchmarks/train_dtype.py). So a CPU whose
+/proc/cpuinfo lists neither ``avx512_bf16`` nor ``amx_bf16`` gets fp32 at once, and one
 with them gets bf16 only if a probe (forward + backward of a SwiGLU MLP at the model's width, on as
 many threads as each worker will use) runs at least ``BF16_MIN_SPEEDUP`` faster in bf16.
 
@@ -89,7 +89,7 @@ def cpu_flags(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def cpu_bf16_flags() -> tuple[str, ...]:
-    """The bf16 instruction-set flags of this CPU (AVX512-BF16, AMX-BF16) that /proc/cpuinfo lists."""
+    """The bf16 instruction-set flags of this CPU (``avx512_bf16``, ``amx_bf16``) that /proc/cpuinfo lists."""
     return cpu_flags(BF16_CPU_FLAGS)
 
 
@@ -210,7 +210,7 @@ def choose_compute_dtype(requested: str, device_type: str, hidden: int, intermed
         return DtypeChoice("fp32", "this CPU has no AVX512-BF16 or AMX-BF16 instructions, so bf16 would be emulated (about 10x slower)")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in TORCH_CAPABILITIES_WITHOUT_BF16:
-        # ATEN_CPU_CAPABILITY (or the build) holds torch's kernels below AVX512: they would emulate bf16.
+        # ATEN_CPU_CAPABILITY (or the build) holds torch's kernels below avx512: they would emulate bf16.
         return DtypeChoice(
             "fp32", f"torch runs this CPU's kernels at {capability} (ATEN_CPU_CAPABILITY), so bf16 would be emulated (about 10x slower)"
         )

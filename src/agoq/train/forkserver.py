@@ -1,10 +1,9 @@
 """The fork server that a local run's workers start from, and the environment they run in.
 
 Local workers fork from one server process that has torch, its compiler and agoq imported, instead
-of importing them each (four workers on two cores spent about 8 s of the start importing, 4 s of
-CPU each). The server imports them in about 3 s; :func:`start_early` starts it when ``agoq train``
-begins, so that this happens on the second core while the launcher imports, reads its config and
-prepares the data (about 2.5 s on one core), instead of after it.
+of importing them each (which cost every worker its own import time at the start).
+:func:`start_early` starts it when ``agoq train`` begins, so that this happens on a second core
+while the launcher imports, reads its config and prepares the data, instead of after it.
 
 Standard library only, so that importing it costs nothing before the server is started.
 """
