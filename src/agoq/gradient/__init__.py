@@ -11,7 +11,7 @@
 The baselines the benchmarks compare with (``all_reduce_fp``, fp32/bf16, and
 ``ring_all_reduce_8bit``, the FP8-LM-style ring) are in :mod:`agoq.gradient.collectives`.
 This package imports only agoq.quant. The FSDP2 adapter is loaded on first use (importing
-torch's FSDP costs about 1.5 s).
+torch's FSDP is slow).
 """
 
 from agoq import _lazy_dir, _lazy_exports
