@@ -45,7 +45,9 @@ def measure(model_name: str, batch: int, seq: int, dtype_name: str, layers: int,
     """Measured per-layer bytes by kind for each policy, with the analytical count and outside bytes."""
     import torch
 
-    from agoq.activation import METER_KINDS, SavedBytesMeter, U_bytes, layer_saved_bytes, make_policy
+    from agoq.activation import SavedBytesMeter, make_policy
+    from agoq.activation.accounting import U_bytes, layer_saved_bytes
+    from agoq.activation.meter import METER_KINDS
     from agoq.models import Llama, get_config
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
@@ -105,7 +107,8 @@ def analytical(presets: list[str], batch: int, seq: int) -> list[dict[str, Any]]
     """The accounting formula for real model shapes (bf16 compute), per policy, in U."""
     import torch
 
-    from agoq.activation import U_bytes, layer_saved_bytes, make_policy
+    from agoq.activation import make_policy
+    from agoq.activation.accounting import U_bytes, layer_saved_bytes
     from agoq.models import get_config
 
     rows = []

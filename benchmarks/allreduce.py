@@ -16,7 +16,9 @@ Besides fp32, bf16 and the 8-bit all-reduce, both settings time a flat int4/64 a
 node, int4 all-reduce between nodes, all-gather within a node. A node is LOCAL_WORLD_SIZE ranks
 (2 per host in ``netns``), 2 simulated ones when it is not set (``local``). Where the ranks span
 hosts (``netns``), the 8-bit and int4 all-reduces gather between hosts, then within each, as
-training does across nodes (agoq.gradient.collectives.gathers_by_node).
+training does across nodes (agoq.gradient.collectives.gathers_by_node). ``ring8`` is the FP8-LM-style
+baseline AGoQ's all-reduce replaces (agoq.gradient.collectives.ring_all_reduce_8bit: one shared
+scale, partial sums re-rounded to 8 bits at each hop); benchmarks.convergence trains with it.
 
 Times are the slowest rank's, median over ``--reps``; "same repetition" ratios are the median of
 each repetition's ratio (the methods take turns within a repetition, in an order shuffled each
@@ -49,7 +51,7 @@ from benchmarks._common import add_out_dir
 
 DESCRIPTION = "8-bit vs fp32/bf16 all-reduce: wire bytes and time per phase, locally and over two tc-shaped network namespaces"
 
-METHODS = ("fp32", "bf16", "8bit", "int4", "hier-8/4")
+METHODS = ("fp32", "bf16", "8bit", "int4", "hier-8/4", "ring8")
 PARTS = ("quantize", "all_to_all", "reduce", "all_gather", "dequantize")
 # The 4-bit wire format of the "int4" (flat) method and of the hierarchical method's inter-node hop.
 INT4_FMT = "int4/64"  # precision.gradients=int4 and hier-8/4's (agoq.gradient.sync.INT4_WIRE_FORMAT)
@@ -127,8 +129,8 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
     import torch
     import torch.distributed as dist
 
-    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_fp, all_reduce_hierarchical, node_groups
-    from agoq.gradient.collectives import inter_node_name
+    from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_hierarchical, node_groups
+    from agoq.gradient.collectives import all_reduce_fp, inter_node_name, ring_all_reduce_8bit
 
     groups = node_groups(node_size(world))
     # The flat all-reduces know the nodes only where the ranks really span hosts, as in training.
@@ -156,6 +158,8 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
                 all_reduce_8bit(t, fmt=INT4_FMT, counter=counters[method], timings=timings, nodes=flat_nodes)
             elif method == "hier-8/4":
                 all_reduce_hierarchical(t, "sum", groups, intra_fmt=fmt, inter_fmt=INT4_FMT, counter=counters[method], timings=timings)
+            elif method == "ring8":
+                ring_all_reduce_8bit(t, "sum", counter=counters[method])
             else:
                 all_reduce_fp(t, counter=counters[method])
 

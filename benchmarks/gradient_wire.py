@@ -29,7 +29,8 @@ def measure(numel: int) -> list[dict[str, Any]]:
     """One row per format: errors on both samples, bytes per value."""
     import torch
 
-    from agoq.quant import SCALE_BYTES, dequantize, parse_format, quantize
+    from agoq.quant import dequantize, parse_format, quantize
+    from agoq.quant.formats import SCALE_BYTES
 
     g = torch.Generator().manual_seed(0)
     samples = {"gaussian": torch.randn(numel, generator=g)}

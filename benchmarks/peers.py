@@ -106,7 +106,7 @@ def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from agoq.gradient import DEFAULT_BUCKET_BYTES
+    from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES
     from agoq.models import Llama
     from agoq.train.config import load_config
     from agoq.train.data import TrainSampler, prepare_data

@@ -50,7 +50,7 @@ def compare(tp: int = 8) -> dict[str, Any]:
     """Planner peaks, the paper's, and the decomposition of their difference, per case and configuration."""
     import torch
 
-    from agoq.activation import U_bytes
+    from agoq.activation.accounting import U_bytes
     from agoq.activation.loss import loss_saved_bytes
     from agoq.plan import make_plan_config, plan_memory
 

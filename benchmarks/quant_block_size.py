@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks._common import write_result
-    from agoq.quant import DEFAULT_ACTIVATION_BLOCK, DEFAULT_GRADIENT_BLOCK, parse_format
+    from agoq.quant import parse_format
+    from agoq.quant.formats import DEFAULT_ACTIVATION_BLOCK, DEFAULT_GRADIENT_BLOCK
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,14 +7,9 @@ import gc
 import pytest
 import torch
 
-from agoq.activation import (
-    METER_KINDS,
-    SavedBytesMeter,
-    U_bytes,
-    layer_saved_bytes,
-    make_policy,
-    meter_scope,
-)
+from agoq.activation import SavedBytesMeter, make_policy
+from agoq.activation.accounting import U_bytes, layer_saved_bytes
+from agoq.activation.meter import METER_KINDS, meter_scope
 from agoq.models import Llama, get_config
 
 
@@ -102,8 +97,8 @@ def test_meter_equals_accounting_to_the_byte(batch: int, seq: int, overrides: di
         make_policy("agoq"),
         make_policy("uniform4"),
         make_policy("agoq", layer_bits=[5, 8]),
-        make_policy("agoq", overrides={"act_input": "nf4/64", "norm_input": None}),
-        make_policy("uniform4", overrides={"out_proj_input": None, "attention": "int8/32"}),
+        make_policy("agoq", formats={"act_input": "nf4/64", "norm_input": None}),
+        make_policy("uniform4", formats={"out_proj_input": None, "attention": "int8/32"}),
     ]
     model = Llama(cfg, policies[0]).to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))

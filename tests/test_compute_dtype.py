@@ -68,56 +68,18 @@ def test_quantization_compiles_only_for_runs_that_repay_it(monkeypatch):
 
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     monkeypatch.setattr(backend, "compiler_available", lambda: True)
-    short = cd.choose_quant_backend("auto", "cpu", cd.COMPILE_MIN_STEPS - 1, compiled_before=True)
+    short = cd.choose_quant_backend("auto", "cpu", cd.COMPILE_MIN_STEPS - 1)
     assert short.name == "torch" and f"{cd.COMPILE_MIN_STEPS - 1}-step run" in short.reason
-    # Kernels in the cache: from COMPILE_MIN_STEPS. None yet: eager below FIRST_COMPILE_MIN_STEPS.
-    assert cd.choose_quant_backend("auto", "cpu", cd.COMPILE_MIN_STEPS, compiled_before=True).name == "compiled"
-    first = cd.choose_quant_backend("auto", "cpu", cd.FIRST_COMPILE_MIN_STEPS - 1)
-    assert first.name == "torch" and "not compiled on this machine yet" in first.reason
-    assert f"only from {cd.FIRST_COMPILE_MIN_STEPS} steps" in first.reason
-    long_first = cd.choose_quant_backend("auto", "cpu", cd.FIRST_COMPILE_MIN_STEPS)
-    assert long_first.name == "compiled" and "first run" in long_first.reason
+    assert "precision.quant_backend=compiled" in short.reason
+    long = cd.choose_quant_backend("auto", "cpu", cd.COMPILE_MIN_STEPS)
+    assert long.name == "compiled" and f"{cd.COMPILE_MIN_STEPS}+ steps" in long.reason
+    cfg = load_config(None, ["--train.out_dir=runs/x"])
+    assert cd.quant_backend_for(cfg, "cpu", "fp32").name == ("compiled" if cfg.train.steps >= cd.COMPILE_MIN_STEPS else "torch")
     monkeypatch.setattr(backend, "compiler_available", lambda: False)
-    assert cd.choose_quant_backend("auto", "cpu", 10_000, compiled_before=True).name == "torch"
+    assert cd.choose_quant_backend("auto", "cpu", 10_000).name == "torch"
     assert cd.choose_quant_backend("compiled", "cpu", 5).name == "compiled"  # the config decides when set
     monkeypatch.setenv(backend.ENV_VAR, "torch")
     assert cd.choose_quant_backend("auto", "cpu", 10_000).reason == f"set by {backend.ENV_VAR}"
-
-
-def test_a_compiled_run_is_noted_in_inductors_cache_for_its_configuration_only(monkeypatch, tmp_path):
-    import tempfile
-
-    from agoq.inductor_cache import _user, compiled_before, inductor_cache_folder, note_compiled
-    from agoq.quant import backend
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    monkeypatch.setattr(backend, "compiler_available", lambda: True)
-    assert inductor_cache_folder() == tmp_path / "inductor"
-    cfg = load_config(None, ["--train.out_dir=runs/x"])
-    key = cd.compiled_kernels_key(cfg, "fp32")
-    assert cd.quant_backend_for(cfg, "cpu", "fp32").name == "torch"  # 200 steps, nothing compiled yet
-    note_compiled(key)
-    assert compiled_before(key) and cd.quant_backend_for(cfg, "cpu", "fp32").name == "compiled"
-    # What does not change the kernels keeps the note: the length, the output folder, the data
-    # parallel width, the batch; what does change them is a configuration of its own.
-    same = load_config(None, ["--train.out_dir=runs/y", "--train.steps=150", "--parallel.dp=1", "--data.batch_size=8"])
-    assert cd.compiled_kernels_key(same, "fp32") == key
-    for other in (["--precision.activation_format=nf4/64"], ["--precision.gradients=int4"], ["--optim.name=adamw8bit"], ["--parallel.tp=2"]):
-        assert not compiled_before(cd.compiled_kernels_key(load_config(None, ["--train.out_dir=runs/x", *other]), "fp32")), other
-    assert not compiled_before(cd.compiled_kernels_key(cfg, "bf16"))
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # held to another instruction set
-    assert not compiled_before(cd.compiled_kernels_key(cfg, "fp32"))
-    # Held by ATEN_CPU_CAPABILITY with no folder chosen, the note goes to the capability's own folder.
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    assert inductor_cache_folder() == tmp_path / "tmp" / f"agoq_inductor_{_user()}" / "aten-cpu-capability-avx2"
-    # A folder that cannot be written: nothing noted, nothing raised.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file"))
-    (tmp_path / "file").write_text("")
-    note_compiled(key)
-    assert not compiled_before(key)
 
 
 def test_a_bad_quant_backend_is_refused_before_launch():
@@ -148,21 +110,3 @@ def test_the_launchers_choices_leave_the_config_as_validated(monkeypatch, capsys
     # A value set in the config is kept as it is, and said nothing about.
     fixed = load_config(None, ["--precision.compute_dtype=fp32", "--precision.quant_backend=compiled", "--train.out_dir=runs/x"])
     assert resolve_auto_choices(fixed) == cd.ResolvedChoices("fp32", "compiled") and capsys.readouterr().out == ""
-
-
-def test_only_a_run_that_compiled_on_the_cpu_leaves_the_note(monkeypatch, tmp_path):
-    from types import SimpleNamespace
-
-    from agoq.inductor_cache import compiled_before
-    from agoq.train.run import _note_compiled_kernels
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    cfg = load_config(None, ["--train.out_dir=runs/x"])
-    key = cd.compiled_kernels_key(cfg, "fp32")
-
-    def run(backend: str, device: str) -> bool:
-        _note_compiled_kernels(cfg, SimpleNamespace(choices=cd.ResolvedChoices("fp32", backend), ctx=SimpleNamespace(device=torch.device(device))))
-        return compiled_before(key)
-
-    assert not run("torch", "cpu") and not run("compiled", "cuda")
-    assert run("compiled", "cpu")

@@ -6,23 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agoq.activation import make_policy
+from agoq.activation.policy import make_policy, with_loss_path
 from agoq.models import get_config
-from agoq.parallel import (
-    PipelineLayout,
-    allocate_rank_bits,
-    allocate_stage_bits,
-    inflight_microbatches,
-    layer_bits,
-    loss_recompute_needed,
-    loss_weight_grad_in_forward,
-    peak_bytes,
-    peak_inflight_bytes,
-    schedule_order,
-    split_layers,
-    stage_layer_bits,
-    stage_saved_bytes,
-)
+from agoq.parallel import PipelineLayout, allocate_stage_bits, inflight_microbatches, split_layers, stage_layer_bits
+from agoq.parallel.dbca import allocate_rank_bits, layer_bits, peak_bytes, stage_saved_bytes
+from agoq.parallel.inflight import loss_recompute_needed, loss_weight_grad_in_forward, peak_inflight_bytes, schedule_order
 
 
 def proportional(bits: int) -> int:
@@ -181,17 +169,17 @@ def test_the_fused_loss_recomputes_only_under_a_pipeline(schedule, pp, virtual_s
         ],
     )
     trainers = make_policy_for(cfg)
-    assert trainers.loss_recompute is recompute
+    assert trainers._loss_recompute is recompute
     # Where it would recompute, the trainer computes the gradients in forward instead and delivers
     # the head's there (its last stage backpropagates the loss with grad_output 1).
-    assert trainers.loss_weight_grad_in_forward is recompute
+    assert trainers._loss_weight_grad_in_forward is recompute
     assert loss_weight_grad_in_forward(pp, tp=2) is False  # the tensor-parallel loss keeps its own path
     # What the loss keeps: hidden states and targets when recomputing, the hidden-state gradient alone
     # when the head's gradient went in forward, else the hidden-state gradient and the [vocab, hidden]
     # head gradient (the planner reads the same function; tests/test_plan_train.py checks it against
     # the trainer's meter).
     m = get_config("tiny")
-    policy = make_policy("agoq", loss_recompute=recompute)
+    policy = with_loss_path(make_policy("agoq"), recompute=recompute)
     last = stage_saved_bytes(m, policy, range(0), True, 4, 1, 128, tp=1)
     assert last == 128 * m.hidden * 2 + (128 * 8 if recompute else m.vocab_size * m.hidden * 2)
     assert stage_saved_bytes(m, trainers, range(0), True, 4, 1, 128, tp=1) == 128 * m.hidden * 2 + (0 if recompute else m.vocab_size * m.hidden * 2)

@@ -68,12 +68,13 @@ def test_a_lock_left_by_a_killed_run_blocks_nothing(tmp_path):
         ("--train.out_dir=", "train.out_dir is empty"),
         ("--model.rope_theta=nan", "model.rope_theta=nan must be a finite number > 0"),
         ("--data.vocab_size=1", "data.vocab_size=1 must be at least 257"),
+        ("--parallel.zero1=true --parallel.dp=1", "parallel.zero1=true shards optimizer state over the dp ranks, but parallel.dp=1"),
     ],
 )
 def test_every_bad_value_is_refused_before_launch_with_one_line(override, message, capsys):
     from agoq.cli import main
 
-    assert main(["train", override]) == 2
+    assert main(["train", *override.split()]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from agoq.gradient.layout import Segment, bucket_runs, plan_buckets
-from agoq.plan import make_plan_config, parse_setup
+from agoq.plan import make_plan_config
+from agoq.plan.config import parse_setup
 from agoq.plan.accounting import PlanAccounting
 from agoq.quant import QuantFormat
 from agoq.quant.formats import round_up

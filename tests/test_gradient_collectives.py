@@ -15,14 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agoq.gradient import (
-    CommCounter,
-    all_reduce_8bit,
-    all_reduce_fp,
-    chunk_layout,
-    reduce_scatter_8bit,
-    ring_all_reduce_8bit,
-)
+from agoq.gradient import CommCounter, all_reduce_8bit, reduce_scatter_8bit
+from agoq.gradient.collectives import all_reduce_fp, chunk_layout, ring_all_reduce_8bit
 from agoq.gradient import collectives
 from agoq.gradient.collectives import POLL_MAX_ROW_BYTES, padded_rows, polls_for, wait_for
 from agoq.quant import dequantize, quantization_error_bound, quantize

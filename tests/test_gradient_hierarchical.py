@@ -16,15 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agoq.gradient import (
-    CommCounter,
-    all_reduce_8bit,
-    all_reduce_hierarchical,
-    chunk_layout,
-    hierarchical_error_bound,
-    node_groups,
-    simulate_hierarchical,
-)
+from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_hierarchical, node_groups
+from agoq.gradient.collectives import chunk_layout
+from agoq.gradient.hierarchical import hierarchical_error_bound, simulate_hierarchical
 from agoq.gradient import collectives
 from agoq.gradient.collectives import NODE_PIECES_MAX, inter_node_name, node_pieces
 from agoq.gradient.hierarchical import HOP_NAMES, hierarchical_bytes, hierarchical_layout

@@ -36,8 +36,11 @@ def test_a_worker_adopts_the_launcher_environment_and_keeps_its_rank_variables(m
 
 def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatch):
     # agoq train starts it before importing torch, held to AVX2 here (the case whose cache folder
-    # is set at import): the launch must then find the same import-time variables and fork from it.
+    # agoq train sets first, agoq.cli.main): the launch must then find the same import-time
+    # variables and fork from it.
     import multiprocessing.forkserver
+
+    from agoq.inductor_cache import use_capability_cache
 
     started = []
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
@@ -46,6 +49,7 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     for name in ("TORCHELASTIC_RUN_ID", "RANK", *forkserver.local_worker_env()):
         monkeypatch.delenv(name, raising=False)
+    use_capability_cache()
     forkserver.start_early()
     assert len(started) == 1
     server_env = started[0]

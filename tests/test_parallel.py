@@ -5,17 +5,9 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from agoq.parallel import (
-    check_schedule,
-    count_inflight,
-    inflight_microbatches,
-    make_mesh,
-    rank_stages,
-    schedule_class,
-    schedule_name,
-    split_layers,
-    stage_to_rank,
-)
+from agoq.parallel import inflight_microbatches, make_mesh, split_layers
+from agoq.parallel.inflight import count_inflight
+from agoq.parallel.pipeline import check_schedule, rank_stages, schedule_class, schedule_name, stage_to_rank
 
 F, B, I, W = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
 
@@ -155,7 +147,8 @@ def test_build_schedule_refuses_a_rank_without_loss_fn():
 
 
 def test_a_pipeline_layout_is_checked_once_and_answers_for_its_schedule():
-    from agoq.parallel import PipelineLayout, schedule_order
+    from agoq.parallel import PipelineLayout
+    from agoq.parallel.inflight import schedule_order
 
     layout = PipelineLayout("interleaved-1f1b", pp=2, microbatches=4, virtual_stages=2, dp=3)
     assert layout.key == check_schedule("interleaved-1f1b", 2, 4, 2) and layout.num_stages == 4

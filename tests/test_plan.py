@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 
-from agoq.activation import U_bytes, layer_saved_bytes, make_policy
+from agoq.activation import make_policy
+from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import loss_saved_bytes
 from agoq.models import PRESETS
 from agoq.parallel import PipelineLayout, stage_layer_bits
-from agoq.plan import PlanError, make_plan_config, parse_setup, parse_size, plan_memory
+from agoq.plan import PlanError, make_plan_config, plan_memory
+from agoq.plan.config import parse_setup, parse_size
 from agoq.plan.accounting import PlanAccounting
 from agoq.plan.report import verdict
 
@@ -60,7 +62,7 @@ def test_sequence_parallel_divides_the_saved_activations_by_tp():
         # The last stage: its layers and final norm / 8, and the sequence- and vocab-parallel loss
         # (whatever loss tp = 1 would take: a tp > 1 model always takes this one).
         policy = PlanAccounting(make_plan_config("llama2-13b", None, seq_len=8192, pp=2, global_batch=2)).activations.policy(a.setup)
-        loss_one = loss_saved_bytes(8192, cfg.hidden, cfg.vocab_size, torch.bfloat16, policy.fused_loss, recompute=policy.loss_recompute)
+        loss_one = loss_saved_bytes(8192, cfg.hidden, cfg.vocab_size, torch.bfloat16, policy.fused_loss, recompute=policy._loss_recompute)
         loss_eight = vocab_parallel_loss_saved_bytes(8192, cfg.hidden, torch.bfloat16, 8)
         layers_one = a.ranks[1].activations_per_microbatch - loss_one
         assert b.ranks[1].activations_per_microbatch - loss_eight == pytest.approx(layers_one / 8, rel=1e-3)
@@ -112,7 +114,7 @@ def test_interleaved_peaks_and_dbca_bits_come_from_the_trainers_functions():
     plan = _plan(**kw, setups=("A",))
     assert plan.inflight == (11, 9, 7, 5)  # METHOD.md's figures, read off torch's schedule
     cfg = PRESETS["llama2-13b"]
-    policy = make_policy("agoq", overrides={k: "int4/128" for k in ("norm_input", "act_input", "out_proj_input")})
+    policy = make_policy("agoq", formats={k: "int4/128" for k in ("norm_input", "act_input", "out_proj_input")})
     layout = PipelineLayout("interleaved1f1b", pp=4, microbatches=8, virtual_stages=2, dp=2)
     layer_bits = stage_layer_bits(cfg, layout, 1, 16384 // 8, policy, 4)
     got = [b for r in plan.setups[0].ranks for b in r.bits]

@@ -11,19 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import agoq.quant.qtensor as qtensor_mod
-from agoq.quant import (
-    SCALE_DTYPE,
-    NonFiniteError,
-    QTensor,
-    QuantFormat,
-    dequantize,
-    pack,
-    packed_nbytes,
-    parse_format,
-    quantization_error_bound,
-    quantize,
-    unpack,
-)
+from agoq.quant import NonFiniteError, QTensor, QuantFormat, dequantize, parse_format, quantization_error_bound, quantize
+from agoq.quant.formats import SCALE_DTYPE
+from agoq.quant.packing import pack, packed_nbytes, unpack
 from agoq.quant.formats import NF4_VALUES, codebook_tables
 
 INT_FORMATS = ["int2", "int3", "int4", "int5", "int6", "int8"]

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
     if command == "train" and not {"-h", "--help", "--print-config"} & set(argv):
+        from agoq.inductor_cache import use_capability_cache
         from agoq.train.forkserver import start_early
 
+        use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
         start_early()  # its imports overlap the launcher's own (see agoq.train.forkserver)
     if command == "bench":
         print(BENCH_MOVED, file=sys.stderr)
@@ -149,7 +151,7 @@ def console_main() -> None:
     """The ``agoq`` console script and ``python -m agoq``: :func:`main`, then exit without the final collection.
 
     At exit the interpreter's last garbage collection walks every object that torch, Dynamo and
-    inductor created, about 1 s of a short run's wall time on a 2-core CPU; none of them needs
+    inductor created, a noticeable part of a short run's wall time; none of them needs
     finalizing, and the process's memory goes back to the system at once. Frozen objects are
     skipped by that collection. (Only here: :func:`main` also serves callers that go on running.)
     Not once a nanobind extension is loaded: nanobind reports every object of its own still alive

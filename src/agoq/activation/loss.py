@@ -38,9 +38,8 @@ from agoq.activation.ops import _norm_backward, _norm_forward
 # that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
 # the gradient cast back). Some work is paid once per chunk whatever its size, in proportion to the
 # weight (at least the pass over the fp32 [vocab, hidden] gradient sum), so small chunks are slow:
-# at vocab 128256 (hidden 512, bf16, 2048 tokens) on this CPU the fused step took 1.40x the plain
-# path's CPU time with 128-token chunks (64 MiB), 1.21x with 256, 1.14x with 520 (256 MiB), 1.08x
-# with 1040 (benchmarks/results/loss.json, chunk_sweep). A GPU GEMM [chunk, hidden] x [hidden, vocab]
+# the fused step's overhead over the plain path falls as chunks grow from 64 MiB to 256 MiB and
+# beyond (benchmarks/results/loss.json, chunk_sweep). A GPU GEMM [chunk, hidden] x [hidden, vocab]
 # also needs a few hundred rows to be compute-bound rather than bound by reading the weight.
 # 256 MiB keeps the working set under 1 GiB, less than the plain path keeps at that vocab for
 # 2048 tokens.
@@ -48,8 +47,7 @@ CHUNK_LOGITS_BYTES = 256 * 2**20
 # ... and at most this many tokens per hidden unit. What a chunk costs beyond its GEMMs is fixed per
 # chunk: a pass over the fp32 [vocab, hidden] weight-gradient sum it accumulates into. Two rows per
 # hidden unit make that pass at most half the traffic of the chunk's fp32 logits, so the bound
-# costs little speed (vocab 32000, hidden 512 on this CPU: 1.16x the plain path's CPU time at 520
-# rows, 1.03x at 1048, 0.98x at 2048), while the working set stops growing with the micro-batch:
+# costs little speed (benchmarks/results/loss.json), while the working set stops growing with the micro-batch:
 # without it a small vocabulary made a whole micro-batch one chunk, whose logits were then most
 # of a small model's temporaries (32 MiB of them at 1024 tokens and vocab 4096, hidden 256).
 CHUNK_ROWS_PER_HIDDEN = 2

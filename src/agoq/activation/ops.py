@@ -323,8 +323,7 @@ def _swiglu_linear_backward(
     # The gradient of SiLU(gate) * up in one GEMM, the tensor the bf16 policy's backward makes
     # too. Each chunk's recomputed SiLU(gate) * up then overwrites the rows it was computed
     # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
-    # fp32 temporaries still a chunk's rows (with row-chunked GEMMs the small model's op cost
-    # 1.14x the bf16 policy's, now 1.09x: benchmarks/results/op_overhead.json).
+    # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost more: benchmarks/op_overhead.py).
     grad_act = F.linear(go, down_weight.t())
     for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
         grad_act_rows = grad_act[r0:r1]
@@ -417,8 +416,7 @@ _swiglu_linear_op.register_autograd(_swiglu_linear_grad, setup_context=_swiglu_l
 # whole, so a chunk costs only a call. Eagerly on a CPU a chunk is about 32K values (128 KiB of
 # fp32 each, in cache between the formula's passes; six of them at 128K values were 2.9 MiB, more
 # than the bf16 step's every temporary on the default run's first stage). Compiled code keeps no
-# fp32 rows but pays more per call (at 32K values the tiny model's compiled step went from 1.14x
-# to 1.38x of the bf16 policy's): 128K values. A GPU takes far larger chunks, fewer launches. At
+# fp32 rows but pays more per call (benchmarks/op_overhead.py): 128K values. A GPU takes far larger chunks, fewer launches. At
 # least MIN_CHUNK_ROWS rows.
 SWIGLU_CHUNK_VALUES = {"cpu": 1 << 15, "cpu_fused": 1 << 17, "device": 1 << 24}
 MIN_CHUNK_ROWS = 64
@@ -444,7 +442,7 @@ def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets:
 
 def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> list[tuple[int, int]]:
     # Compiled or Triton code runs a chunk in one fused pass, with no fp32 temporaries of its rows,
-    # but pays about 0.1 ms a call on a CPU: it takes the larger chunks.
+    # but pays a fixed dispatch cost a call on a CPU: it takes the larger chunks.
     chunk = chunk_rows(rows, width, block, device, budgets, fused=backend.resolve(device) != "torch")
     return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
 

@@ -13,6 +13,7 @@ A kind mapped to ``None`` is kept as the bf16 baseline keeps it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 
 from agoq.quant import QuantFormat, parse_format
@@ -43,16 +44,18 @@ class ActivationPolicy:
     layer_bits: tuple[int, ...] | None = None
     # Chunked LM head + cross-entropy that never keeps [tokens, vocab] logits.
     fused_loss: bool = False
-    # With the fused loss, recompute each chunk's logits in backward instead of keeping a
-    # precomputed [vocab, hidden] weight gradient per in-flight micro-batch: the loss then keeps
-    # only the hidden states (tokens x hidden), for one more LM-head GEMM in backward.
-    loss_recompute: bool = True
+    # The fused loss's backward path, private: agoq's own trainer (and its planner) choose it for
+    # their pipeline through with_loss_path; any other caller keeps the defaults.
+    # Recompute each chunk's logits in backward instead of keeping a precomputed [vocab, hidden]
+    # weight gradient per in-flight micro-batch: the loss then keeps only the hidden states
+    # (tokens x hidden), for one more LM-head GEMM in backward.
+    _loss_recompute: bool = True
     # Instead of recomputing, compute both gradients in forward and accumulate the LM-head weight's
     # into ``weight.grad`` there (its post-accumulate hooks fold it into the gradient buffer at
     # once): nothing vocab-sized is kept either, and no second LM-head GEMM is run. For a caller
     # that backpropagates the loss with grad_output 1 (the trainer's pipelined last stage); see
     # agoq.activation.loss.chunked_lm_head_cross_entropy.
-    loss_weight_grad_in_forward: bool = False
+    _loss_weight_grad_in_forward: bool = False
 
     def layer(self, index: int) -> LayerPrecision:
         """The formats of decoder layer ``index``."""
@@ -73,32 +76,38 @@ class ActivationPolicy:
 
 def make_policy(
     name: str = "agoq",
-    overrides: dict[str, str | QuantFormat | None] | None = None,
+    formats: dict[str, str | QuantFormat | None] | None = None,
     layer_bits: list[int] | tuple[int, ...] | None = None,
     fused_loss: bool | None = None,
-    loss_recompute: bool = True,
     fmt: str | QuantFormat = DEFAULT_ACTIVATION_FORMAT,
-    loss_weight_grad_in_forward: bool = False,
+    *,
+    overrides: dict[str, str | QuantFormat | None] | None = None,
 ) -> ActivationPolicy:
     """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits.
 
     This is the one place that says which saved tensors a policy quantizes: 'agoq' the norm inputs,
     SwiGLU's gate and up and the out-projection input, 'uniform4' attention's as well, each at
-    ``fmt``; ``overrides`` then sets single kinds.
+    ``fmt``; ``formats`` then sets single kinds (e.g. ``{"act_input": "fp4/128"}``; None or 'bf16'
+    keeps a kind unquantized). ``overrides`` is the deprecated spelling of ``formats``.
     """
+    if overrides is not None:
+        if formats is not None:
+            raise ValueError("make_policy got both formats and overrides (its deprecated spelling); pass formats only")
+        warnings.warn("make_policy(overrides=...) is deprecated; pass formats=... (the same per-kind formats)", DeprecationWarning, stacklevel=2)
+        formats = overrides
     if name not in POLICIES:
         raise ValueError(f"unknown activation policy {name!r}; use one of {', '.join(POLICIES)}")
     base = parse_format(fmt)
     if name == "bf16":
-        formats = LayerPrecision()
+        precision = LayerPrecision()
     elif name == "agoq":
-        formats = LayerPrecision(norm_input=base, act_input=base, out_proj_input=base)
+        precision = LayerPrecision(norm_input=base, act_input=base, out_proj_input=base)
     else:
-        formats = LayerPrecision(norm_input=base, act_input=base, out_proj_input=base, attention=base)
-    for kind, spec in (overrides or {}).items():
+        precision = LayerPrecision(norm_input=base, act_input=base, out_proj_input=base, attention=base)
+    for kind, spec in (formats or {}).items():
         if kind not in KINDS:
             raise ValueError(f"unknown saved-tensor kind {kind!r}; use one of {', '.join(KINDS)}")
-        formats = replace(formats, **{kind: None if spec in (None, "bf16", "none") else parse_format(spec)})
+        precision = replace(precision, **{kind: None if spec in (None, "bf16", "none") else parse_format(spec)})
     if layer_bits is not None:
         for b in layer_bits:
             if b not in (2, 3, 4, 5, 6, 8, 16):
@@ -106,9 +115,12 @@ def make_policy(
         layer_bits = tuple(int(b) for b in layer_bits)
     return ActivationPolicy(
         name=name,
-        formats=formats,
+        formats=precision,
         layer_bits=layer_bits,
         fused_loss=(name != "bf16") if fused_loss is None else fused_loss,
-        loss_recompute=loss_recompute,
-        loss_weight_grad_in_forward=loss_weight_grad_in_forward,
     )
+
+
+def with_loss_path(policy: ActivationPolicy, *, recompute: bool, weight_grad_in_forward: bool = False) -> ActivationPolicy:
+    """``policy`` with the fused loss's backward path that agoq's pipelined trainer takes (and its planner counts)."""
+    return replace(policy, _loss_recompute=recompute, _loss_weight_grad_in_forward=weight_grad_in_forward)

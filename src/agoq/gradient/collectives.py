@@ -35,7 +35,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from agoq.quant import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES, QTensor, QuantFormat, backend, dequantize, parse_format, quantize, quantize_rows_into
+from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
+from agoq.quant.dispatch import quantize_rows_into
+from agoq.quant.formats import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.nodes import Group, NodeGroups, gather_within_node
@@ -181,9 +183,8 @@ def from_wire(wire: torch.Tensor, layout: ChunkLayout) -> QTensor:
 # 16K values (0.16 MiB) keep the sync phase of the default run's first stage, whose received rows
 # alone are 0.97x of the bf16 step's temporaries, within 1.1x of them. The compiled and Triton kernels sum,
 # requantize and write a piece in one pass with no fp32 temporaries (their output is about a byte
-# a value), so their pieces are larger and cost fewer calls: on one thread (AMX Xeon) the local
-# step of a 4-rank reduction of 16 MiB took 2.6 / 1.5 / 1.1 ms in pieces of 64K / 256K / 1M
-# values. A GPU takes 1M-value pieces so that each kernel launch has work enough.
+# a value), so their pieces are larger and cost fewer calls (each call has a fixed dispatch cost).
+# A GPU takes 1M-value pieces so that each kernel launch has work enough.
 REDUCE_PIECE = {"cpu": 1 << 14, "device": 1 << 20}
 FUSED_REDUCE_PIECE = {"cpu": 1 << 20, "device": 1 << 20}
 
@@ -197,7 +198,7 @@ def gathers_by_all_to_all(group: Group = None) -> bool:
     """Whether the 8-bit all-gather runs as one all-to-all of the row sent to every rank.
 
     gloo's all-gather is a ring of W - 1 dependent rounds; its all-to-all is one round of direct
-    sends, about 3.5x faster for 512 KiB over loopback on 4 ranks. Both send each rank's row to
+    sends (benchmarks/gradient_wire.py). Both send each rank's row to
     every other rank once. Across hosts a ring crosses the inter-host link fewer times than direct
     sends, so jobs spread over hosts (LOCAL_WORLD_SIZE below WORLD_SIZE) keep the ring, as does
     NCCL, whose all-gather is the better one on GPUs.
@@ -233,13 +234,11 @@ def gathers_by_node(nodes: NodeGroups | None) -> bool:
 
 # Waiting for a short collective on gloo, the caller polls it (yielding its CPU between polls) for
 # up to POLL_SECONDS before it sleeps on it. A sleeping caller is woken by gloo's threads once the
-# last bytes arrive, and where its CPU went idle meanwhile that wake-up is slow: 4 gloo ranks on a
-# 2-vCPU VM whose idle vCPUs halt took about 2.3 ms for an all-to-all of 16 bytes a peer. Polling
-# keeps the CPU awake, as NCCL and MPI do. It pays only while the wait is mostly that latency:
-# there, an 8-bit all-reduce of 2 MiB of fp32 went from 1.10-1.28x of gloo's fp32 all-reduce to
-# 0.92-1.12x (6 runs each way of 200-300 alternating repetitions); at 8 MiB it changed nothing;
-# at 16 MiB, where the peers are still working while one waits, polling throughout took
-# 1.03-1.09x against 0.97-0.98x sleeping. So only messages of up to POLL_MAX_ROW_BYTES a peer are
+# last bytes arrive, and where its CPU went idle meanwhile that wake-up is slow (a VM whose idle
+# vCPUs halt wakes late even for an all-to-all of 16 bytes a peer). Polling
+# keeps the CPU awake, as NCCL and MPI do. It pays only while the wait is mostly that latency
+# (small messages); for large ones, where the peers are still working while one waits, polling
+# throughout is slower than sleeping. So only messages of up to POLL_MAX_ROW_BYTES a peer are
 # polled for, and never beyond POLL_SECONDS (a late peer). NCCL's waits are left alone: they only
 # order CUDA streams and never block the host.
 POLL_MAX_ROW_BYTES = 512 << 10
@@ -328,7 +327,7 @@ class EightBitReduction:
         _check_rows(rows, layout)
         _check_recv(recv, layout, owns_rows)
         # One message per destination rank, payload then scales: a second all-to-all would cost a
-        # whole collective's latency again (about 3 ms on 4 gloo ranks over loopback). A QTensor's
+        # whole collective's latency again. A QTensor's
         # rows are copied into that layout (1/4 of the fp32 tensor, until the all-to-all
         # completes); a gradient bucket's storage is that layout and goes as it is.
         self._gather_work: dist.Work | None = None
@@ -570,8 +569,7 @@ def quantize_to_wire(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     step = max(1, QUANTIZE_PIECE["cpu" if x.device.type == "cpu" else "device"] // fmt.block_size) * fmt.block_size
     if layout.unpadded and layout.chunk <= step:
         # Rows of whole blocks with nothing to pad: as many rows as a piece holds per call (each
-        # call costs tens of microseconds: for 2 MiB of fp32 on 4 ranks, 0.44 ms against 0.84 ms
-        # a row at a time, one thread, AMX Xeon), their codes written where they go.
+        # call has a fixed dispatch cost), their codes written where they go.
         per_call = step // layout.chunk
         for r0 in range(0, w, per_call):
             r1 = min(w, r0 + per_call)
@@ -650,8 +648,8 @@ def _dequantize_gathered(r: EightBitReduction, flat: torch.Tensor) -> None:
 # Over nodes, an all-reduce of more than this many fp32 bytes runs as pieces of about this size,
 # at most NODE_PIECES_MAX of them: their collectives queue back to back on the process group, so
 # the slow link is never idle while a piece is summed, and TCP's send window stays open. Over a
-# 100 Mbit link between 2 simulated hosts (benchmarks/allreduce.py) pieces of 1-4 MiB cut 32 MiB
-# from 1.57 s to 1.12-1.17 s; on loopback, where bytes cost little, pieces only add collectives.
+# 100 Mbit link between 2 simulated hosts (benchmarks/allreduce.py) pieces of 1-4 MiB shortened a
+# 32 MiB all-reduce; on loopback, where bytes cost little, pieces only add collectives.
 NODE_PIECE_BYTES = 2 << 20
 NODE_PIECES_MAX = 8
 

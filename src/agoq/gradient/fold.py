@@ -26,8 +26,8 @@ from agoq.gradient.layout import GradLayout
 
 # Values per compiled fold call. The compiled fold is one fused loop with no per-value fp32
 # temporaries (its outputs are the new payload and per-block scales and extrema, about 1.1 bytes a
-# value at 8 bits), so its pieces can be 8x larger within the same bound; each call also costs
-# about 60 us of dispatch, which 64K-value pieces paid 16 times for a 1M-value embedding.
+# value at 8 bits), so its pieces can be 8x larger within the same bound; each call also has a
+# fixed dispatch cost, which 64K-value pieces paid 16 times for a 1M-value embedding.
 COMPILED_FOLD_PIECE = 1 << 19
 
 

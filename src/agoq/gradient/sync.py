@@ -180,8 +180,9 @@ class ParameterGradientSync(GradientSync):
 class PlainGradientSync(ParameterGradientSync):
     """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16, or along an 8-bit ring.
 
-    ``ring=True`` is the FP8-LM-style ablation: one shared scale, partial sums re-rounded to 8 bits
-    at every hop (agoq.gradient.ring_all_reduce_8bit), the scheme AGoQ's all-reduce replaces.
+    ``ring=True`` is the FP8-LM-style baseline: one shared scale, partial sums re-rounded to 8 bits
+    at every hop (agoq.gradient.collectives.ring_all_reduce_8bit), the scheme AGoQ's all-reduce
+    replaces. No ``precision.gradients`` selects it: benchmarks/convergence.py trains with it.
     """
 
     def __init__(
@@ -395,7 +396,7 @@ def make_gradient_sync(
     node_size: int = 1,
 ) -> GradientSync:
     """The gradient path for ``precision.gradients`` = ``mode`` (int8, int4, int4-ef, hier-8/4 over
-    nodes of ``node_size`` ranks of ``group``, ring8, fp32 or bf16); with ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8, int4,
+    nodes of ``node_size`` ranks of ``group``, fp32 or bf16); with ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8, int4,
     int4-ef or fp32)."""
     quantized = mode in WIRE_CHOICES
     if sharded:
@@ -408,9 +409,9 @@ def make_gradient_sync(
         raise ValueError(f"parallel.zero1=true needs precision.gradients = int8, int4, int4-ef or fp32, got {mode!r}")
     if quantized:
         return QuantizedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode], nodes=_nodes_of_world(node_size, group))
-    if mode == "ring8":
-        return PlainGradientSync(params, group, device, torch.float32, ring=True)
     if mode == "hier-8/4":
         # An fp32 buffer reduced in two hops after backward (no bucketing or overlap yet).
         return PlainGradientSync(params, group, device, torch.float32, nodes=node_groups(node_size, group))
+    if mode not in ("fp32", "bf16"):
+        raise ValueError(f"precision.gradients={mode!r} is not a gradient path; use int8, int4, int4-ef, hier-8/4, fp32 or bf16")
     return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

@@ -88,7 +88,7 @@ def apply_agoq(
     _refuse_nested(model)
     layers = _decoder_layers(model)
     if isinstance(policy, str):
-        policy = make_policy(policy, formats, layer_bits=layer_bits, fused_loss=fused_loss)
+        policy = make_policy(policy, formats=formats, layer_bits=layer_bits, fused_loss=fused_loss)
     elif formats is not None or layer_bits is not None or fused_loss is not None:
         raise ValueError("formats, layer_bits and fused_loss configure a policy by name; an ActivationPolicy already carries them")
     if policy.layer_bits is not None and len(policy.layer_bits) != len(layers):

@@ -216,8 +216,8 @@ class Llama(nn.Module):
                 self.head.weight,
                 targets,
                 ignore_index=IGNORE_INDEX,
-                recompute=self.policy.loss_recompute,
-                weight_grad_in_forward=self.policy.loss_weight_grad_in_forward and weight_grad_in_forward,
+                recompute=self.policy._loss_recompute,
+                weight_grad_in_forward=self.policy._loss_weight_grad_in_forward and weight_grad_in_forward,
                 divisor=divisor,
             )
         logits = self.head(hidden)

@@ -1,96 +1,28 @@
-"""Pipeline parallelism on torch.distributed, pipeline-stage-aware activation bits (DBCA-PP), and the
-building blocks of tensor + sequence parallelism (``tensor_ops``, ``tensor_model``)."""
+"""Pipeline parallelism on torch.distributed, pipeline-stage-aware activation bits (DBCA-PP), and
+tensor + sequence parallelism.
 
-from agoq.parallel.dbca import (
-    BIT_CANDIDATES,
-    allocate_rank_bits,
-    allocate_stage_bits,
-    layer_bits,
-    peak_bytes,
-    stage_layer_bits,
-    stage_saved_bytes,
-)
+The names here are what a user composing agoq's parallelisms needs; the building blocks stay in
+their modules: ``pipeline`` (schedules and stages), ``inflight`` (in-flight micro-batch counts),
+``dbca`` (stage bits), ``layout``, ``tensor_ops`` and ``tensor_model``.
+"""
+
+from agoq.parallel.dbca import allocate_stage_bits, stage_layer_bits
+from agoq.parallel.inflight import inflight_microbatches
 from agoq.parallel.layout import PipelineLayout
-from agoq.parallel.inflight import (
-    InFlight,
-    count_inflight,
-    inflight_microbatches,
-    loss_recompute_needed,
-    loss_weight_grad_in_forward,
-    peak_inflight_bytes,
-    schedule_order,
-)
-from agoq.parallel.pipeline import (
-    SCHEDULES,
-    build_schedule,
-    build_stages,
-    check_schedule,
-    is_multi_stage,
-    make_mesh,
-    rank_stages,
-    schedule_class,
-    schedule_name,
-    split_layers,
-    stage_to_rank,
-)
-from agoq.parallel.tensor_model import (
-    TensorParallelDecoderLayer,
-    TensorParallelLlama,
-    check_tp_shapes,
-    gather_gradients,
-    gather_state_dict,
-    shard_llama,
-    split_dim,
-)
-from agoq.parallel.tensor_ops import (
-    all_gather_seq,
-    gather_seq,
-    reduce_scatter_seq,
-    scatter_seq,
-    sp_rms_norm_linear,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_embedding,
-)
+from agoq.parallel.pipeline import SCHEDULES, build_schedule, build_stages, make_mesh, rank_stages, split_layers
+from agoq.parallel.tensor_model import TensorParallelLlama, shard_llama
 
 __all__ = [
-    "BIT_CANDIDATES",
     "SCHEDULES",
-    "InFlight",
     "PipelineLayout",
-    "TensorParallelDecoderLayer",
     "TensorParallelLlama",
-    "allocate_rank_bits",
     "allocate_stage_bits",
-    "all_gather_seq",
     "build_schedule",
     "build_stages",
-    "check_schedule",
-    "check_tp_shapes",
-    "count_inflight",
-    "gather_gradients",
-    "gather_seq",
-    "gather_state_dict",
     "inflight_microbatches",
-    "loss_recompute_needed",
-    "loss_weight_grad_in_forward",
-    "is_multi_stage",
-    "layer_bits",
     "make_mesh",
-    "peak_bytes",
-    "peak_inflight_bytes",
     "rank_stages",
-    "reduce_scatter_seq",
-    "schedule_class",
-    "schedule_name",
-    "scatter_seq",
-    "schedule_order",
     "shard_llama",
-    "sp_rms_norm_linear",
-    "split_dim",
     "split_layers",
     "stage_layer_bits",
-    "stage_saved_bytes",
-    "stage_to_rank",
-    "vocab_parallel_cross_entropy",
-    "vocab_parallel_embedding",
 ]

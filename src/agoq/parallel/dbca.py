@@ -130,8 +130,8 @@ def stage_saved_bytes(
             c.vocab_size,
             dtype,
             policy.fused_loss,
-            recompute=policy.loss_recompute,
-            weight_grad_in_forward=policy.loss_weight_grad_in_forward,
+            recompute=policy._loss_recompute,
+            weight_grad_in_forward=policy._loss_weight_grad_in_forward,
         )
     return len(layers) * per_layer + loss
 

@@ -148,8 +148,8 @@ def loss_weight_grad_in_forward(pp: int, tp: int) -> bool:
     computes its gradients in forward instead and delivers the LM-head weight's there.
 
     The trainer backpropagates the last stage's loss with grad_output 1, which is all this needs:
-    the logits are computed once, not twice (the recompute cost 7-8% of the default run's FLOPs,
-    about a quarter of its last stage's time held to AVX2), and what is kept is the hidden-state
+    the logits are computed once, not twice (the recompute cost 7-8% of the default run's FLOPs),
+    and what is kept is the hidden-state
     gradient, the size of the hidden states the recompute kept. The tensor-parallel stage has a
     vocab-parallel loss of its own and keeps its path.
 

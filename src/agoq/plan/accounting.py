@@ -1,11 +1,11 @@
 """The byte and time formulas of one training configuration, per pipeline rank, for the baseline and AGoQ.
 
 Every byte count here comes from the code the trainer runs or measures, not from a second copy
-of a formula: saved activations per layer from :func:`agoq.activation.layer_saved_bytes` (checked
+of a formula: saved activations per layer from :func:`agoq.activation.accounting.layer_saved_bytes` (checked
 to the byte against the meter), the loss's from :func:`agoq.activation.loss.loss_saved_bytes`,
-a stage's from :func:`agoq.parallel.stage_saved_bytes`, in-flight peaks from torch's own
-schedule order (:func:`agoq.parallel.peak_inflight_bytes`), stage bits from the trainer's DBCA
-function (:func:`agoq.parallel.stage_layer_bits`), parameter shapes from the model's own modules
+a stage's from :func:`agoq.parallel.dbca.stage_saved_bytes`, in-flight peaks from torch's own
+schedule order (:func:`agoq.parallel.inflight.peak_inflight_bytes`), stage bits from the trainer's DBCA
+function (:func:`agoq.parallel.dbca.stage_layer_bits`), parameter shapes from the model's own modules
 (built on the meta device), and 8-bit sizes from :meth:`agoq.quant.QuantFormat.nbytes`.
 
 Tensor parallelism with sequence parallelism (Megatron-LM's TP + SP) divides every saved tensor
@@ -32,7 +32,7 @@ import torch
 from agoq.activation.accounting import U_bytes, layer_saved_bytes
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.ops import NORM_CHUNK_VALUES, SWIGLU_CHUNK_VALUES, chunk_rows
-from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy
+from agoq.activation.policy import ActivationPolicy, LayerPrecision, make_policy, with_loss_path
 from agoq.gradient.collectives import reduce_piece
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, FOLD_PIECE, BucketRun, bucket_runs
 from agoq.parallel.dbca import stage_layer_bits, stage_saved_bytes
@@ -199,7 +199,7 @@ class ActivationBytes:
         spec = self.shape.fmt.name
         recompute = loss_recompute_needed(self.cfg.pp)
         in_forward = loss_weight_grad_in_forward(self.cfg.pp, self.cfg.tp)
-        return make_policy("agoq", fmt=spec, loss_recompute=recompute, loss_weight_grad_in_forward=in_forward)
+        return with_loss_path(make_policy("agoq", fmt=spec), recompute=recompute, weight_grad_in_forward=in_forward)
 
     def layer_bytes(self, policy: ActivationPolicy, bits: int) -> int:
         """What one decoder layer keeps for one micro-batch on one tp rank at ``bits``."""
@@ -446,6 +446,6 @@ class PlanAccounting:
             n = len(sh.ranges[s])
             total += n * layer * (fwd_bwd + quant) + min(recompute, n) * layer
             if s == sh.num_stages - 1:
-                recomputes = policy.fused_loss and policy.loss_recompute and not policy.loss_weight_grad_in_forward
+                recomputes = policy.fused_loss and policy._loss_recompute and not policy._loss_weight_grad_in_forward
                 total += head * fwd_bwd + (head if recomputes else 0)
         return total

@@ -5,32 +5,18 @@ calls :func:`quantize` / :func:`dequantize` from here; nothing keeps a second co
 This package imports nothing else from agoq.
 """
 
-from agoq.quant.formats import (
-    DEFAULT_ACTIVATION_BLOCK,
-    DEFAULT_GRADIENT_BLOCK,
-    SCALE_BYTES,
-    SCALE_DTYPE,
-    QuantFormat,
-    parse_format,
-)
-from agoq.quant.dispatch import dequantize, quantize, quantize_rows_into
-from agoq.quant.packing import pack, packed_nbytes, unpack
+from agoq.quant.formats import QuantFormat, parse_format
+from agoq.quant.dispatch import dequantize, quantize
 from agoq.quant.qtensor import NonFiniteError, QTensor, quantization_error_bound
 
+# What a user of the number formats needs; the constants (formats), the row-wise quantizer
+# (dispatch) and the bit packing (packing) stay in their modules.
 __all__ = [
-    "DEFAULT_ACTIVATION_BLOCK",
-    "DEFAULT_GRADIENT_BLOCK",
-    "SCALE_BYTES",
-    "SCALE_DTYPE",
     "NonFiniteError",
     "QTensor",
     "QuantFormat",
     "dequantize",
-    "pack",
-    "packed_nbytes",
     "parse_format",
     "quantization_error_bound",
     "quantize",
-    "quantize_rows_into",
-    "unpack",
 ]

@@ -3,12 +3,11 @@
 - ``auto`` (default): Triton for CUDA tensors when triton is importable; on CPUs the compiled
   path when a C++ compiler is present (else torch, with one warning); torch everywhere else;
 - ``torch``: always the torch reference (eager, the definition the others must equal);
-- ``compiled``: :mod:`agoq.quant.compiled`, torch.compile'd whole-tensor formulas (inductor's
-  C++/OpenMP code) for quantize, dequantize, the gradient fold and the all-reduce's local sum;
-  the activation ops also compile their recompute formulas (RMSNorm, SwiGLU);
+- ``compiled``: :mod:`agoq.quant.compiled`, the reference's formulas under torch.compile
+  (inductor's C++/OpenMP code) for quantize, dequantize, the gradient fold and the all-reduce's
+  local sum; the activation ops also compile their recompute formulas (RMSNorm, SwiGLU);
 - ``triton``: the kernels wherever they apply. On CPU tensors Triton runs only under its
-  interpreter (``TRITON_INTERPRET=1`` set before triton is first imported), about a thousand times
-  slower than torch: that is for tests.
+  interpreter (``TRITON_INTERPRET=1`` set before triton is first imported): that is for tests.
 
 The choice comes from :func:`set_backend` / :func:`use_backend`, else from the environment variable
 ``AGOQ_QUANT_BACKEND`` (auto|torch|compiled|triton). Calls the kernels do not cover always take the
@@ -33,16 +32,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from agoq.inductor_cache import use_capability_cache
 from agoq.quant.formats import QuantFormat
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
 ENV_VAR = "AGOQ_QUANT_BACKEND"
 
 _choice: str | None = None  # set_backend's choice; None: the environment decides
-
-
-use_capability_cache()  # before anything asks inductor for its folder (agoq.inductor_cache)
 
 
 def _check_name(name: str, where: str) -> str:
@@ -67,7 +62,7 @@ def compiler_available() -> bool:
 @functools.lru_cache(maxsize=None)
 def _warn_no_compiler() -> None:
     warnings.warn(
-        "no C++ compiler found (g++, c++ or clang++): quantization runs on the eager torch path, 2-4x slower; "
+        "no C++ compiler found (g++, c++ or clang++): quantization runs on the eager torch path, slower; "
         "install one (e.g. apt-get install g++) or set AGOQ_QUANT_BACKEND=torch to silence this",
         RuntimeWarning,
         stacklevel=3,

@@ -21,10 +21,9 @@ Non-finite input is never turned into finite garbage: ``nonfinite="raise"`` (def
 for every block holding a NaN or Inf, so the whole block dequantizes to NaN and a NaN loss or
 gradient check downstream sees it; the other blocks are quantized as usual.
 
-Speed: the work runs over slabs of about a million elements (whole blocks, whole packing groups),
-so the fp32 temporaries of one slab stay in the CPU cache between the few vectorized passes; this
-is 2-3x faster than whole-tensor passes on CPU. On GPUs the slabs are large enough to be one or a
-few launches. There is no loop over blocks or elements.
+The work runs over slabs of about a million elements (whole blocks, whole packing groups), so the
+fp32 temporaries of one slab stay in the CPU cache between the few vectorized passes. On GPUs the
+slabs are large enough to be one or a few launches. There is no loop over blocks or elements.
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ from typing import Callable
 
 import torch
 
-from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables, count_below, parse_format
+from agoq.quant.formats import SCALE_DTYPE, CodebookTables, QuantFormat, codebook_tables, count_below, parse_format
 from agoq.quant.packing import group_shape, pack_into, unpack_into
 
 ROUNDINGS = ("nearest", "stochastic")
 NONFINITE_MODES = ("raise", "propagate")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# fp32 temporaries of 2**20 elements (4 MiB) stay in L2/L3 between passes; measured on this CPU
-# (64M bf16 int4 quantize): 2**16: 0.20 s, 2**18: 0.09 s, 2**20: 0.08 s, 2**22: 0.10 s, whole: 0.22 s.
+# fp32 temporaries of 2**20 elements (4 MiB) stay in L2/L3 between passes (benchmarks/quant_throughput.py).
 CPU_SLAB = 1 << 20
 DEVICE_SLAB = 1 << 26
 
@@ -181,7 +179,7 @@ def quantize(
         y = (torch.empty if length == m else torch.zeros)(length, dtype=torch.float32, device=x.device)
         y[:m].copy_(flat[start : start + m])
         yb = y[: blocks * block].view(blocks, block)
-        absmax = torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg_())
+        absmax = block_absmax(yb)
         finite = torch.isfinite(absmax)
         bad = None
         if not bool(finite.all()):
@@ -192,8 +190,7 @@ def quantize(
             yb.masked_fill_(bad[:, None], 0.0)
             absmax.masked_fill_(bad, 0.0)
         scale = block_scales(absmax, fmt.max_value)
-        # An all-zero block has scale 0: divide it by 1 so its codes are exact zeros, never 0/0.
-        yb.div_(torch.where(scale > 0, scale, 1.0)[:, None])
+        _divide_by_scales(yb, scale)
         noise = None
         if rounding == "stochastic":
             noise = torch.rand(length, generator=generator, device=x.device, dtype=torch.float32)
@@ -213,7 +210,37 @@ def quantize(
     return QTensor(payload, scales, x.shape, x.dtype, fmt)
 
 
-def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None) -> torch.Tensor:
+def block_absmax(yb: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each block of ``yb`` ([blocks, block]; NaN where a block holds NaN)."""
+    return torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg())
+
+
+def _divide_by_scales(yb: torch.Tensor, scale: torch.Tensor) -> None:
+    """Divide each block of ``yb`` by its scale, in place (never by a reciprocal: the codes depend on it)."""
+    # An all-zero block has scale 0: divide it by 1 so its codes are exact zeros, never 0/0.
+    yb.div_(torch.where(scale > 0, scale, 1.0)[:, None])
+
+
+def block_codes(yb: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one uint8 code per value, fp32 scales) of finite fp32 whole blocks ``yb`` ([blocks, block],
+    overwritten), nearest rounding: the arithmetic of :func:`quantize` without its packing, which
+    agoq.quant.compiled runs under torch.compile (``tables``: the format's codebook_tables, passed
+    in because compiled code does not trace a cache)."""
+    scale = block_scales(block_absmax(yb), fmt.max_value)
+    _divide_by_scales(yb, scale)
+    return _encode(yb.view(-1), fmt, None, tables), scale
+
+
+def code_values(codes: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None = None) -> torch.Tensor:
+    """fp32 format values (before scaling) of one-byte codes, any shape: what :func:`dequantize`
+    decodes each code of a payload to."""
+    if fmt.kind == "int":
+        return codes.float() - (1 << (fmt.bits - 1))
+    t = codebook_tables(fmt.kind, codes.device) if tables is None else tables
+    return t.by_code.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+
+
+def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None, tables: CodebookTables | None = None) -> torch.Tensor:
     """uint8 codes of scaled values y, |y| <= max_value (y is overwritten)."""
     if fmt.kind == "int":
         # |y| <= qmax, so neither rounding can leave -qmax..qmax: no clamp needed.
@@ -228,7 +255,7 @@ def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None) -> to
         return y.to(torch.int8).view(torch.uint8).add_(1 << (fmt.bits - 1))
     if fmt.kind == "fp8" and noise is None:
         return y.to(torch.float8_e4m3fn).view(torch.uint8)
-    t = codebook_tables(fmt.kind, y.device)
+    t = codebook_tables(fmt.kind, y.device) if tables is None else tables
     if noise is None:
         # Value i wins iff exactly i boundaries lie below y; the tie rule is built into them.
         idx = count_below(y, t.boundaries_lut, t.boundaries_ext)
@@ -249,8 +276,8 @@ def _decode_into(payload: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> 
         out.sub_(1 << (fmt.bits - 1))
     else:
         t = codebook_tables(fmt.kind, payload.device)
-        # One lookup per code position in a byte, straight from the packed bytes (no unpacking);
-        # 1-D index_select is 2-4x faster than a 2-D table lookup or a float8 cast on CPU.
+        # One lookup per code position in a byte, straight from the packed bytes (no unpacking):
+        # the same by_code values code_values reads, one row per position.
         index = payload.to(torch.int32)
         per_byte = out.view(-1, t.byte_values.shape[0])
         for i, row in enumerate(t.byte_values):

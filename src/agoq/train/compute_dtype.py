@@ -2,9 +2,9 @@
 faster) and the quantization backend (compiled CPU code only where it pays for its compile).
 
 GPUs with bf16 support get bf16. On CPUs the answer depends on the instruction set, and a wrong
-default is expensive: measured with the embedded default run, a bf16 step was 0.86x the fp32 step on
-one AMD EPYC (flags not recorded), 1.45x on an Intel Xeon with AVX512-BF16 and no AMX, and 10.7x on
-an AVX2-only AMD EPYC (torch then emulates every bf16 operation). So a CPU without AVX512-BF16 or AMX-BF16 gets fp32 at once, and one
+default is expensive: on a CPU without bf16 instructions torch emulates every bf16 operation, and
+even with them bf16 was not faster on every CPU (benchmarks/train_dtype.py). So a CPU whose
+/proc/cpuinfo lists neither ``avx512_bf16`` nor ``amx_bf16`` gets fp32 at once, and one
 with them gets bf16 only if a probe (forward + backward of a SwiGLU MLP at the model's width, on as
 many threads as each worker will use) runs at least ``BF16_MIN_SPEEDUP`` faster in bf16.
 
@@ -89,7 +89,7 @@ def cpu_flags(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def cpu_bf16_flags() -> tuple[str, ...]:
-    """The bf16 instruction-set flags of this CPU (AVX512-BF16, AMX-BF16) that /proc/cpuinfo lists."""
+    """The bf16 instruction-set flags of this CPU (``avx512_bf16``, ``amx_bf16``) that /proc/cpuinfo lists."""
     return cpu_flags(BF16_CPU_FLAGS)
 
 
@@ -210,7 +210,7 @@ def choose_compute_dtype(requested: str, device_type: str, hidden: int, intermed
         return DtypeChoice("fp32", "this CPU has no AVX512-BF16 or AMX-BF16 instructions, so bf16 would be emulated (about 10x slower)")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in TORCH_CAPABILITIES_WITHOUT_BF16:
-        # ATEN_CPU_CAPABILITY (or the build) holds torch's kernels below AVX512: they would emulate bf16.
+        # ATEN_CPU_CAPABILITY (or the build) holds torch's kernels below avx512: they would emulate bf16.
         return DtypeChoice(
             "fp32", f"torch runs this CPU's kernels at {capability} (ATEN_CPU_CAPABILITY), so bf16 would be emulated (about 10x slower)"
         )
@@ -274,43 +274,16 @@ def check_resume_dtype(cfg: "TrainConfig") -> None:
     )
 
 
-# The compiled CPU path saves about 0.12 s per step of the default run held to AVX2 (4 workers on a
-# 2-core AMD EPYC: 0.81 s eager, 0.69 s compiled) and 0.19 s on a 2-core Xeon. It costs about 9 s of
-# each run where inductor's on-disk cache holds its kernels already, and 35-45 s where nothing is
-# compiled yet (the first compiled run of a configuration on a machine): `python -m benchmarks.run_time`,
-# benchmarks/results/run_time.json (held to AVX2: the eager first run 166 s, a compiling run 180 s,
-# the run after it 156 s). So a run compiles where its kernels are cached and it has
-# COMPILE_MIN_STEPS steps, and where they are not only from FIRST_COMPILE_MIN_STEPS steps, below
-# which eager is faster overall (35-45 s / 0.12 s a step: 300-400 steps).
-COMPILE_MIN_STEPS = 100
-FIRST_COMPILE_MIN_STEPS = 400
+# Compiling the quantization formulas costs a fixed time at a run's start (less where inductor's
+# own on-disk cache holds them from an earlier run) and saves a little on every step; below
+# COMPILE_MIN_STEPS steps eager torch is faster overall (`python -m benchmarks.run_time`,
+# benchmarks/results/run_time.json). The rule does not ask whether a cache is warm: agoq keeps no
+# notes of its own in inductor's folder.
+COMPILE_MIN_STEPS = 400
 
 
-def compiled_kernels_key(cfg: "TrainConfig", compute_dtype: str) -> str:
-    """What decides which kernels a run compiles: torch, the instruction set it runs at, the compute
-    dtype and everything that picks formats or ops (the sizes are dynamic, but a model's are kept too)."""
-    pr = {k: v for k, v in cfg.to_dict()["precision"].items() if k not in ("compute_dtype", "quant_backend")}
-    p = cfg.parallel
-    return json.dumps(
-        {
-            "torch": torch.__version__,
-            "capability": torch.backends.cpu.get_cpu_capability(),
-            "compute_dtype": compute_dtype,
-            "precision": pr,
-            "parallel": [p.pp, p.tp, p.schedule, p.virtual_stages, p.zero1],
-            "optimizer": cfg.optim.name,
-            "model": cfg.model_config().to_dict(),
-        },
-        sort_keys=True,
-    )
-
-
-def choose_quant_backend(requested: str, device_type: str, steps: int, compiled_before: bool = False) -> DtypeChoice:
-    """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason.
-
-    ``compiled_before``: whether an earlier run of this configuration left its compiled kernels in
-    inductor's cache on this machine (agoq.inductor_cache.compiled_before).
-    """
+def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeChoice:
+    """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason."""
     from agoq.quant import backend
 
     if requested != "auto":
@@ -324,25 +297,17 @@ def choose_quant_backend(requested: str, device_type: str, steps: int, compiled_
     if not backend.compiler_available():
         return DtypeChoice("torch", "no C++ compiler for torch.compile")
     if steps < COMPILE_MIN_STEPS:
-        return DtypeChoice("torch", f"eager: a {steps}-step run is shorter than the {COMPILE_MIN_STEPS} steps that repay compiling")
-    if compiled_before:
-        return DtypeChoice("compiled", "torch.compile'd kernels, from inductor's cache on this machine")
-    if steps < FIRST_COMPILE_MIN_STEPS:
         return DtypeChoice(
             "torch",
-            f"eager: this configuration's kernels are not compiled on this machine yet, and compiling them (about 45 s) repays "
-            f"only from {FIRST_COMPILE_MIN_STEPS} steps; a run of that length, or with precision.quant_backend=compiled, "
-            f"compiles them for the next runs of {COMPILE_MIN_STEPS}+ steps",
+            f"eager: a {steps}-step run is shorter than the {COMPILE_MIN_STEPS} steps that repay compiling; "
+            "precision.quant_backend=compiled compiles anyway",
         )
-    return DtypeChoice("compiled", "torch.compile'd kernels, compiled in this first run and cached on disk for the next ones")
+    return DtypeChoice("compiled", f"torch.compile'd formulas: a run of {COMPILE_MIN_STEPS}+ steps repays compiling them")
 
 
 def quant_backend_for(cfg: "TrainConfig", device_type: str, compute_dtype: str) -> DtypeChoice:
-    """choose_quant_backend for a training config, knowing whether its kernels are compiled on this machine."""
-    from agoq.inductor_cache import compiled_before
-
-    warm = device_type == "cpu" and compiled_before(compiled_kernels_key(cfg, compute_dtype))
-    return choose_quant_backend(cfg.precision.quant_backend, device_type, cfg.train.steps, warm)
+    """choose_quant_backend for a training config (``compute_dtype`` does not change the rule)."""
+    return choose_quant_backend(cfg.precision.quant_backend, device_type, cfg.train.steps)
 
 
 @dataclass(frozen=True)
@@ -399,14 +364,12 @@ __all__ = [
     "COMPILE_MIN_STEPS",
     "PROBE_RECORD",
     "DtypeChoice",
-    "FIRST_COMPILE_MIN_STEPS",
     "ResolvedChoices",
     "bf16_speedup",
     "check_resume_dtype",
     "checkpoint_compute_dtype",
     "choose_compute_dtype",
     "choose_quant_backend",
-    "compiled_kernels_key",
     "compute_dtype_for",
     "cpu_bf16_flags",
     "cpu_flags",

@@ -21,7 +21,9 @@ from agoq.train.tokenizer import MIN_VOCAB_SIZE
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
-GRADIENT_MODES = ("fp32", "bf16", "int8", "int4", "int4-ef", "hier-8/4", "ring8")
+GRADIENT_MODES = ("fp32", "bf16", "int8", "int4", "int4-ef", "hier-8/4")
+# Ablations that were gradient modes: baselines now, measured by these benchmarks (from a checkout).
+MOVED_GRADIENT_MODES = {"ring8": "python -m benchmarks.allreduce"}
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("auto", "bf16", "fp32")
@@ -60,7 +62,7 @@ class PrecisionSection:
     activations: str = "agoq"  # saved-activation policy: agoq (4-bit norm/SwiGLU inputs, bf16 attention), uniform4 (attention too), bf16
     activation_format: str = "int4/128"  # format of quantized saved tensors (int2..int8, fp4, nf4, fp8)
     stage_bits: str = "dbca"  # dbca: later pipeline stages get more bits at no peak cost; uniform
-    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | int4 / int4-ef (the same buffer sent in 4 bits, -ef: with error feedback) | hier-8/4 (two hops: int8 within a node, int4 between nodes) | fp32 | bf16 all-reduce | ring8 (FP8-LM-style ablation)
+    gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | int4 / int4-ef (the same buffer sent in 4 bits, -ef: with error feedback) | hier-8/4 (two hops: int8 within a node, int4 between nodes) | fp32 | bf16 all-reduce
     gradient_block: int = 256  # values per scale of the 8-bit gradient buffer and wire format
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
     # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);
@@ -458,6 +460,11 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
         raise ConfigError(f"precision.activations={pr.activations!r} is unknown; use one of {', '.join(ACTIVATION_POLICIES)}")
     if pr.stage_bits not in STAGE_BITS_MODES:
         raise ConfigError(f"precision.stage_bits={pr.stage_bits!r} is unknown; use one of {', '.join(STAGE_BITS_MODES)}")
+    if pr.gradients in MOVED_GRADIENT_MODES:
+        where = MOVED_GRADIENT_MODES[pr.gradients]
+        raise ConfigError(
+            f"precision.gradients={pr.gradients!r} is a baseline now, moved to `{where}`; train with one of {', '.join(GRADIENT_MODES)}"
+        )
     if pr.gradients not in GRADIENT_MODES:
         raise ConfigError(f"precision.gradients={pr.gradients!r} is unknown; use one of {', '.join(GRADIENT_MODES)}")
     if pr.recompute_layers < 0:
@@ -488,9 +495,12 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
             check()
         except (ValueError, TypeError) as e:
             raise ConfigError(f"precision.{key}={getattr(pr, key)!r} is invalid: {e}") from None
+    if p.zero1 and p.dp == 1:
+        # One replica has nothing to shard over: the planner shows such a run as the unsharded one.
+        raise ConfigError("parallel.zero1=true shards optimizer state over the dp ranks, but parallel.dp=1; set parallel.dp >= 2 or drop zero1")
     if p.zero1 and o.name == "adamw8bit":
         raise ConfigError("parallel.zero1=true shards AdamW's fp32 state; it does not support optim.name='adamw8bit' (use one or the other)")
-    if p.zero1 and pr.gradients in ("bf16", "ring8"):
+    if p.zero1 and pr.gradients == "bf16":
         raise ConfigError(f"parallel.zero1=true works with precision.gradients = int8 or fp32, not {pr.gradients}")
 
 

@@ -1,10 +1,9 @@
 """The fork server that a local run's workers start from, and the environment they run in.
 
 Local workers fork from one server process that has torch, its compiler and agoq imported, instead
-of importing them each (four workers on two cores spent about 8 s of the start importing, 4 s of
-CPU each). The server imports them in about 3 s; :func:`start_early` starts it when ``agoq train``
-begins, so that this happens on the second core while the launcher imports, reads its config and
-prepares the data (about 2.5 s on one core), instead of after it.
+of importing them each (which cost every worker its own import time at the start).
+:func:`start_early` starts it when ``agoq train`` begins, so that this happens on a second core
+while the launcher imports, reads its config and prepares the data, instead of after it.
 
 Standard library only, so that importing it costs nothing before the server is started.
 """
@@ -17,8 +16,6 @@ import os
 import socket
 from contextlib import contextmanager
 from typing import Iterator
-
-from agoq.inductor_cache import use_capability_cache
 
 # The environment this module was imported with: in a worker forked from the fork server, the
 # server's; the launcher's per-rank variables are what differs from it (adopt_launcher_env).
@@ -100,7 +97,6 @@ def start_early() -> None:
     """
     if under_torchrun() or _forkserver_env is not None:
         return
-    use_capability_cache()  # as agoq.quant does on import in every process: the server's variables then match the launch's
     with workers_environment():
         if start_method() == "forkserver":
             multiprocessing.forkserver.ensure_running()

@@ -14,9 +14,8 @@ from agoq.train.config import OptimSection
 # fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
 # the 8-bit buffer). On a CPU the fused AdamW gains nothing from groups beyond a few MiB, and 2 MiB
 # keeps the default run's read-back under its bf16 step's temporaries. A GPU group is larger so that
-# the device is not left waiting on the host: by estimate (not measured on a GPU), 64 MiB is about
-# 0.1 ms of an H200's memory traffic for AdamW (28 bytes a value), about as long as the host's
-# Python work for one group.
+# the device is not left waiting on the host: by estimate (not measured on a GPU), AdamW's memory
+# traffic for 64 MiB (28 bytes a value) lasts about as long as the host's Python work for one group.
 STEP_GROUP_BYTES = {"cpu": 2 * 2**20, "device": 64 * 2**20}
 
 

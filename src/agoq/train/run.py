@@ -126,21 +126,10 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> di
         summary = summarize(cfg, trainer.choices, trainer.model_cfg, records, gathered, baseline is not None)
         _write_summary(cfg, summary)
     trainer.metrics.close()
-    _note_compiled_kernels(cfg, trainer)
     dist.barrier()
     if ctx.owns_group:
         dist.destroy_process_group()
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
-
-
-def _note_compiled_kernels(cfg: TrainConfig, trainer: Any) -> None:
-    """After a run whose kernels were compiled on the CPU: note it beside them, so that the next
-    runs of this configuration know they load from the cache (agoq.train.compute_dtype)."""
-    if trainer.choices.quant_backend == "compiled" and trainer.ctx.device.type == "cpu":
-        from agoq.inductor_cache import note_compiled
-        from agoq.train.compute_dtype import compiled_kernels_key
-
-        note_compiled(compiled_kernels_key(cfg, trainer.choices.compute_dtype))
 
 
 def _resume(trainer: Any, cfg: TrainConfig) -> None:

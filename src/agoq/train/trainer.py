@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.activation import ActivationPolicy, make_policy
+from agoq.activation.policy import ActivationPolicy, make_policy, with_loss_path
 from agoq.models import Llama, LlamaConfig
 from agoq.parallel.layout import PipelineLayout
 from agoq.gradient.counter import CommCounter
@@ -92,14 +92,8 @@ def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None)
     from agoq.parallel.inflight import loss_recompute_needed, loss_weight_grad_in_forward
 
     recompute = loss_recompute_needed(cfg.parallel.pp)
-    return make_policy(
-        pr.activations,
-        fmt=pr.activation_format,
-        layer_bits=layer_bits,
-        fused_loss=pr.fused_loss,
-        loss_recompute=recompute,
-        loss_weight_grad_in_forward=loss_weight_grad_in_forward(cfg.parallel.pp, cfg.parallel.tp),
-    )
+    policy = make_policy(pr.activations, fmt=pr.activation_format, layer_bits=layer_bits, fused_loss=pr.fused_loss)
+    return with_loss_path(policy, recompute=recompute, weight_grad_in_forward=loss_weight_grad_in_forward(cfg.parallel.pp, cfg.parallel.tp))
 
 
 def rank_policy(

@@ -32,7 +32,7 @@ def _interpreted() -> bool:
 INTERPRETED = _interpreted()
 # Elements per program. On a GPU: 2048 keeps every kernel under ~130 registers per thread at 8
 # warps with no spills (ptxas for sm_90; 4096 needs up to 246, a quarter of the occupancy). Under
-# the interpreter each program costs ~1.5 ms whatever its size, so tiles are larger there.
+# the interpreter each program has a large fixed cost whatever its size, so tiles are larger there.
 GPU_TILE = 2048
 INTERPRETER_TILE = 16384
 # Largest block the kernels take (one block is one row of a register tile).
