@@ -27,12 +27,12 @@ gradient after checking that promise. The bits are those of the recompute path.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
-from agoq.activation.ops import rms_norm
+from agoq.activation.ops import _norm_backward, _norm_forward
 
 # A chunk's fp32 logits take at most this many bytes; the chunk's working set is about three times
 # that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
@@ -118,19 +118,21 @@ def chunked_lm_head_cross_entropy(
     if not isinstance(divisor, int) or divisor < 1:
         raise ValueError(f"divisor must be a positive integer (the micro-batches a loss is averaged over), got {divisor!r}")
     vocab = weight.shape[0]
-    _check_targets(targets, vocab, ignore_index)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(vocab, weight.shape[1])
     grad_on = torch.is_grad_enabled()
     need_hidden = grad_on and hidden.requires_grad
     need_weight = grad_on and weight.requires_grad
     if weight_grad_in_forward and need_weight and weight.is_leaf and reduction != "none":
+        # Eager only (it writes weight.grad in forward, which no traced graph can): the op checks
+        # targets itself, so this path checks them here.
+        _check_targets(targets, vocab, ignore_index)
         # The weight goes in a tuple, out of autograd's sight: as an input of the Function its
         # post-accumulate hooks would run again in backward (on the gradient already delivered).
         return _WeightGradInForwardLoss.apply(hidden, weight.detach(), targets, (weight,), ignore_index, reduction, label_smoothing, chunk, divisor)
     if recompute or reduction == "none":
-        loss = _RecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
+        loss = _recomputed_loss_op(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
     else:
-        loss = _PrecomputedLoss.apply(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
+        loss = _precomputed_loss_op(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)[0]
     return loss if divisor == 1 else loss / divisor
 
 
@@ -153,33 +155,215 @@ def normed_lm_head_cross_entropy(
     more norm and the chunked loss's gradients computed in backward instead of forward (the same
     number of LM-head GEMMs as the recompute path).
     """
-    return _NormedLoss.apply(x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size)
+    _check_args(x, weight, targets, reduction, 0.0, chunk_size)
+    return _normed_loss_op(x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size)
 
 
-class _NormedLoss(torch.autograd.Function):
-    """RMSNorm + chunked loss; keeps the norm input and targets, recomputes both in backward."""
+# ---- the custom ops: one node each for torch.compile; the eager functions below are the definition --
 
-    @staticmethod
-    def forward(ctx, x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size):
-        ctx.save_for_backward(x, norm_weight, weight, targets)
-        ctx.args = (eps, ignore_index, reduction, chunk_size)
-        # Function.forward runs without autograd: nothing of the norm or the loss is kept here.
-        return chunked_lm_head_cross_entropy(
-            rms_norm(x, norm_weight, eps), weight, targets, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size
-        )
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, norm_weight, weight, targets = ctx.saved_tensors
-        eps, ignore_index, reduction, chunk_size = ctx.args
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((x, norm_weight, weight), ctx.needs_input_grad[:3])]
-        with torch.enable_grad():
-            loss = chunked_lm_head_cross_entropy(
-                rms_norm(inputs[0], inputs[1], eps), inputs[2], targets, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size
-            )
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(loss, wanted, grad_out) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None, None)
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """t, or a new empty tensor where an op's gradient output is not wanted (an op returns no None)."""
+    return like.new_empty(0) if t is None else t
+
+
+def _loss_shape(targets: torch.Tensor, reduction: str) -> tuple[int, ...]:
+    return tuple(targets.shape) if reduction == "none" else ()
+
+
+@torch.library.custom_op("agoq::chunked_loss", mutates_args=())
+def _precomputed_loss_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, its gradient of the hidden rows, of the weight), an empty tensor for a gradient not needed."""
+    _check_targets(targets, weight.shape[0], ignore_index)
+    loss, grad_h, grad_w = _precomputed_loss(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
+    return loss, _or_empty(grad_h, hidden), _or_empty(grad_w, hidden)
+
+
+@_precomputed_loss_op.register_fake
+def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight):  # noqa: ANN001, ANN202
+    grad_h = hidden.new_empty((targets.numel(), hidden.shape[-1])) if need_hidden else hidden.new_empty(0)
+    grad_w = torch.empty_like(weight) if need_weight else hidden.new_empty(0)
+    return hidden.new_empty((), dtype=torch.float32), grad_h, grad_w
+
+
+def _precomputed_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    hidden, need_hidden, need_weight = inputs[0], inputs[7], inputs[8]
+    _, grad_h, grad_w = output
+    ctx.mark_non_differentiable(grad_h, grad_w)
+    ctx.save_for_backward(grad_h if need_hidden else None, grad_w if need_weight else None)
+    ctx.hidden_shape = hidden.shape
+
+
+def _precomputed_grad(ctx: Any, grad_out: torch.Tensor, *_unused: torch.Tensor | None) -> tuple:
+    grad_h, grad_w = ctx.saved_tensors
+    gh = None if grad_h is None else (grad_h * grad_out).view(ctx.hidden_shape)
+    gw = None if grad_w is None else grad_w * grad_out
+    return gh, gw, None, None, None, None, None, None, None
+
+
+_precomputed_loss_op.register_autograd(_precomputed_grad, setup_context=_precomputed_setup)
+
+
+@torch.library.custom_op("agoq::chunked_loss_recompute", mutates_args=())
+def _recomputed_loss_op(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float, chunk: int
+) -> torch.Tensor:
+    """The loss, keeping nothing (autograd keeps the inputs; backward recomputes each chunk's logits)."""
+    _check_targets(targets, weight.shape[0], ignore_index)
+    return _recomputed_loss(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk)
+
+
+@_recomputed_loss_op.register_fake
+def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk):  # noqa: ANN001, ANN202
+    return hidden.new_empty(_loss_shape(targets, reduction), dtype=torch.float32)
+
+
+@torch.library.custom_op("agoq::chunked_loss_recompute_backward", mutates_args=())
+def _recomputed_loss_backward_op(
+    grad_out: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of hidden, grad of weight) of the recomputed loss, an empty tensor for one not needed."""
+    gh, gw = _recomputed_grads(grad_out, hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight)
+    return _or_empty(gh, hidden), _or_empty(gw, hidden)
+
+
+@_recomputed_loss_backward_op.register_fake
+def _(grad_out, hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight):  # noqa: ANN001, ANN202
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)), (torch.empty_like(weight) if need_weight else hidden.new_empty(0))
+
+
+def _recomputed_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    hidden, weight, targets, *args = inputs
+    ctx.save_for_backward(hidden, weight, targets)
+    ctx.args = tuple(args)
+
+
+def _recomputed_grad(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    hidden, weight, targets = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    gh, gw = _recomputed_loss_backward_op(grad_out, hidden, weight, targets, *ctx.args, need_hidden, need_weight)
+    return gh if need_hidden else None, gw if need_weight else None, None, None, None, None, None
+
+
+_recomputed_loss_op.register_autograd(_recomputed_grad, setup_context=_recomputed_setup)
+
+
+@torch.library.custom_op("agoq::normed_loss", mutates_args=())
+def _normed_loss_op(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    eps: float,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: Optional[int],
+) -> torch.Tensor:
+    """Cross-entropy of RMSNorm(x) @ weight.T, keeping nothing (autograd keeps the inputs)."""
+    _check_targets(targets, weight.shape[0], ignore_index)
+    h, _ = _norm_forward(x, norm_weight, eps=eps)
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(weight.shape[0], weight.shape[1])
+    if reduction == "none":
+        return _recomputed_loss(h, weight, targets, ignore_index, reduction, 0.0, chunk)
+    return _precomputed_loss(h, weight, targets, ignore_index, reduction, 0.0, chunk, False, False)[0]
+
+
+@_normed_loss_op.register_fake
+def _(x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size):  # noqa: ANN001, ANN202
+    return x.new_empty(_loss_shape(targets, reduction), dtype=torch.float32)
+
+
+@torch.library.custom_op("agoq::normed_loss_backward", mutates_args=())
+def _normed_loss_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    eps: float,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: Optional[int],
+    need_x: bool,
+    need_norm_weight: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad of x, of the norm weight, of the LM-head weight), each recomputed from x; empty where not needed."""
+    grads = _normed_loss_grads(
+        grad_out, x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size, need_x, need_norm_weight, need_weight
+    )
+    return tuple(_or_empty(g, x) for g in grads)  # type: ignore[return-value]
+
+
+@_normed_loss_backward_op.register_fake
+def _(grad_out, x, norm_weight, weight, targets, eps, ignore_index, reduction, chunk_size, need_x, need_norm_weight, need_weight):  # noqa: ANN001, ANN202
+    return tuple(torch.empty_like(t) if need else x.new_empty(0) for t, need in ((x, need_x), (norm_weight, need_norm_weight), (weight, need_weight)))
+
+
+def _normed_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, norm_weight, weight, targets, *args = inputs
+    ctx.save_for_backward(x, norm_weight, weight, targets)
+    ctx.args = tuple(args)
+
+
+def _normed_grad(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    x, norm_weight, weight, targets = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    grads = _normed_loss_backward_op(grad_out, x, norm_weight, weight, targets, *ctx.args, *needs)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None)
+
+
+_normed_loss_op.register_autograd(_normed_grad, setup_context=_normed_setup)
+
+
+def _normed_loss_grads(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    eps: float,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int | None,
+    need_x: bool,
+    need_norm_weight: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of the normed loss: the norm, then the chunked loss's gradients, then the norm's
+    backward, in the order and arithmetic autograd gave them when the two were separate ops."""
+    h, rstd = _norm_forward(x, norm_weight, eps=eps)
+    need_h = need_x or need_norm_weight
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(weight.shape[0], weight.shape[1])
+    if reduction == "none":
+        gh, gw = _recomputed_grads(grad_out, h, weight, targets, ignore_index, reduction, 0.0, chunk, need_h, need_weight)
+    else:
+        _, grad_h, grad_w = _precomputed_loss(h, weight, targets, ignore_index, reduction, 0.0, chunk, need_h, need_weight)
+        gh = None if grad_h is None else (grad_h * grad_out).view(h.shape)
+        gw = None if grad_w is None else grad_w * grad_out
+    if gh is None:
+        return None, None, gw
+    gx, gnw = _norm_backward(gh, x, rstd, norm_weight, x_dtype=x.dtype, need_weight_grad=need_norm_weight)
+    return gx, gnw, gw
 
 
 def loss_saved_bytes(
@@ -202,32 +386,30 @@ def loss_saved_bytes(
     return tokens * hidden * es + vocab * hidden * es
 
 
-class _PrecomputedLoss(torch.autograd.Function):
-    """Loss with both gradients computed chunk by chunk in forward; backward scales them."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk, need_hidden, need_weight):
-        shape = hidden.shape
-        h = hidden.reshape(-1, shape[-1])
-        t = targets.reshape(-1)
-        valid = t != ignore_index
-        scale = _reduction_scale(valid, reduction)
-        need_grad = need_hidden or need_weight
-        grad_h = torch.empty_like(h) if need_hidden else None
-        grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk)) if need_weight else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for _, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, scale if need_grad else None, grad_h, grad_w):
-            total += loss_c.sum()
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.result(weight.dtype))
-        ctx.hidden_shape = shape
-        return total * scale
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else (grad_h * grad_out).view(ctx.hidden_shape)
-        gw = None if grad_w is None else grad_w * grad_out
-        return gh, gw, None, None, None, None, None, None, None
+def _precomputed_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, gradient of the [tokens, hidden] rows, of the weight) with both gradients computed chunk
+    by chunk in forward at grad_output 1 (backward only scales them)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    scale = _reduction_scale(valid, reduction)
+    need_grad = need_hidden or need_weight
+    grad_h = torch.empty_like(h) if need_hidden else None
+    grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk)) if need_weight else None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for _, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, scale if need_grad else None, grad_h, grad_w):
+        total += loss_c.sum()
+    return total * scale, grad_h, None if grad_w is None else grad_w.result(weight.dtype)
 
 
 class _WeightGradInForwardLoss(torch.autograd.Function):
@@ -269,39 +451,45 @@ class _WeightGradInForwardLoss(torch.autograd.Function):
         return gh, None, None, None, None, None, None, None, None
 
 
-class _RecomputedLoss(torch.autograd.Function):
-    """Loss that keeps hidden states and targets and recomputes each chunk's logits in backward."""
+def _recomputed_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float, chunk: int
+) -> torch.Tensor:
+    """The loss alone, a chunk's logits at a time (its gradients come from :func:`_recomputed_grads`)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    for s, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, None, None, None):
+        losses[s : s + chunk] = loss_c
+    if reduction == "none":
+        return losses.view(targets.shape)
+    return losses.sum() * _reduction_scale(valid, reduction)
 
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, label_smoothing, chunk):
-        h = hidden.reshape(-1, hidden.shape[-1])
-        t = targets.reshape(-1)
-        valid = t != ignore_index
-        losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        for s, loss_c in _by_chunk(h, weight, t, valid, label_smoothing, chunk, None, None, None):
-            losses[s : s + chunk] = loss_c
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.args = (ignore_index, reduction, label_smoothing, chunk)
-        if reduction == "none":
-            return losses.view(targets.shape)
-        return losses.sum() * _reduction_scale(valid, reduction)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets = ctx.saved_tensors
-        ignore_index, reduction, label_smoothing, chunk = ctx.args
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        h = hidden.reshape(-1, hidden.shape[-1])
-        t = targets.reshape(-1)
-        valid = t != ignore_index
-        coef = grad_out.reshape(-1) if reduction == "none" else grad_out * _reduction_scale(valid, reduction)
-        grad_h = torch.empty_like(h) if need_hidden else None
-        grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk)) if need_weight else None
-        for _ in _by_chunk(h, weight, t, valid, label_smoothing, chunk, coef, grad_h, grad_w):
-            pass
-        gh = None if grad_h is None else grad_h.view(hidden.shape)
-        gw = None if grad_w is None else grad_w.result(weight.dtype)
-        return gh, gw, None, None, None, None, None
+def _recomputed_grads(
+    grad_out: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad of hidden, grad of weight) of the loss at ``grad_out``, each chunk's logits recomputed."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    coef = grad_out.reshape(-1) if reduction == "none" else grad_out * _reduction_scale(valid, reduction)
+    grad_h = torch.empty_like(h) if need_hidden else None
+    grad_w = _WeightGradSum(weight, chunks=-(-h.shape[0] // chunk)) if need_weight else None
+    for _ in _by_chunk(h, weight, t, valid, label_smoothing, chunk, coef, grad_h, grad_w):
+        pass
+    gh = None if grad_h is None else grad_h.view(hidden.shape)
+    gw = None if grad_w is None else grad_w.result(weight.dtype)
+    return gh, gw
 
 
 def _by_chunk(

@@ -17,18 +17,22 @@ Forward outputs are the baseline's bit for bit; only gradients see the quantizat
 Triton backend of :mod:`agoq.quant.backend`, the fused norm and SwiGLU kernels reduce and
 exponentiate in their own order: outputs then agree within the rounding of their dtype; the saved
 codes stay bit-identical.) Every op sets the kind of what it saves for :mod:`agoq.activation.meter`.
+
+The fused ops are ``torch.library`` custom ops (namespace ``agoq``) with fake kernels and registered
+autograd, so torch.compile sees each as one graph node (docs/ARCHITECTURE.md); what they run is the
+eager code below, the definition a compiled graph must equal.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from agoq.activation.meter import meter_scope
-from agoq.quant import QTensor, QuantFormat, backend, dequantize, quantize
+from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 
 # Set on an attention output whose storage the attention core itself keeps unquantized for
 # backward; saved_input_linear then saves a view of it instead of a quantized copy.
@@ -75,6 +79,17 @@ def _quantize_saved(t: torch.Tensor, fmt: QuantFormat) -> QTensor:
     return quantize(t, fmt, nonfinite="propagate")
 
 
+def _fake_codes(x: torch.Tensor, fmt: QuantFormat) -> list[torch.Tensor]:
+    """Empty [packed codes, block scales] of x in fmt: what a fake kernel returns for a quantized x."""
+    n = x.numel()
+    return [x.new_empty(fmt.payload_bytes(n), dtype=torch.uint8), x.new_empty(fmt.num_blocks(n), dtype=torch.float32)]
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """t, or an empty tensor where a custom op's output is not wanted (an op cannot return None)."""
+    return like.new_empty(0, dtype=torch.float32) if t is None else t
+
+
 def _norm_kernels(device: torch.device, fmt: QuantFormat, hidden: int) -> Any:
     """The fused Triton norm kernels when agoq.quant.backend selects them for this layer, else None."""
     kernels = backend.layer_kernels(device, fmt)
@@ -106,76 +121,141 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # ---- norm + linear -------------------------------------------------------------------------------
 
 
-class _NormLinear(torch.autograd.Function):
-    """RMSNorm then several GEMMs, keeping only the quantized norm input."""
+def _norm_linear_forward(
+    x: torch.Tensor, norm_weight: torch.Tensor, weights: Sequence[torch.Tensor], eps: float, fmt: QuantFormat
+) -> tuple[tuple[torch.Tensor, ...], QTensor]:
+    """(RMSNorm(x) times each weight, quantized x): the forward of the fused norm + GEMMs."""
+    kernels = _norm_kernels(x.device, fmt, x.shape[-1])
+    if kernels is not None:  # one pass writes the norm output and the quantized input
+        h, q = kernels.rms_norm_quantize(x, norm_weight, eps, fmt)
+        outs = tuple(F.linear(h, w) for w in weights)
+    else:
+        h, _ = _norm_forward(x, norm_weight, eps=eps)
+        outs = tuple(F.linear(h, w) for w in weights)
+        q = _quantize_saved(x, fmt)
+    return outs, q
 
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, fmt: QuantFormat, *weights: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        kernels = _norm_kernels(x.device, fmt, x.shape[-1])
-        if kernels is not None:  # one pass writes the norm output and the quantized input
-            h, q = kernels.rms_norm_quantize(x, norm_weight, eps, fmt)
-            outs = tuple(F.linear(h, w) for w in weights)
+
+def _norm_linear_backward(
+    grads: Sequence[torch.Tensor | None],
+    q: QTensor,
+    norm_weight: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    eps: float,
+    need_norm_weight: bool,
+    need_weights: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+    """(grad of x, grad of the norm weight or None, grad of each weight or None) of the fused norm + GEMMs."""
+    payload, shape, dtype, fmt = q.payload, q.shape, q.dtype, q.fmt
+    width = shape[-1]
+    kernels = _norm_kernels(payload.device, fmt, width)
+    if kernels is None:
+        recompute = backend.formula(_norm_forward, payload.device, eps=eps, out_dtype=dtype)
+        norm_backward = backend.formula(_norm_backward, payload.device, x_dtype=dtype, need_weight_grad=need_norm_weight)
+    grad_x = torch.empty(shape, dtype=dtype, device=payload.device)
+    grad_rows = _tokens(grad_x)
+    outputs = [None if g is None else _tokens(g) for g in grads]
+    need_weight_grads = [g is not None and need for g, need in zip(outputs, need_weights)]
+    # The recomputed norm output of every token, in the compute dtype (the tensor the bf16
+    # policy saves): the weight gradients are then whole GEMMs, as the bf16 policy's backward
+    # makes them, with no fp32 accumulator of a weight's size across chunks.
+    h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if any(need_weight_grads) else None
+    grad_norm_weight: torch.Tensor | None = None
+    # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
+    # then hold a chunk's rows, not every token's.
+    for r0, r1 in _row_chunks(grad_rows.shape[0], width, fmt.block_size, payload.device, NORM_CHUNK_VALUES):
+        q_rows = _rows(q, r0, r1, width)
+        if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
+            x = None
+            h, rstd = kernels.rms_norm_recompute(q_rows, norm_weight, eps, dtype)
         else:
-            h, _ = _norm_forward(x, norm_weight, eps=eps)
-            outs = tuple(F.linear(h, w) for w in weights)
-            q = _quantize_saved(x, fmt)
-        ctx.save_for_backward(q.payload, q.scales, norm_weight, *weights)
-        ctx.meta = (q.shape, q.dtype, q.fmt, eps)
-        return outs
+            # Under the compiled backend the recompute is one fused loop (and so is the backward
+            # below); its reductions may sum in another order: h agrees within dtype rounding.
+            x = dequantize(q_rows, torch.float32)
+            h, rstd = recompute(x, norm_weight)
+        if h_all is not None:
+            h_all[r0:r1].copy_(h)
+        del h
+        grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
+        for g, w in zip(outputs, weights):
+            if g is not None:
+                grad_h += F.linear(g[r0:r1], w.t())
+        if x is None:
+            gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
+        else:
+            gx, gw = norm_backward(grad_h, x, rstd, norm_weight)
+        grad_rows[r0:r1].copy_(gx)
+        if gw is not None:
+            grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
+        del gx, gw, grad_h, x
+    weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
+    if grad_norm_weight is not None:
+        grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
+    return grad_x, grad_norm_weight, weight_grads
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        payload, scales, norm_weight, *weights = ctx.saved_tensors
-        shape, dtype, fmt, eps = ctx.meta
-        q = QTensor(payload, scales, shape, dtype, fmt)
-        width = shape[-1]
-        kernels = _norm_kernels(payload.device, fmt, width)
-        need_norm_weight = ctx.needs_input_grad[1]
-        if kernels is None:
-            recompute = backend.formula(_norm_forward, payload.device, eps=eps, out_dtype=dtype)
-            norm_backward = backend.formula(_norm_backward, payload.device, x_dtype=dtype, need_weight_grad=need_norm_weight)
-        grad_x = torch.empty(shape, dtype=dtype, device=payload.device)
-        grad_rows = _tokens(grad_x)
-        outputs = [None if g is None else _tokens(g) for g in grads]
-        need_weight_grads = [g is not None and ctx.needs_input_grad[4 + i] for i, g in enumerate(outputs)]
-        # The recomputed norm output of every token, in the compute dtype (the tensor the bf16
-        # policy saves): the weight gradients are then whole GEMMs, as the bf16 policy's backward
-        # makes them, with no fp32 accumulator of a weight's size across chunks.
-        h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if any(need_weight_grads) else None
-        grad_norm_weight: torch.Tensor | None = None
-        # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
-        # then hold a chunk's rows, not every token's.
-        for r0, r1 in _row_chunks(grad_rows.shape[0], width, fmt.block_size, payload.device, NORM_CHUNK_VALUES):
-            q_rows = _rows(q, r0, r1, width)
-            if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
-                x = None
-                h, rstd = kernels.rms_norm_recompute(q_rows, norm_weight, eps, dtype)
-            else:
-                # Under the compiled backend the recompute is one fused loop (and so is the backward
-                # below); its reductions may sum in another order: h agrees within dtype rounding.
-                x = dequantize(q_rows, torch.float32)
-                h, rstd = recompute(x, norm_weight)
-            if h_all is not None:
-                h_all[r0:r1].copy_(h)
-            del h
-            grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
-            for g, w in zip(outputs, weights):
-                if g is not None:
-                    grad_h += F.linear(g[r0:r1], w.t())
-            if x is None:
-                gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
-            else:
-                gx, gw = norm_backward(grad_h, x, rstd, norm_weight)
-            grad_rows[r0:r1].copy_(gx)
-            if gw is not None:
-                grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
-            del gx, gw, grad_h, x
-        weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
-        if grad_norm_weight is not None:
-            grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
-        return (grad_x, grad_norm_weight, None, None, *weight_grads)
+
+@torch.library.custom_op("agoq::norm_linear", mutates_args=())
+def _norm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor], eps: float, fmt: str) -> list[torch.Tensor]:
+    """[RMSNorm(x) times each weight..., x's packed codes, x's block scales]."""
+    outs, q = _norm_linear_forward(x, norm_weight, weights, eps, parse_format(fmt))
+    return [*outs, q.payload, q.scales]
+
+
+@_norm_linear_op.register_fake
+def _(x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor], eps: float, fmt: str) -> list[torch.Tensor]:
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights] + _fake_codes(x, parse_format(fmt))
+
+
+@torch.library.custom_op("agoq::norm_linear_backward", mutates_args=())
+def _norm_linear_backward_op(
+    grads: list[Optional[torch.Tensor]],
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weights: list[torch.Tensor],
+    shape: list[int],
+    dtype: torch.dtype,
+    eps: float,
+    fmt: str,
+    need_norm_weight: bool,
+    need_weights: list[bool],
+) -> list[torch.Tensor]:
+    """[grad of x, grad of the norm weight, grad of each weight], an empty tensor for each one not needed."""
+    q = QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt))
+    gx, gnw, gws = _norm_linear_backward(grads, q, norm_weight, weights, eps, need_norm_weight, need_weights)
+    return [gx, *(_or_empty(g, payload) for g in (gnw, *gws))]
+
+
+@_norm_linear_backward_op.register_fake
+def _(grads, payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, need_weights):  # noqa: ANN001, ANN202
+    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
+    gws = [torch.empty_like(w) if need else w.new_empty(0) for w, need in zip(weights, wanted)]
+    gnw = torch.empty_like(norm_weight) if need_norm_weight else norm_weight.new_empty(0)
+    return [payload.new_empty(shape, dtype=dtype), gnw, *gws]
+
+
+def _norm_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    x, norm_weight, weights, eps, fmt = inputs
+    payload, scales = output[-2:]
+    ctx.mark_non_differentiable(payload, scales)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(payload, scales, norm_weight, *weights)
+    ctx.meta = (list(x.shape), x.dtype, eps, fmt)
+
+
+def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
+    payload, scales, norm_weight, *weights = ctx.saved_tensors
+    shape, dtype, eps, fmt = ctx.meta
+    need_norm_weight, need_weights = ctx.needs_input_grad[1:3]
+    outs = _norm_linear_backward_op(
+        list(grads[: len(weights)]), payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, list(need_weights)
+    )
+    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
+    gws = [g if need else None for g, need in zip(outs[2:], wanted)]
+    return outs[0], outs[1] if need_norm_weight else None, gws, None, None
+
+
+_norm_linear_op.register_autograd(_norm_linear_grad, setup_context=_norm_linear_setup)
 
 
 def rms_norm_linear(
@@ -189,7 +269,7 @@ def rms_norm_linear(
             # attention saving v would then keep q's and k's GEMM outputs alive as well.
             return tuple(F.linear(h, w) for w in weights)
     with meter_scope(kind="norm_input"):
-        return _NormLinear.apply(x, norm_weight, eps, fmt, *weights)
+        return tuple(_norm_linear_op(x, norm_weight, list(weights), eps, fmt.name)[: len(weights)])
 
 
 # ---- SwiGLU + linear -----------------------------------------------------------------------------
@@ -200,74 +280,135 @@ SILU_MAX_SLOPE = 1.0999
 SILU_MAX_CURVATURE = 0.5
 
 
-class _SwiGLULinear(torch.autograd.Function):
-    """(SiLU(gate) * up) @ down^T, keeping only quantized gate and up."""
+def _swiglu_linear_forward(
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat
+) -> tuple[torch.Tensor, QTensor, QTensor]:
+    """((SiLU(gate) * up) times down_weight, quantized gate, quantized up): the fused SwiGLU + GEMM forward."""
+    kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
+    if kernels is not None:  # Triton or compiled code: one pass writes SiLU(gate) * up and the quantized gate and up
+        act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
+        out = F.linear(act, down_weight)
+    else:
+        # SiLU(gate) * up a chunk of rows at a time into one buffer: SiLU(gate) is never a whole
+        # [tokens, intermediate] temporary (elementwise, so the product is the same bits).
+        act = torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype))
+        rows, g2, u2 = _tokens(act), _tokens(gate), _tokens(up)
+        for r0, r1 in _row_chunks(rows.shape[0], rows.shape[1], fmt.block_size, gate.device, SWIGLU_CHUNK_VALUES):
+            torch.mul(F.silu(g2[r0:r1]), u2[r0:r1], out=rows[r0:r1])
+        out = F.linear(act, down_weight)
+        del act, rows
+        qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
+    return out, qg, qu
 
-    @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-        kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
-        if kernels is not None:  # Triton or compiled code: one pass writes SiLU(gate) * up and the quantized gate and up
-            act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
-            out = F.linear(act, down_weight)
+
+def _swiglu_linear_backward(
+    grad_out: torch.Tensor, qg: QTensor, qu: QTensor, down_weight: torch.Tensor, need_act: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(grad of gate, grad of up, grad of down_weight or None) of the fused SwiGLU + GEMM."""
+    gp, gshape, gdtype, ushape, udtype, fmt = qg.payload, qg.shape, qg.dtype, qu.shape, qu.dtype, qg.fmt
+    act_dtype = grad_out.dtype if need_act else None
+    kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
+    constants = {"act_dtype": act_dtype, "gate_dtype": gdtype, "up_dtype": udtype}
+    formula = None if kernels is not None else backend.formula(_swiglu_backward, gp.device, **constants)
+    # Compiled code dequantizes gate and up inside the formula's graph: no fp32 copy of them.
+    of_codes = None if kernels is not None else backend.formula_reading_codes(_swiglu_backward, gp.device, fmt, (1, 2), **constants)
+    # Eagerly the formula writes both gradients straight into their rows; compiled code returns
+    # them (writing into arguments inside a graph splits its fused loop).
+    eager = formula is not None and backend.resolve(gp.device) == "torch"
+    go = _tokens(grad_out)
+    width = gshape[-1]
+    grad_gate = torch.empty(gshape, dtype=gdtype, device=gp.device)
+    grad_up = torch.empty(ushape, dtype=udtype, device=gp.device)
+    gate_rows, up_rows = _tokens(grad_gate), _tokens(grad_up)
+    # The gradient of SiLU(gate) * up in one GEMM, the tensor the bf16 policy's backward makes
+    # too. Each chunk's recomputed SiLU(gate) * up then overwrites the rows it was computed
+    # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
+    # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost more: benchmarks/op_overhead.py).
+    grad_act = F.linear(go, down_weight.t())
+    for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
+        grad_act_rows = grad_act[r0:r1]
+        g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
+        if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
+            act, gg, gu = kernels.swiglu_backward(grad_act_rows, g_chunk, u_chunk, gdtype, act_dtype)
+        elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
+            act, gg, gu = of_codes(grad_act_rows, g_chunk, u_chunk)
         else:
-            # SiLU(gate) * up a chunk of rows at a time into one buffer: SiLU(gate) is never a whole
-            # [tokens, intermediate] temporary (elementwise, so the product is the same bits).
-            act = torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype))
-            rows, g2, u2 = _tokens(act), _tokens(gate), _tokens(up)
-            for r0, r1 in _row_chunks(rows.shape[0], rows.shape[1], fmt.block_size, gate.device, SWIGLU_CHUNK_VALUES):
-                torch.mul(F.silu(g2[r0:r1]), u2[r0:r1], out=rows[r0:r1])
-            out = F.linear(act, down_weight)
-            del act, rows
-            qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
-        ctx.save_for_backward(qg.payload, qg.scales, qu.payload, qu.scales, down_weight)
-        ctx.meta = (qg.shape, qg.dtype, qu.shape, qu.dtype, fmt)
-        return out
+            # Arguments passed without names, so the formula can drop each after its last use.
+            into = {"out": (gate_rows[r0:r1], up_rows[r0:r1])} if eager else {}
+            act, gg, gu = formula(grad_act_rows, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32), **into)
+        if not eager:
+            gate_rows[r0:r1].copy_(gg)
+            up_rows[r0:r1].copy_(gu)
+        del gg, gu
+        if act is not None:
+            grad_act_rows.copy_(act)
+        del act, grad_act_rows
+    grad_down = go.t().mm(grad_act).to(down_weight.dtype) if need_act else None
+    return grad_gate, grad_up, grad_down
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
-        gshape, gdtype, ushape, udtype, fmt = ctx.meta
-        qg, qu = QTensor(gp, gs, gshape, gdtype, fmt), QTensor(up_p, up_s, ushape, udtype, fmt)
-        need_act = ctx.needs_input_grad[2]
-        act_dtype = grad_out.dtype if need_act else None
-        kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
-        constants = {"act_dtype": act_dtype, "gate_dtype": gdtype, "up_dtype": udtype}
-        formula = None if kernels is not None else backend.formula(_swiglu_backward, gp.device, **constants)
-        # Compiled code dequantizes gate and up inside the formula's graph: no fp32 copy of them.
-        of_codes = None if kernels is not None else backend.formula_reading_codes(_swiglu_backward, gp.device, fmt, (1, 2), **constants)
-        # Eagerly the formula writes both gradients straight into their rows; compiled code returns
-        # them (writing into arguments inside a graph splits its fused loop).
-        eager = formula is not None and backend.resolve(gp.device) == "torch"
-        go = _tokens(grad_out)
-        width = gshape[-1]
-        grad_gate = torch.empty(gshape, dtype=gdtype, device=gp.device)
-        grad_up = torch.empty(ushape, dtype=udtype, device=gp.device)
-        gate_rows, up_rows = _tokens(grad_gate), _tokens(grad_up)
-        # The gradient of SiLU(gate) * up in one GEMM, the tensor the bf16 policy's backward makes
-        # too. Each chunk's recomputed SiLU(gate) * up then overwrites the rows it was computed
-        # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
-        # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost more: benchmarks/op_overhead.py).
-        grad_act = F.linear(go, down_weight.t())
-        for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
-            grad_act_rows = grad_act[r0:r1]
-            g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
-            if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
-                act, gg, gu = kernels.swiglu_backward(grad_act_rows, g_chunk, u_chunk, gdtype, act_dtype)
-            elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
-                act, gg, gu = of_codes(grad_act_rows, g_chunk, u_chunk)
-            else:
-                # Arguments passed without names, so the formula can drop each after its last use.
-                into = {"out": (gate_rows[r0:r1], up_rows[r0:r1])} if eager else {}
-                act, gg, gu = formula(grad_act_rows, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32), **into)
-            if not eager:
-                gate_rows[r0:r1].copy_(gg)
-                up_rows[r0:r1].copy_(gu)
-            del gg, gu
-            if act is not None:
-                grad_act_rows.copy_(act)
-            del act, grad_act_rows
-        grad_down = go.t().mm(grad_act).to(down_weight.dtype) if need_act else None
-        return grad_gate, grad_up, grad_down, None
+
+@torch.library.custom_op("agoq::swiglu_linear", mutates_args=())
+def _swiglu_linear_op(
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """((SiLU(gate) * up) times down_weight, gate's codes, gate's scales, up's codes, up's scales)."""
+    out, qg, qu = _swiglu_linear_forward(gate, up, down_weight, parse_format(fmt))
+    return out, qg.payload, qg.scales, qu.payload, qu.scales
+
+
+@_swiglu_linear_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    f = parse_format(fmt)
+    act_dtype = torch.promote_types(gate.dtype, up.dtype)
+    out = gate.new_empty((*gate.shape[:-1], down_weight.shape[0]), dtype=act_dtype)
+    return (out, *_fake_codes(gate, f), *_fake_codes(up, f))
+
+
+@torch.library.custom_op("agoq::swiglu_linear_backward", mutates_args=())
+def _swiglu_linear_backward_op(
+    grad_out: torch.Tensor,
+    gate_payload: torch.Tensor,
+    gate_scales: torch.Tensor,
+    up_payload: torch.Tensor,
+    up_scales: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_shape: list[int],
+    gate_dtype: torch.dtype,
+    up_shape: list[int],
+    up_dtype: torch.dtype,
+    fmt: str,
+    need_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad of gate, grad of up, grad of down_weight or an empty tensor)."""
+    f = parse_format(fmt)
+    qg = QTensor(gate_payload, gate_scales, torch.Size(gate_shape), gate_dtype, f)
+    qu = QTensor(up_payload, up_scales, torch.Size(up_shape), up_dtype, f)
+    gg, gu, gd = _swiglu_linear_backward(grad_out, qg, qu, down_weight, need_down)
+    return gg, gu, _or_empty(gd, gate_payload)
+
+
+@_swiglu_linear_backward_op.register_fake
+def _(grad_out, gate_payload, gate_scales, up_payload, up_scales, down_weight, gate_shape, gate_dtype, up_shape, up_dtype, fmt, need_down):  # noqa: ANN001, ANN202
+    gd = torch.empty_like(down_weight) if need_down else down_weight.new_empty(0, dtype=torch.float32)
+    return grad_out.new_empty(gate_shape, dtype=gate_dtype), grad_out.new_empty(up_shape, dtype=up_dtype), gd
+
+
+def _swiglu_linear_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    gate, up, down_weight, fmt = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:], down_weight)
+    ctx.meta = (list(gate.shape), gate.dtype, list(up.shape), up.dtype, fmt)
+
+
+def _swiglu_linear_grad(ctx: Any, grad_out: torch.Tensor, *_codes: torch.Tensor | None) -> tuple:
+    gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
+    gshape, gdtype, ushape, udtype, fmt = ctx.meta
+    need_down = ctx.needs_input_grad[2]
+    gg, gu, gd = _swiglu_linear_backward_op(grad_out, gp, gs, up_p, up_s, down_weight, gshape, gdtype, ushape, udtype, fmt, need_down)
+    return gg, gu, gd if need_down else None, None
+
+
+_swiglu_linear_op.register_autograd(_swiglu_linear_grad, setup_context=_swiglu_linear_setup)
 
 
 # Rows of the SwiGLU backward computed at once: its fp32 temporaries (the output gradient, gate
@@ -356,51 +497,80 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tenso
         with meter_scope(kind="gemm_input"):
             return F.linear(act, down_weight)
     with meter_scope(kind="act_input"):
-        return _SwiGLULinear.apply(gate, up, down_weight, fmt)
+        return _swiglu_linear_op(gate, up, down_weight, fmt.name)[0]
 
 
 # ---- linear with a quantized saved input ---------------------------------------------------------
 
 
-class _SavedInputLinear(torch.autograd.Function):
-    """x @ w^T keeping x quantized (only the weight gradient uses it)."""
+@torch.library.custom_op("agoq::saved_input_linear", mutates_args=())
+def _saved_input_linear_op(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x times weight transposed, x's packed codes, x's block scales)."""
+    out = F.linear(x, weight)
+    q = _quantize_saved(x, parse_format(fmt))
+    return out, q.payload, q.scales
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-        out = F.linear(x, weight)
-        q = _quantize_saved(x, fmt)
-        ctx.save_for_backward(q.payload, q.scales, weight)
-        ctx.meta = (q.shape, q.dtype, fmt)
-        return out
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        payload, scales, weight = ctx.saved_tensors
-        shape, dtype, fmt = ctx.meta
-        grad_x = F.linear(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            x = dequantize(QTensor(payload, scales, shape, dtype, fmt))
-            grad_w = _tokens(grad_out).t().mm(_tokens(x))
-        return grad_x, grad_w, None
+@_saved_input_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    return (x.new_empty((*x.shape[:-1], weight.shape[0])), *_fake_codes(x, parse_format(fmt)))
+
+
+@torch.library.custom_op("agoq::saved_input_weight_grad", mutates_args=())
+def _saved_input_weight_grad_op(
+    grad_out: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, shape: list[int], dtype: torch.dtype, fmt: str
+) -> torch.Tensor:
+    """The weight gradient grad_out^T x of x @ w^T, x read back from its codes and scales."""
+    x = dequantize(QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt)))
+    return _tokens(grad_out).t().mm(_tokens(x))
+
+
+@_saved_input_weight_grad_op.register_fake
+def _(grad_out: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, shape: list[int], dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    return grad_out.new_empty((grad_out.shape[-1], shape[-1]), dtype=torch.promote_types(grad_out.dtype, dtype))
+
+
+def _saved_input_linear_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, weight, fmt = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(output[1], output[2], weight)
+    ctx.meta = (list(x.shape), x.dtype, fmt)
+
+
+def _saved_input_linear_grad(ctx: Any, grad_out: torch.Tensor, *_codes: torch.Tensor | None) -> tuple:
+    payload, scales, weight = ctx.saved_tensors
+    shape, dtype, fmt = ctx.meta
+    # The input gradient needs no saved activation: it is traced as a plain GEMM.
+    grad_x = F.linear(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
+    grad_w = _saved_input_weight_grad_op(grad_out, payload, scales, shape, dtype, fmt) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_saved_input_linear_op.register_autograd(_saved_input_linear_grad, setup_context=_saved_input_linear_setup)
 
 
 def kept_by_attention(x: torch.Tensor) -> bool:
     """Whether x is (a view of) an attention output that the attention core keeps unquantized."""
+    if torch.compiler.is_compiling():
+        # A traced graph has no storages to compare, and AOTAutograd picks what it saves itself.
+        return False
     base = x._base if x._base is not None else x
     return bool(getattr(base, _KEPT_BY_ATTENTION, False)) and x.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
+def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat | None, *, attention_output: bool = False) -> torch.Tensor:
     """x times weight (transposed); with fmt, saves x quantized for the weight gradient.
 
     When x is a view of an attention output that attention already keeps at full precision, x is
     saved as that view (zero extra bytes) instead of as a quantized copy, whatever ``fmt`` says.
+    Under torch.compile no tensor can be asked whether it is such a view: there ``attention_output``
+    (x is :func:`causal_attention`'s output, unquantized) says so, as the eager check would find it.
     """
     with meter_scope(kind="out_proj_input"):
-        if fmt is None or kept_by_attention(x):
+        if fmt is None or (attention_output and torch.compiler.is_compiling()) or kept_by_attention(x):
+            # In a compiled graph SDPA's backward needs its output too: the partitioner saves it once for both.
             return F.linear(x, weight)
-        return _SavedInputLinear.apply(x, weight, fmt)
+        return _saved_input_linear_op(x, weight, fmt.name)[0]
 
 
 # ---- attention core ------------------------------------------------------------------------------
@@ -457,7 +627,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: Qua
         if fmt is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             # Fused SDPA kernels (CPU flash, CUDA flash / memory-efficient / cuDNN) save their output.
-            if out.grad_fn is not None and "_saved_output" in dir(out.grad_fn):
+            if not torch.compiler.is_compiling() and out.grad_fn is not None and "_saved_output" in dir(out.grad_fn):
                 setattr(out, _KEPT_BY_ATTENTION, True)
             return out
         with _attention_hooks(fmt, q.dim()):

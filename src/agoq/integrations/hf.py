@@ -27,7 +27,6 @@ than SiLU is refused when patching.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass, field
@@ -291,6 +290,8 @@ def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None, *
     )
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    # The dataclass's own field table: torch.compile traces a dict lookup, not dataclasses.fields()
+    # on a class (a graph break); hasattr would not do, since past_key_values is also a property.
+    names = CausalLMOutputWithPast.__dataclass_fields__
     extra = {name: getattr(outputs, name, None) for name in ("cache", "past_key_values") if name in names}
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -101,7 +102,7 @@ class DecoderLayer(nn.Module):
         k = rotary_embedding(k.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         o = causal_attention(q, k, v, p.attention).transpose(1, 2).reshape(b, s, cfg.hidden)
-        x = x + saved_input_linear(o, a.o.weight, p.out_proj_input)
+        x = x + saved_input_linear(o, a.o.weight, p.out_proj_input, attention_output=p.attention is None)
         m = self.mlp
         gate, up = rms_norm_linear(x, self.mlp_norm.weight, cfg.norm_eps, (m.gate.weight, m.up.weight), p.norm_input)
         return x + swiglu_linear(gate, up, m.down.weight, p.act_input)
@@ -158,6 +159,13 @@ class Llama(nn.Module):
             std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    def compile_layers(self, **options: Any) -> None:
+        """torch.compile each decoder layer in place with fullgraph=True (parameter names unchanged)."""
+        # Per block, as torchtitan compiles: the layers share one graph (their parameters are its
+        # inputs), and the embedding, rope tables and loss stay eager around them.
+        for layer in self.layers.values():
+            layer.compile(fullgraph=True, **options)
 
     def set_policy(self, policy: ActivationPolicy) -> None:
         """Switch the activation precision policy (takes effect on the next forward)."""

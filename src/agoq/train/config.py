@@ -114,6 +114,9 @@ class TrainSection:
     out_dir: str = "runs/default"  # metrics, summary, plot and checkpoints of the run
     baseline: bool = True  # also measure the bf16 configuration's memory and wire bytes for the summary
     max_skipped_steps: int = 10  # stop the run after this many consecutive steps with a non-finite loss or gradient
+    # torch.compile each decoder layer with fullgraph=True, as torchtitan compiles its blocks: the fused
+    # ops are custom ops (one graph node each), so a block is one graph; the first steps pay the compile.
+    compile: bool = False
 
 
 @dataclass
@@ -349,6 +352,23 @@ def validate(cfg: TrainConfig) -> None:
     _validate_precision(cfg.precision, cfg.parallel, cfg.optim)
     _validate_optim(cfg.optim, mc)
     _validate_sizes(cfg)
+    _validate_compile(cfg)
+
+
+def _validate_compile(cfg: TrainConfig) -> None:
+    """What train.compile combines with: every op a block runs must be traceable in one graph."""
+    if not cfg.train.compile:
+        return
+    if cfg.precision.activations == "uniform4":
+        raise ConfigError(
+            "train.compile=true cannot trace precision.activations=uniform4: its quantized attention keeps SDPA's saved tensors "
+            "through saved_tensors_hooks, which torch.compile does not capture; use activations=agoq or bf16, or train.compile=false"
+        )
+    if cfg.parallel.tp > 1:
+        raise ConfigError(
+            "train.compile=true supports parallel.tp=1 only: the tensor-parallel ops run collectives inside autograd Functions "
+            "that torch.compile does not capture in one graph; set parallel.tp=1 or train.compile=false"
+        )
 
 
 def _validate_model(cfg: TrainConfig, mc: LlamaConfig) -> None:

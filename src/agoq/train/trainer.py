@@ -216,6 +216,8 @@ def build_stage_modules(
             from agoq.parallel.tensor_model import shard_llama
 
             m = shard_llama(m, ctx.tp_group, tp_counter)
+        if cfg.train.compile:
+            m.compile_layers()
         modules.append(m)
     return modules
 
