@@ -1,39 +1,52 @@
-"""The fork server that a local run's workers start from, and the environment they run in.
+"""How a local run's workers start, the environment they run in, and how they die with the launcher.
 
-Local workers fork from one server process that has torch, its compiler and agoq imported, instead
-of importing them each (which cost every worker its own import time at the start).
-:func:`start_early` starts it when ``agoq train`` begins, so that this happens on a second core
-while the launcher imports, reads its config and prepares the data, instead of after it.
+The local launcher starts its workers as torch's elastic launcher does (spawned, each a fresh
+interpreter that inherits the launcher's environment unchanged); what it adds to that environment
+is :func:`local_worker_env`. A worker must never outlive its launcher: an orphan would go on
+writing the run folder after the launcher, and its lock, were gone (:func:`die_with_launcher`).
 
-Standard library only, so that importing it costs nothing before the server is started.
+Standard library only, so that importing it costs nothing before torch is needed.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
-# The environment this module was imported with: in a worker forked from the fork server, the
-# server's; the launcher's per-rank variables are what differs from it (adopt_launcher_env).
-_ENV_AT_IMPORT = dict(os.environ)
-# What the fork server imports once, before any worker forks from it.
-FORKSERVER_PRELOAD = ("agoq.train.run", "agoq.train.trainer", "agoq.quant.compiled", "torch._dynamo", "torch._inductor.compile_fx")
-# Variables that libraries read when they are imported (thread pools, CPU capability, compiler
-# and cache settings): a fork server started with other values cannot serve this launch.
-_IMPORT_TIME_ENV = ("TORCH", "ATEN_", "ONEDNN", "DNNL", "OMP_", "GOMP", "KMP_", "MKL", "CUDA", "NCCL", "GLOO", "TRITON", "PYTHON", "LD_", "AGOQ")
-_forkserver_env: dict[str, str] | None = None
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.train.loopback).
 LOOPBACK_ENV = "AGOQ_LOOPBACK"
+# What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://
+# initialisation; torchrun sets TORCHELASTIC_RUN_ID besides.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Per-rank variables a launcher sets; the elastic agent sets each of them for every local worker.
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+# How often a worker without prctl checks that its launcher lives.
+LIVENESS_POLL_S = 0.5
 
 
 def under_torchrun() -> bool:
-    """Whether this process is a worker that torchrun (or another launcher) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """Whether this process is a worker that torchrun (or another launcher) started.
+
+    torchrun always sets TORCHELASTIC_RUN_ID; another launcher is recognised by the full set of
+    env:// variables (LAUNCHER_VARS). RANK or WORLD_SIZE alone, left in a shell, are not a launcher:
+    a local run ignores them (the elastic agent sets its own for each worker), and says so
+    (:func:`stray_rank_variables`).
+    """
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in LAUNCHER_VARS)
+
+
+def stray_rank_variables() -> dict[str, str]:
+    """The per-rank variables set in this environment although no launcher started this process."""
+    if under_torchrun():
+        return {}
+    return {k: os.environ[k] for k in RANK_VARS if k in os.environ}
 
 
 def loopback_interface() -> str | None:
@@ -43,6 +56,13 @@ def loopback_interface() -> str | None:
     except OSError:
         return None
     return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def inherited_gloo_interface() -> str | None:
+    """GLOO_SOCKET_IFNAME from the environment when it names another interface than loopback:
+    a local run keeps it (the user chose it), but gloo's connections then leave loopback."""
+    value = os.environ.get("GLOO_SOCKET_IFNAME")
+    return value if value and value != loopback_interface() else None
 
 
 def local_worker_env() -> dict[str, str]:
@@ -73,43 +93,46 @@ def workers_environment() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
-
-
 def start_method() -> str:
-    """'forkserver' (workers fork from a process that has torch and agoq imported) when this
-    process's fork server was, or is about to be, started with the variables read at import that
-    this launch has; 'spawn' otherwise (a long-lived process launching with a changed environment)."""
-    global _forkserver_env
-    if _forkserver_env is None:
-        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        _forkserver_env = _import_time_env()
-    return "forkserver" if _forkserver_env == _import_time_env() else "spawn"
+    """How local workers start: spawned, as torch's elastic launcher starts them."""
+    return "spawn"
 
 
-def start_early() -> None:
-    """Start the fork server now, in the environment the local launcher will give its workers.
+_PR_SET_PDEATHSIG = 1
 
-    It imports FORKSERVER_PRELOAD in the background; the launch later forks its workers from it
-    (start_method() says 'forkserver' as long as the import-time variables are unchanged). Nothing
-    happens under torchrun, which starts its workers itself, or where a server already runs.
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux prctl); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_launcher(launcher_pid: int) -> None:
+    while os.getppid() == launcher_pid:
+        time.sleep(LIVENESS_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """Make this worker die when the launcher ``launcher_pid`` (its parent) dies, however it dies.
+
+    On Linux the kernel kills it (PR_SET_PDEATHSIG). That signal follows the death of the parent
+    *thread* that started the worker: the elastic agent starts workers from the thread that called
+    the launch, which waits in it until they end, so that thread lives as long as they do. The
+    launcher may have died before the worker got here: it is then no longer the parent. Without
+    prctl a thread polls for the same change of parent.
     """
-    if under_torchrun() or _forkserver_env is not None:
+    if _set_parent_death_signal(signal.SIGKILL):
+        if os.getppid() != launcher_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
         return
-    with workers_environment():
-        if start_method() == "forkserver":
-            multiprocessing.forkserver.ensure_running()
-
-
-def adopt_launcher_env(launcher_env: dict[str, str]) -> None:
-    """Make this worker's environment the launcher's, plus the per-rank variables the elastic agent set.
-
-    A worker forked from the fork server inherits the server's environment, which is the one of the
-    first launch in this process; later launches (tests, notebooks) may differ in what is read at
-    run time (AGOQ_QUANT_BACKEND, ...).
-    """
-    per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher_env)
-    os.environ.update(per_rank)
+    if os.getppid() != launcher_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=_watch_launcher, args=(launcher_pid,), name="agoq-launcher-watch", daemon=True).start()
