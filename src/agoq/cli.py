@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agoq`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
+    if command == "train" and not {"-h", "--help", "--print-config"} & set(argv):
+        from agoq.train.forkserver import start_early
+
+        start_early()  # its imports overlap the launcher's own (see agoq.train.forkserver)
     if command == "bench":
         print(BENCH_MOVED, file=sys.stderr)
         return 2
@@ -113,7 +117,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     # torch's launcher logs each worker's exit at WARNING/ERROR; agoq prints one line instead.
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch(cfg, max_restarts=args.max_restarts)

@@ -1,15 +1,24 @@
 """How a local run's workers start, the environment they run in, and how they die with the launcher.
 
-The local launcher starts its workers as torch's elastic launcher does (spawned, each a fresh
-interpreter that inherits the launcher's environment unchanged); what it adds to that environment
-is :func:`local_worker_env`. A worker must never outlive its launcher: an orphan would go on
-writing the run folder after the launcher, and its lock, were gone (:func:`die_with_launcher`).
+Local workers fork from one server process that has torch, its compiler and agoq imported, instead
+of importing them each: four workers on two cores spent several seconds of the start importing.
+:func:`start_early` starts it when ``agoq train`` begins, so that its imports run on the second core
+while the launcher imports, reads its config and prepares the data. A worker runs in the server's
+environment, unchanged: the server serves only a launch whose workers' environment is the one it
+was started with (:func:`start_method`); any other launch spawns its workers, as torch's elastic
+launcher does.
 
-Standard library only, so that importing it costs nothing before torch is needed.
+No process of a local run outlives its launcher: an orphan would go on writing the run folder after
+the launcher, and its lock, were gone. The fork server dies with the launcher (:func:`_guard`), and
+each worker with its parent, the server or the launcher (:func:`die_with_launcher`).
+
+Standard library only, so that importing it costs nothing before the server is started.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -22,6 +31,18 @@ from typing import Iterator
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.train.loopback).
 LOOPBACK_ENV = "AGOQ_LOOPBACK"
+# Set by the local launcher in the environment of what it starts: its pid (see _guard).
+LAUNCHER_ENV = "AGOQ_LAUNCHER_PID"
+# What the fork server imports once, before any worker forks from it; this module first (_guard).
+FORKSERVER_PRELOAD = (
+    "agoq.train.forkserver",
+    "agoq.train.run",
+    "agoq.train.trainer",
+    "agoq.quant.compiled",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+)
+_forkserver_env: dict[str, str] | None = None
 # What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://
 # initialisation; torchrun sets TORCHELASTIC_RUN_ID besides.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -73,6 +94,7 @@ def local_worker_env() -> dict[str, str]:
         # gloo workers the dead round's addresses ("Connection refused"); a fresh one per round avoids it.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
         LOOPBACK_ENV: "1",
+        LAUNCHER_ENV: str(os.getpid()),
         **({"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface)} if iface else {}),
     }
 
@@ -94,8 +116,30 @@ def workers_environment() -> Iterator[None]:
 
 
 def start_method() -> str:
-    """How local workers start: spawned, as torch's elastic launcher starts them."""
-    return "spawn"
+    """'forkserver' when this process's fork server was, or is about to be, started in the
+    environment this launch gives its workers (the block of :func:`workers_environment`); 'spawn'
+    otherwise (a long-lived process launching in another environment)."""
+    global _forkserver_env
+    if _forkserver_env is None:
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        _forkserver_env = dict(os.environ)
+    return "forkserver" if _forkserver_env == dict(os.environ) else "spawn"
+
+
+def start_early() -> None:
+    """Start the fork server now, in the environment the local launcher will give its workers.
+
+    It imports FORKSERVER_PRELOAD in the background; the launch later forks its workers from it.
+    Nothing happens under torchrun, which starts its workers itself, or where a server already runs.
+    """
+    if under_torchrun() or _forkserver_env is not None:
+        return
+    from agoq.inductor_cache import use_capability_cache
+
+    use_capability_cache()  # as agoq.quant does on import in every process: the launch's environment then matches the server's
+    with workers_environment():
+        if start_method() == "forkserver":
+            multiprocessing.forkserver.ensure_running()
 
 
 _PR_SET_PDEATHSIG = 1
@@ -114,25 +158,59 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
+def _launcher_alive(launcher_pid: int) -> bool:
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _watch_launcher(launcher_pid: int) -> None:
-    while os.getppid() == launcher_pid:
+    while _launcher_alive(launcher_pid) and os.getppid() != 1:
         time.sleep(LIVENESS_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_launcher(launcher_pid: int) -> None:
-    """Make this worker die when the launcher ``launcher_pid`` (its parent) dies, however it dies.
+    """Make this worker die when its parent (the launcher ``launcher_pid``, or the fork server, which
+    dies with it) dies, however it dies.
 
     On Linux the kernel kills it (PR_SET_PDEATHSIG). That signal follows the death of the parent
-    *thread* that started the worker: the elastic agent starts workers from the thread that called
-    the launch, which waits in it until they end, so that thread lives as long as they do. The
-    launcher may have died before the worker got here: it is then no longer the parent. Without
-    prctl a thread polls for the same change of parent.
+    *thread* that started the worker: the fork server has one thread, and the elastic agent starts
+    spawned workers from the thread that called the launch, which waits in it until they end. The
+    launcher may have died before the worker got here, too late for the signal. Without prctl a
+    thread polls for the launcher.
     """
+    if not _launcher_alive(launcher_pid):
+        os.kill(os.getpid(), signal.SIGKILL)
     if _set_parent_death_signal(signal.SIGKILL):
-        if os.getppid() != launcher_pid:
+        if not _launcher_alive(launcher_pid):  # died in between
             os.kill(os.getpid(), signal.SIGKILL)
         return
-    if os.getppid() != launcher_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=_watch_launcher, args=(launcher_pid,), name="agoq-launcher-watch", daemon=True).start()
+
+
+def _quiet_exit(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
+
+
+def _guard() -> None:
+    """In a process the local launcher started (its fork server, which imports this module first):
+    die with the launcher, and leave without a traceback on a Ctrl-C.
+
+    A Ctrl-C reaches every process of the terminal's group, the server too; it would print the
+    traceback of whatever it was importing. Workers forked from the server inherit the handler,
+    until :func:`agoq.train.run.worker_entry` puts the interpreter's own back.
+    """
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None or launcher != str(os.getppid()) or launcher == str(os.getpid()):
+        return
+    signal.signal(signal.SIGINT, _quiet_exit)
+    if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_guard()

@@ -495,15 +495,26 @@ def _reserve(fd: int, size: int) -> None:
 
 
 def _disk_full(e: BaseException) -> OSError | None:
-    """The ENOSPC error behind ``e`` (itself, or one it was raised from or while handling), if any."""
+    """The ENOSPC error behind ``e``: itself, one it was raised from or while handling, one of the
+    per-rank failures it carries (torch's CheckpointException), or one only its message quotes."""
     import errno
 
-    seen = set()
-    while e is not None and id(e) not in seen:
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return e
-        e = e.__cause__ or e.__context__
+        if f"[Errno {errno.ENOSPC}]" in str(e) or os.strerror(errno.ENOSPC) in str(e):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        failures = getattr(e, "failures", None)
+        todo += (
+            [e.__cause__, e.__context__, *(v for v in failures.values() if isinstance(v, BaseException))]
+            if isinstance(failures, dict)
+            else [e.__cause__, e.__context__]
+        )
     return None
 
 
@@ -540,8 +551,11 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
     and its line to ``rank<R>.error``; the worker then exits with status 1 (130 for Ctrl-C)
     without printing a traceback, and the launcher prints one line (:func:`failure_line`).
     """
+    import signal
+
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver._guard)
     rank = os.environ.get("RANK", "0")
     log = _RankLog(Path(cfg.train.out_dir) / "logs", rank)
     _DeferredInterrupt.install()
@@ -550,7 +564,6 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
             join_run_lock(cfg.train.out_dir)
         result = train_worker(cfg, choices)
     except BaseException as e:
-        import signal
         import traceback
 
         interrupted = isinstance(e, KeyboardInterrupt)
@@ -659,7 +672,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         rdzv_configs={"is_host": False},  # connect to the store above instead of hosting one on every interface
         local_addr="127.0.0.1",
         max_restarts=max_restarts,
-        start_method=start_method(),
+        start_method="spawn",  # decided below, once the workers' environment is set
         monitor_interval=0.5,
     )
     # Earlier failures' logs would be mistaken for this run's.
@@ -667,6 +680,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         stale.unlink(missing_ok=True)
     try:
         with workers_environment():  # the workers inherit it; this process gets its own back after
+            config.start_method = start_method()
             results = elastic_launch(config, worker_entry)(cfg, choices, os.getpid())
     finally:
         del rdzv_store  # closes its socket
