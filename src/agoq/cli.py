@@ -158,16 +158,30 @@ def console_main() -> None:
     """The ``agoq`` console script and ``python -m agoq``: :func:`main`, and its exit status.
 
     A Ctrl-C before the training's own handling is in place (while torch is imported, or the data
-    prepared) ends the command with one line and status 130, as one during training does.
+    prepared) ends the command with one line and status 130, as one during training does. An
+    interrupted command leaves without the interpreter's exit: a Ctrl-C that landed in code an
+    extension ran (PyRun_String) makes the interpreter kill itself with SIGINT at exit whatever the
+    status, and its exit handlers wait for threads the interrupt may have left stuck.
     """
+    import signal
+
+    from agoq.train.forkserver import defer_interrupts, raise_deferred_interrupt
+
+    defer_interrupts()  # the launch raises a Ctrl-C noted until then (agoq.train.run._launch_local)
     try:
         code = main()
+        raise_deferred_interrupt()
     except KeyboardInterrupt:
-        import signal
-
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting prints nothing either
         print(INTERRUPTED, file=sys.stderr)
         code = 130
+    if code == 130:
+        import os
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     sys.exit(code)
 
 

@@ -193,6 +193,35 @@ def die_with_launcher(launcher_pid: int) -> None:
     threading.Thread(target=_watch_launcher, args=(launcher_pid,), name="agoq-launcher-watch", daemon=True).start()
 
 
+_interrupted = False
+
+
+def _note_interrupt(signum: int, frame: object) -> None:
+    global _interrupted
+    _interrupted = True
+
+
+def defer_interrupts() -> None:
+    """Until :func:`raise_deferred_interrupt`, note a Ctrl-C instead of raising it where it lands.
+
+    Raised inside code that an extension runs (as torch's import does), a KeyboardInterrupt can be
+    swallowed there, and the run went on as if nothing had been pressed; or it marks the interpreter
+    to kill itself with SIGINT at exit, whatever the exit status.
+    """
+    global _interrupted
+    _interrupted = False
+    signal.signal(signal.SIGINT, _note_interrupt)
+
+
+def raise_deferred_interrupt() -> None:
+    """KeyboardInterrupt if a Ctrl-C was noted since :func:`defer_interrupts`; from here on, a Ctrl-C raises at once."""
+    if signal.getsignal(signal.SIGINT) is not _note_interrupt:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
 def _quiet_exit(signum: int, frame: object) -> None:
     os._exit(128 + signum)
 

@@ -20,6 +20,7 @@ from agoq.train.config import TrainConfig
 from agoq.train.forkserver import (
     die_with_launcher,
     inherited_gloo_interface,
+    raise_deferred_interrupt,
     start_method,
     stray_rank_variables,
     under_torchrun,
@@ -633,6 +634,7 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     if done is not None:
         return report_finished(cfg, done) if first else None
     if under_torchrun():
+        raise_deferred_interrupt()  # this process trains: a Ctrl-C raises where it lands from here
         if not first:
             return train_worker(cfg)
         with run_lock(cfg.train.out_dir):  # rank 0 holds the folder for the job
@@ -675,6 +677,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         start_method="spawn",  # decided below, once the workers' environment is set
         monitor_interval=0.5,
     )
+    raise_deferred_interrupt()  # one pressed while torch was imported or the data prepared
     # Earlier failures' logs would be mistaken for this run's.
     for stale in (Path(cfg.train.out_dir) / "logs").glob("rank*.error"):
         stale.unlink(missing_ok=True)
