@@ -349,3 +349,21 @@ def test_a_full_disk_is_named_in_the_line_and_in_the_rank_log(small_disk):
     assert "No space left on device" in log and "Traceback" in log
     # The step trained before the disk filled is in the metrics.
     assert json.loads((out / "metrics" / "rank0.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_a_worker_killed_without_a_log_is_named_with_its_signal(tmp_path):
+    from types import SimpleNamespace
+
+    from agoq.train.run import failure_line
+
+    line = failure_line(tmp_path, {1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=4242)}, 4)
+    assert line == "rank 1 (pid 4242) was killed by SIGKILL without a Python error (by another process, or the out-of-memory killer)"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank3.error").write_text("100.0 interrupted (pid 77)\n")  # rank 3 failed first, though torch reports rank 1
+    (logs / "rank1.error").write_text("101.0 RuntimeError: Connection closed by peer\n")
+    (logs / "rank0.error").write_text("")  # reserved at start, never written: killed
+    assert (
+        failure_line(tmp_path, {1: SimpleNamespace(exitcode=1, pid=4242)}, 4)
+        == "rank 3 (pid 77) was interrupted (SIGINT), and the run stopped with it"
+    )

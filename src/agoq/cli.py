@@ -133,7 +133,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         return 130
     except ChildFailedError as e:
-        line = failure_line(cfg.train.out_dir, e.failures)
+        line = failure_line(cfg.train.out_dir, e.failures, cfg.world_size)
         print(f"agoq train: {line}", file=sys.stderr)
         return 130 if " was interrupted " in line else 1
     except OSError as e:  # the launcher's own writes: the data cache, the run folder

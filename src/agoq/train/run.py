@@ -535,7 +535,7 @@ def _full_folder(cfg: TrainConfig) -> str:
 def error_line(e: BaseException, cfg: TrainConfig) -> str:
     """The one line a worker's failure is reported with."""
     if isinstance(e, KeyboardInterrupt):
-        return "interrupted"
+        return f"interrupted (pid {os.getpid()})"
     full = _disk_full(e)
     if full is not None:
         where = full.filename or _full_folder(cfg)
@@ -582,17 +582,20 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
     return result
 
 
-def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any]) -> str:
-    """One line for a run whose workers failed: the first failure (by time) among the failed ranks' logs, and where its traceback is.
+def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], world_size: int | None = None) -> str:
+    """One line for a run whose workers failed: the first failure (by time) in the logs of the
+    run's ``world_size`` ranks, and where its traceback is.
 
-    ``failures`` maps each failed rank to torch's ProcessFailure (its ``exitcode`` and ``pid``),
-    which names a rank that died without writing a log (killed by a signal).
+    torch's launcher reports one failed rank, the first it finds exited (``failures``: rank ->
+    ProcessFailure, with ``exitcode`` and ``pid``), not the first that failed; it names a rank
+    that died without writing a log (killed by a signal).
     """
+    import re
     import signal
 
     logs = Path(out_dir) / "logs"
     found = []
-    for rank in sorted(failures):
+    for rank in sorted(set(failures) | set(range(world_size or 0))):
         try:
             stamp, _, line = (logs / f"rank{rank}.error").read_text().strip().partition(" ")
             found.append((float(stamp), rank, line))
@@ -606,16 +609,13 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any]) -> s
                 name = signal.Signals(-f.exitcode).name
             except ValueError:
                 name = f"signal {-f.exitcode}"
-            return (
-                f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, "
-                f"or the out-of-memory killer); ranks {sorted(failures)} failed"
-            )
+            return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
         return f"a worker process died without a Python error (killed, or out of memory); ranks {sorted(failures)} failed"
     # Other ranks fail after the first one, on the collectives it no longer answers.
     _, rank, line = min(found)
-    if line == "interrupted":
-        pid = getattr(failures[rank], "pid", None)
-        return f"rank {rank}{f' (pid {pid})' if pid else ''} was interrupted (SIGINT), and the run stopped with it"
+    interrupted = re.fullmatch(r"interrupted \(pid (\d+)\)", line)
+    if interrupted:
+        return f"rank {rank} (pid {interrupted.group(1)}) was interrupted (SIGINT), and the run stopped with it"
     return f"rank {rank} failed: {line} (full traceback: {logs / f'rank{rank}.log'})"
 
 
