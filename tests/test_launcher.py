@@ -52,6 +52,9 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     for name in ("TORCHELASTIC_RUN_ID", *forkserver.RANK_VARS, *forkserver.local_worker_env()):
         monkeypatch.delenv(name, raising=False)
+    from agoq.inductor_cache import use_capability_cache
+
+    use_capability_cache()  # what agoq.cli.main does first
     forkserver.start_early()
     assert len(started) == 1
     server_env = started[0]
@@ -60,6 +63,7 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     assert server_env["TORCHINDUCTOR_CACHE_DIR"].endswith(os.sep + "aten-cpu-capability-avx2")
     # The launch (agoq.train.run._launch_local) sets the workers' variables and asks how to start them.
     import agoq.quant  # noqa: F401  (what the launcher imports before it launches changes nothing)
+    import agoq.train.run  # noqa: F401
 
     with forkserver.workers_environment():
         assert dict(os.environ) == server_env and forkserver.start_method() == "forkserver"
@@ -138,7 +142,7 @@ def test_a_worker_whose_launcher_died_before_it_asked_dies_at_once():
 SERVER = """
 import os, subprocess, sys, time
 env = {**os.environ, "AGOQ_LAUNCHER_PID": str(os.getpid())}
-code = "import sys, time; sys.path.insert(0, sys.argv[1]); import agoq.train.forkserver; print(1, flush=True); time.sleep(60)"
+code = "import sys, time; sys.path.insert(0, sys.argv[1]); import agoq.train.forkserver_guard; print(1, flush=True); time.sleep(60)"
 server = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], env=env, stdout=subprocess.PIPE, text=True)
 server.stdout.readline()
 print(server.pid, flush=True)

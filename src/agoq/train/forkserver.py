@@ -9,7 +9,7 @@ was started with (:func:`start_method`); any other launch spawns its workers, as
 launcher does.
 
 No process of a local run outlives its launcher: an orphan would go on writing the run folder after
-the launcher, and its lock, were gone. The fork server dies with the launcher (:func:`_guard`), and
+the launcher, and its lock, were gone. The fork server dies with the launcher (:func:`guard_fork_server`), and
 each worker with its parent, the server or the launcher (:func:`die_with_launcher`).
 
 Standard library only, so that importing it costs nothing before the server is started.
@@ -31,11 +31,11 @@ from typing import Iterator
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.train.loopback).
 LOOPBACK_ENV = "AGOQ_LOOPBACK"
-# Set by the local launcher in the environment of what it starts: its pid (see _guard).
+# Set by the local launcher in the environment of what it starts: its pid (guard_fork_server).
 LAUNCHER_ENV = "AGOQ_LAUNCHER_PID"
-# What the fork server imports once, before any worker forks from it; this module first (_guard).
+# What the fork server imports once, before any worker forks from it; its guard first.
 FORKSERVER_PRELOAD = (
-    "agoq.train.forkserver",
+    "agoq.train.forkserver_guard",
     "agoq.train.run",
     "agoq.train.trainer",
     "agoq.quant.compiled",
@@ -134,9 +134,6 @@ def start_early() -> None:
     """
     if under_torchrun() or _forkserver_env is not None:
         return
-    from agoq.inductor_cache import use_capability_cache
-
-    use_capability_cache()  # as agoq.quant does on import in every process: the launch's environment then matches the server's
     with workers_environment():
         if start_method() == "forkserver":
             multiprocessing.forkserver.ensure_running()
@@ -226,8 +223,8 @@ def _quiet_exit(signum: int, frame: object) -> None:
     os._exit(128 + signum)
 
 
-def _guard() -> None:
-    """In a process the local launcher started (its fork server, which imports this module first):
+def guard_fork_server() -> None:
+    """In the local launcher's fork server (agoq.train.forkserver_guard, which it imports first):
     die with the launcher, and leave without a traceback on a Ctrl-C.
 
     A Ctrl-C reaches every process of the terminal's group, the server too; it would print the
@@ -240,6 +237,3 @@ def _guard() -> None:
     signal.signal(signal.SIGINT, _quiet_exit)
     if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-_guard()

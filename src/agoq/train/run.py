@@ -556,7 +556,7 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
 
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver._guard)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver.guard_fork_server)
     rank = os.environ.get("RANK", "0")
     log = _RankLog(Path(cfg.train.out_dir) / "logs", rank)
     _DeferredInterrupt.install()
