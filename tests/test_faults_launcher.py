@@ -147,6 +147,9 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_they_held_the_folder(tm
         _wait_for_steps(proc, out)
         workers = _workers(proc.pid)
         assert sorted(workers) == [0, 1, 2, 3], workers
+        # Forked from the fork server that agoq train started early (agoq.train.forkserver), which
+        # serves the launch only if the workers' environment is still the one it started in.
+        assert all(int(_stat(pid)[1]) != proc.pid for pid in workers.values())
         # Every worker holds a share of the folder's lock, as the launcher does: a second run is
         # refused as long as any of them lives.
         assert set(workers.values()) | {proc.pid} <= _lock_holders(out / LOCK_NAME)

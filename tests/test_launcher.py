@@ -26,6 +26,17 @@ def test_a_fork_server_is_reused_only_in_the_environment_it_was_started_in(monke
     assert forkserver.start_method() == "forkserver"
 
 
+def test_inductors_own_default_cache_folder_set_after_the_server_started_changes_nothing(monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor does when first asked
+    assert forkserver.start_method() == "forkserver"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    assert forkserver.start_method() == "spawn"
+
+
 def test_the_workers_environment_is_the_launchers_plus_the_local_variables(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("SOMETHING_OF_THE_USER", "x")

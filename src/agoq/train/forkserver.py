@@ -123,7 +123,24 @@ def start_method() -> str:
     if _forkserver_env is None:
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         _forkserver_env = dict(os.environ)
-    return "forkserver" if _forkserver_env == dict(os.environ) else "spawn"
+    return "forkserver" if _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
+
+
+def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
+    """Whether workers forked in the ``server`` environment see what ``launch`` would give them.
+
+    Inductor sets TORCHINDUCTOR_CACHE_DIR in the process that first asks for its cache folder (the
+    launcher does, deciding its backend), to the folder it derives in any process: a worker that
+    asks derives the same one.
+    """
+    if server == launch:
+        return True
+    differ = {k for k in set(server) | set(launch) if server.get(k) != launch.get(k)}
+    if differ != {"TORCHINDUCTOR_CACHE_DIR"} or "TORCHINDUCTOR_CACHE_DIR" in server or "torch" not in sys.modules:
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return launch["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
 
 
 def start_early() -> None:
