@@ -1,16 +1,17 @@
 """How a local run's workers start, the environment they run in, and how they die with the launcher.
 
 Local workers fork from one server process that has torch, its compiler and agoq imported, instead
-of importing them each: four workers on two cores spent several seconds of the start importing.
-:func:`start_early` starts it when ``agoq train`` begins, so that its imports run on the second core
+of importing them each (which cost every worker its own import time at the start).
+:func:`start_early` starts it when ``agoq train`` begins, so that its imports run on a second core
 while the launcher imports, reads its config and prepares the data. A worker runs in the server's
 environment, unchanged: the server serves only a launch whose workers' environment is the one it
 was started with (:func:`start_method`); any other launch spawns its workers, as torch's elastic
 launcher does.
 
 No process of a local run outlives its launcher: an orphan would go on writing the run folder after
-the launcher, and its lock, were gone. The fork server dies with the launcher (:func:`guard_fork_server`), and
-each worker with its parent, the server or the launcher (:func:`die_with_launcher`).
+the launcher, and its lock, were gone. The fork server dies with the launcher
+(:func:`guard_fork_server`), and each worker with its parent, the server or the launcher
+(:func:`die_with_launcher`).
 
 Standard library only, so that importing it costs nothing before the server is started.
 """
