@@ -1,55 +1,71 @@
-"""The local launcher's worker start: fork-server reuse only with the same import-time environment,
-and each worker running in the launcher's environment plus its own per-rank variables."""
+"""The local launcher's worker start: forked from the fork server only where the server's
+environment is the launch's, never rewriting it, and no process outliving the launcher."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 import agoq.train.forkserver as forkserver
 
+SRC = Path(__file__).resolve().parents[1] / "src"
 
-def test_a_fork_server_is_reused_only_with_the_environment_it_imported_under(monkeypatch):
+
+def test_a_fork_server_is_reused_only_in_the_environment_it_was_started_in(monkeypatch):
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert forkserver.start_method() == "forkserver"  # the first launch starts it
-    monkeypatch.setenv("SOMETHING_READ_AT_RUN_TIME", "x")
-    assert forkserver.start_method() == "forkserver"  # workers adopt such variables themselves
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read when torch is imported: the server has the old one
+    monkeypatch.setenv("AGOQ_QUANT_BACKEND", "something else")  # read at run time: a worker would not see it
     assert forkserver.start_method() == "spawn"
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.undo()
+    monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
     assert forkserver.start_method() == "forkserver"
 
 
-def test_a_worker_adopts_the_launcher_environment_and_keeps_its_rank_variables(monkeypatch):
-    server = {"PATH": os.environ.get("PATH", ""), "STALE": "from the first launch", "AGOQ_QUANT_BACKEND": "torch"}
-    monkeypatch.setattr(forkserver, "_ENV_AT_IMPORT", dict(server))
-    worker = {**server, "RANK": "3", "LOCAL_RANK": "1", "MASTER_PORT": "29500"}  # the elastic agent's per-rank set
-    launcher = {"PATH": server["PATH"], "AGOQ_QUANT_BACKEND": "compiled", "NEW": "this launch"}
-    saved = dict(os.environ)
-    try:
-        os.environ.clear()
-        os.environ.update(worker)
-        forkserver.adopt_launcher_env(launcher)
-        assert dict(os.environ) == {**launcher, "RANK": "3", "LOCAL_RANK": "1", "MASTER_PORT": "29500"}
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def test_inductors_own_default_cache_folder_set_after_the_server_started_changes_nothing(monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor does when first asked
+    assert forkserver.start_method() == "forkserver"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    assert forkserver.start_method() == "spawn"
+
+
+def test_the_workers_environment_is_the_launchers_plus_the_local_variables(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("SOMETHING_OF_THE_USER", "x")
+    before = dict(os.environ)
+    with forkserver.workers_environment():
+        inside = dict(os.environ)
+    assert dict(os.environ) == before
+    added = {k: v for k, v in inside.items() if before.get(k) != v}
+    assert added == forkserver.local_worker_env() and added[forkserver.LOOPBACK_ENV] == "1"
+    assert added[forkserver.LAUNCHER_ENV] == str(os.getpid()) and inside["SOMETHING_OF_THE_USER"] == "x"
+    if forkserver.loopback_interface():
+        assert added["GLOO_SOCKET_IFNAME"] == forkserver.loopback_interface()
 
 
 def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatch):
     # agoq train starts it before importing torch, held to AVX2 here (the case whose cache folder
-    # agoq train sets first, agoq.cli.main): the launch must then find the same import-time
-    # variables and fork from it.
+    # is set at import): the launch must then find the same environment and fork from it.
     import multiprocessing.forkserver
-
-    from agoq.inductor_cache import use_capability_cache
 
     started = []
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: started.append(dict(os.environ)))
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    for name in ("TORCHELASTIC_RUN_ID", "RANK", *forkserver.local_worker_env()):
+    for name in ("TORCHELASTIC_RUN_ID", *forkserver.RANK_VARS, *forkserver.local_worker_env()):
         monkeypatch.delenv(name, raising=False)
-    use_capability_cache()
+    from agoq.inductor_cache import use_capability_cache
+
+    use_capability_cache()  # what agoq.cli.main does first
     forkserver.start_early()
     assert len(started) == 1
     server_env = started[0]
@@ -57,8 +73,11 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     assert forkserver.LOOPBACK_ENV not in os.environ  # and only there
     assert server_env["TORCHINDUCTOR_CACHE_DIR"].endswith(os.sep + "aten-cpu-capability-avx2")
     # The launch (agoq.train.run._launch_local) sets the workers' variables and asks how to start them.
+    import agoq.quant  # noqa: F401  (what the launcher imports before it launches changes nothing)
+    import agoq.train.run  # noqa: F401
+
     with forkserver.workers_environment():
-        assert forkserver.start_method() == "forkserver"
+        assert dict(os.environ) == server_env and forkserver.start_method() == "forkserver"
     forkserver.start_early()  # a second launch in this process starts nothing more
     assert len(started) == 1
 
@@ -72,3 +91,97 @@ def test_no_fork_server_is_started_under_torchrun(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     forkserver.start_early()
     assert started == [] and forkserver._forkserver_env is None
+
+
+def test_nothing_in_the_package_rewrites_the_environment_or_freezes_the_collector():
+    sources = {p: p.read_text() for p in (SRC / "agoq").rglob("*.py")}
+    assert [p for p, text in sources.items() if "os.environ.clear(" in text or "gc.freeze(" in text] == []
+
+
+LAUNCHER = """
+import subprocess, sys, time
+code = '''
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+import agoq.train.forkserver as fs
+if sys.argv[3] == "poll":
+    fs._set_parent_death_signal = lambda sig: False
+fs.die_with_launcher(int(sys.argv[1]))
+print(os.getpid(), flush=True)
+time.sleep(60)
+'''
+import os
+worker = subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+print(worker.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"  # exited, waiting to be reaped
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's process table")
+@pytest.mark.parametrize("how", ["prctl", "poll"])
+def test_a_worker_dies_with_its_launcher(how):
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(SRC), how], stdout=subprocess.PIPE, text=True)
+    worker = int(launcher.stdout.readline())
+    try:
+        assert not _gone(worker)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.time() + 5
+        while not _gone(worker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker)
+    finally:
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_a_worker_whose_launcher_died_before_it_asked_dies_at_once():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    code = f"import sys; sys.path.insert(0, {str(SRC)!r}); import agoq.train.forkserver as fs; fs.die_with_launcher({gone.stdout.strip()}); print('survived')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout
+
+
+SERVER = """
+import os, subprocess, sys, time
+env = {**os.environ, "AGOQ_LAUNCHER_PID": str(os.getpid())}
+code = "import sys, time; sys.path.insert(0, sys.argv[1]); import agoq.train.forkserver_guard; print(1, flush=True); time.sleep(60)"
+server = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], env=env, stdout=subprocess.PIPE, text=True)
+server.stdout.readline()
+print(server.pid, flush=True)
+if sys.argv[2] == "interrupt":
+    os.kill(server.pid, 2)
+    print(server.wait(), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's process table")
+def test_the_fork_server_dies_with_its_launcher_and_leaves_quietly_on_ctrl_c():
+    launcher = subprocess.Popen([sys.executable, "-c", SERVER, str(SRC), "interrupt"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        int(launcher.stdout.readline())
+        assert int(launcher.stdout.readline()) == 128 + signal.SIGINT  # no KeyboardInterrupt
+    finally:
+        launcher.kill()
+    assert "Traceback" not in launcher.communicate()[1]
+    launcher = subprocess.Popen([sys.executable, "-c", SERVER, str(SRC), "kill"], stdout=subprocess.PIPE, text=True)
+    server = int(launcher.stdout.readline())
+    try:
+        launcher.kill()
+        launcher.wait()
+        deadline = time.time() + 5
+        while not _gone(server) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _gone(server)
+    finally:
+        if not _gone(server):
+            os.kill(server, signal.SIGKILL)

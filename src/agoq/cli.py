@@ -16,10 +16,6 @@ BENCH_MOVED = (
     "`python -m benchmarks.NAME [args]` (`python -m benchmarks` lists them)"
 )
 
-# Extensions bound with nanobind that a command may load: triton, which importing torch._dynamo
-# loads (torch.distributed.pipelining imports it, and `agoq plan` replays its schedules).
-NANOBIND_MODULES = ("triton",)
-
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of the ``agoq`` command, with the options of ``command`` (None: every command).
@@ -123,7 +119,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     # torch's launcher logs each worker's exit at WARNING/ERROR; agoq prints one line instead.
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch(cfg, max_restarts=args.max_restarts)
@@ -139,29 +135,55 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         return 130
     except ChildFailedError as e:
-        if any(f.exitcode == 130 for f in e.failures.values()):
-            print("agoq train: interrupted", file=sys.stderr)
-            return 130
-        print(f"agoq train: {failure_line(cfg.train.out_dir, sorted(e.failures))}", file=sys.stderr)
+        line = failure_line(cfg.train.out_dir, e.failures, cfg.world_size)
+        print(f"agoq train: {line}", file=sys.stderr)
+        return 130 if " was interrupted " in line else 1
+    except OSError as e:  # the launcher's own writes: the data cache, the run folder
+        print(f"agoq train: {_os_error_line(e)}", file=sys.stderr)
         return 1
     return 0
 
 
+def _os_error_line(e: OSError) -> str:
+    import errno
+
+    where = f" writing {e.filename}" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"no space left on device (ENOSPC){where}; free space on that disk, or write elsewhere (--train.out_dir=PATH, --data.cache_dir=PATH)"
+    return f"{e.strerror or e}{where}"
+
+
+INTERRUPTED = "agoq train: interrupted before training started"
+
+
 def console_main() -> None:
-    """The ``agoq`` console script and ``python -m agoq``: :func:`main`, then exit without the final collection.
+    """The ``agoq`` console script and ``python -m agoq``: :func:`main`, and its exit status.
 
-    At exit the interpreter's last garbage collection walks every object that torch, Dynamo and
-    inductor created, a noticeable part of a short run's wall time; none of them needs
-    finalizing, and the process's memory goes back to the system at once. Frozen objects are
-    skipped by that collection. (Only here: :func:`main` also serves callers that go on running.)
-    Not once a nanobind extension is loaded: nanobind reports every object of its own still alive
-    at exit as leaked, a line each, and frozen objects are never freed.
+    A Ctrl-C before the training's own handling is in place (while torch is imported, or the data
+    prepared) ends the command with one line and status 130, as one during training does. An
+    interrupted command leaves without the interpreter's exit: a Ctrl-C that landed in code an
+    extension ran (PyRun_String) makes the interpreter kill itself with SIGINT at exit whatever the
+    status, and its exit handlers wait for threads the interrupt may have left stuck.
     """
-    import gc
+    import signal
 
-    code = main()
-    if not any(name in sys.modules for name in NANOBIND_MODULES):
-        gc.freeze()
+    from agoq.train.forkserver import defer_interrupts, raise_deferred_interrupt
+
+    defer_interrupts()  # the launch raises a Ctrl-C noted until then (agoq.train.run._launch_local)
+    try:
+        code = main()
+        raise_deferred_interrupt()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting prints nothing either
+        print(INTERRUPTED, file=sys.stderr)
+        code = 130
+    if code == 130:
+        import os
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     sys.exit(code)
 
 

@@ -1,9 +1,17 @@
-"""The fork server that a local run's workers start from, and the environment they run in.
+"""How a local run's workers start, the environment they run in, and how they die with the launcher.
 
 Local workers fork from one server process that has torch, its compiler and agoq imported, instead
 of importing them each (which cost every worker its own import time at the start).
-:func:`start_early` starts it when ``agoq train`` begins, so that this happens on a second core
-while the launcher imports, reads its config and prepares the data, instead of after it.
+:func:`start_early` starts it when ``agoq train`` begins, so that its imports run on a second core
+while the launcher imports, reads its config and prepares the data. A worker runs in the server's
+environment, unchanged: the server serves only a launch whose workers' environment is the one it
+was started with (:func:`start_method`); any other launch spawns its workers, as torch's elastic
+launcher does.
+
+No process of a local run outlives its launcher: an orphan would go on writing the run folder after
+the launcher, and its lock, were gone. The fork server dies with the launcher
+(:func:`guard_fork_server`), and each worker with its parent, the server or the launcher
+(:func:`die_with_launcher`).
 
 Standard library only, so that importing it costs nothing before the server is started.
 """
@@ -13,27 +21,54 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
-# The environment this module was imported with: in a worker forked from the fork server, the
-# server's; the launcher's per-rank variables are what differs from it (adopt_launcher_env).
-_ENV_AT_IMPORT = dict(os.environ)
-# What the fork server imports once, before any worker forks from it.
-FORKSERVER_PRELOAD = ("agoq.train.run", "agoq.train.trainer", "agoq.quant.compiled", "torch._dynamo", "torch._inductor.compile_fx")
-# Variables that libraries read when they are imported (thread pools, CPU capability, compiler
-# and cache settings): a fork server started with other values cannot serve this launch.
-_IMPORT_TIME_ENV = ("TORCH", "ATEN_", "ONEDNN", "DNNL", "OMP_", "GOMP", "KMP_", "MKL", "CUDA", "NCCL", "GLOO", "TRITON", "PYTHON", "LD_", "AGOQ")
-_forkserver_env: dict[str, str] | None = None
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.train.loopback).
 LOOPBACK_ENV = "AGOQ_LOOPBACK"
+# Set by the local launcher in the environment of what it starts: its pid (guard_fork_server).
+LAUNCHER_ENV = "AGOQ_LAUNCHER_PID"
+# What the fork server imports once, before any worker forks from it; its guard first.
+FORKSERVER_PRELOAD = (
+    "agoq.train.forkserver_guard",
+    "agoq.train.run",
+    "agoq.train.trainer",
+    "agoq.quant.compiled",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+)
+_forkserver_env: dict[str, str] | None = None
+# What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://
+# initialisation; torchrun sets TORCHELASTIC_RUN_ID besides.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Per-rank variables a launcher sets; the elastic agent sets each of them for every local worker.
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+# How often a worker without prctl checks that its launcher lives.
+LIVENESS_POLL_S = 0.5
 
 
 def under_torchrun() -> bool:
-    """Whether this process is a worker that torchrun (or another launcher) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """Whether this process is a worker that torchrun (or another launcher) started.
+
+    torchrun always sets TORCHELASTIC_RUN_ID; another launcher is recognised by the full set of
+    env:// variables (LAUNCHER_VARS). RANK or WORLD_SIZE alone, left in a shell, are not a launcher:
+    a local run ignores them (the elastic agent sets its own for each worker), and says so
+    (:func:`stray_rank_variables`).
+    """
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in LAUNCHER_VARS)
+
+
+def stray_rank_variables() -> dict[str, str]:
+    """The per-rank variables set in this environment although no launcher started this process."""
+    if under_torchrun():
+        return {}
+    return {k: os.environ[k] for k in RANK_VARS if k in os.environ}
 
 
 def loopback_interface() -> str | None:
@@ -45,6 +80,13 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+def inherited_gloo_interface() -> str | None:
+    """GLOO_SOCKET_IFNAME from the environment when it names another interface than loopback:
+    a local run keeps it (the user chose it), but gloo's connections then leave loopback."""
+    value = os.environ.get("GLOO_SOCKET_IFNAME")
+    return value if value and value != loopback_interface() else None
+
+
 def local_worker_env() -> dict[str, str]:
     """The variables a local run adds to its workers' environment (the rest is the launcher's)."""
     iface = loopback_interface()
@@ -53,6 +95,7 @@ def local_worker_env() -> dict[str, str]:
         # gloo workers the dead round's addresses ("Connection refused"); a fresh one per round avoids it.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
         LOOPBACK_ENV: "1",
+        LAUNCHER_ENV: str(os.getpid()),
         **({"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface)} if iface else {}),
     }
 
@@ -73,27 +116,39 @@ def workers_environment() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
-
-
 def start_method() -> str:
-    """'forkserver' (workers fork from a process that has torch and agoq imported) when this
-    process's fork server was, or is about to be, started with the variables read at import that
-    this launch has; 'spawn' otherwise (a long-lived process launching with a changed environment)."""
+    """'forkserver' when this process's fork server was, or is about to be, started in the
+    environment this launch gives its workers (the block of :func:`workers_environment`); 'spawn'
+    otherwise (a long-lived process launching in another environment)."""
     global _forkserver_env
     if _forkserver_env is None:
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        _forkserver_env = _import_time_env()
-    return "forkserver" if _forkserver_env == _import_time_env() else "spawn"
+        _forkserver_env = dict(os.environ)
+    return "forkserver" if _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
+
+
+def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
+    """Whether workers forked in the ``server`` environment see what ``launch`` would give them.
+
+    Inductor sets TORCHINDUCTOR_CACHE_DIR in the process that first asks for its cache folder (the
+    launcher does, deciding its backend), to the folder it derives in any process: a worker that
+    asks derives the same one.
+    """
+    if server == launch:
+        return True
+    differ = {k for k in set(server) | set(launch) if server.get(k) != launch.get(k)}
+    if differ != {"TORCHINDUCTOR_CACHE_DIR"} or "TORCHINDUCTOR_CACHE_DIR" in server or "torch" not in sys.modules:
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return launch["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
 
 
 def start_early() -> None:
     """Start the fork server now, in the environment the local launcher will give its workers.
 
-    It imports FORKSERVER_PRELOAD in the background; the launch later forks its workers from it
-    (start_method() says 'forkserver' as long as the import-time variables are unchanged). Nothing
-    happens under torchrun, which starts its workers itself, or where a server already runs.
+    It imports FORKSERVER_PRELOAD in the background; the launch later forks its workers from it.
+    Nothing happens under torchrun, which starts its workers itself, or where a server already runs.
     """
     if under_torchrun() or _forkserver_env is not None:
         return
@@ -102,14 +157,101 @@ def start_early() -> None:
             multiprocessing.forkserver.ensure_running()
 
 
-def adopt_launcher_env(launcher_env: dict[str, str]) -> None:
-    """Make this worker's environment the launcher's, plus the per-rank variables the elastic agent set.
+_PR_SET_PDEATHSIG = 1
 
-    A worker forked from the fork server inherits the server's environment, which is the one of the
-    first launch in this process; later launches (tests, notebooks) may differ in what is read at
-    run time (AGOQ_QUANT_BACKEND, ...).
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux prctl); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _launcher_alive(launcher_pid: int) -> bool:
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _watch_launcher(launcher_pid: int) -> None:
+    while _launcher_alive(launcher_pid) and os.getppid() != 1:
+        time.sleep(LIVENESS_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """Make this worker die when its parent (the launcher ``launcher_pid``, or the fork server, which
+    dies with it) dies, however it dies.
+
+    On Linux the kernel kills it (PR_SET_PDEATHSIG). That signal follows the death of the parent
+    *thread* that started the worker: the fork server has one thread, and the elastic agent starts
+    spawned workers from the thread that called the launch, which waits in it until they end. The
+    launcher may have died before the worker got here, too late for the signal. Without prctl a
+    thread polls for the launcher.
     """
-    per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher_env)
-    os.environ.update(per_rank)
+    if not _launcher_alive(launcher_pid):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _set_parent_death_signal(signal.SIGKILL):
+        if not _launcher_alive(launcher_pid):  # died in between
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    threading.Thread(target=_watch_launcher, args=(launcher_pid,), name="agoq-launcher-watch", daemon=True).start()
+
+
+_interrupted = False
+
+
+def _note_interrupt(signum: int, frame: object) -> None:
+    global _interrupted
+    _interrupted = True
+
+
+def defer_interrupts() -> None:
+    """Until :func:`raise_deferred_interrupt`, note a Ctrl-C instead of raising it where it lands.
+
+    Raised inside code that an extension runs (as torch's import does), a KeyboardInterrupt can be
+    swallowed there, and the run went on as if nothing had been pressed; or it marks the interpreter
+    to kill itself with SIGINT at exit, whatever the exit status.
+    """
+    global _interrupted
+    _interrupted = False
+    signal.signal(signal.SIGINT, _note_interrupt)
+
+
+def raise_deferred_interrupt() -> None:
+    """KeyboardInterrupt if a Ctrl-C was noted since :func:`defer_interrupts`; from here on, a Ctrl-C raises at once."""
+    if signal.getsignal(signal.SIGINT) is not _note_interrupt:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def _quiet_exit(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
+
+
+def guard_fork_server() -> None:
+    """In the local launcher's fork server (agoq.train.forkserver_guard, which it imports first):
+    die with the launcher, and leave without a traceback on a Ctrl-C.
+
+    A Ctrl-C reaches every process of the terminal's group, the server too; it would print the
+    traceback of whatever it was importing. Workers forked from the server inherit the handler,
+    until :func:`agoq.train.run.worker_entry` puts the interpreter's own back.
+    """
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None or launcher != str(os.getppid()) or launcher == str(os.getpid()):
+        return
+    signal.signal(signal.SIGINT, _quiet_exit)
+    if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)

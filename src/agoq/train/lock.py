@@ -1,16 +1,23 @@
-"""One run per output folder: an exclusive lock on ``out_dir/.lock``, held for the whole run.
+"""One run per output folder: a lock on ``out_dir/.lock``, held by the run's launcher and by each of its workers.
 
 Two runs writing one folder delete each other's checkpoints in progress and interleave their
 metrics. The lock is ``fcntl.flock`` on a file in the folder: the kernel releases it when the
 holding process exits, however it exits, so a lock file left by a killed run blocks nothing. The
 file records who holds it (pid, host, start time) for the message a second run prints.
+
+A run claims the folder with an exclusive lock, then holds it shared, and each of its workers
+takes it shared too (:func:`join_run_lock`): another run's exclusive claim fails as long as any
+process of this one lives, the launcher or a worker it left. The file is opened without following
+a symbolic link: ``.lock`` pointing elsewhere would have that file truncated and overwritten.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,29 +30,70 @@ class FolderInUse(RuntimeError):
     """Another live process holds the run folder; the message names the folder and the process."""
 
 
-@contextmanager
-def run_lock(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
-    """Hold the exclusive lock of ``out_dir`` (created if missing) for the body; FolderInUse if another process holds it."""
+def _open(out_dir: str | os.PathLike[str]) -> tuple[Path, int]:
+    """The lock file of ``out_dir`` (folder and file created if missing), opened for reading and writing."""
     from agoq.train.config import ConfigError
 
     folder = Path(out_dir)
     path = folder / LOCK_NAME
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise ConfigError(f"train.out_dir={str(out_dir)!r} cannot be written ({e.strerror}); choose a folder you can write") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "an unknown process"
-            raise FolderInUse(
-                f"{folder} is in use by another agoq run ({holder}); wait for it to finish, "
-                f"or write this run elsewhere with --train.out_dir=runs/NAME"
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a symbolic link (EMLINK on FreeBSD)
+            raise ConfigError(
+                f"{path} is a symbolic link, which agoq does not follow (the file it points to would be overwritten); "
+                f"delete the link (rm {path}) or write this run elsewhere with --train.out_dir=runs/NAME"
             ) from None
+        raise ConfigError(f"train.out_dir={str(out_dir)!r} cannot be written ({e.strerror}); choose a folder you can write") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{path} is not a regular file; delete it or write this run elsewhere with --train.out_dir=runs/NAME")
+    return folder, fd
+
+
+def _in_use(folder: Path, fd: int) -> FolderInUse:
+    holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "an unknown process"
+    return FolderInUse(
+        f"{folder} is in use by another agoq run ({holder}, or a worker of it); wait for it to finish, "
+        f"or write this run elsewhere with --train.out_dir=runs/NAME"
+    )
+
+
+def _lock(folder: Path, fd: int, operation: int) -> None:
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        error = _in_use(folder, fd)
+        os.close(fd)
+        raise error from None
+
+
+@contextmanager
+def run_lock(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """Hold the lock of ``out_dir`` (created if missing) for the body; FolderInUse if another run holds it."""
+    folder, fd = _open(out_dir)
+    _lock(folder, fd, fcntl.LOCK_EX)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-        yield path
+    except BaseException:
+        os.close(fd)
+        raise
+    # Shared from here on, so that the workers can join it. The change is not atomic: a run that
+    # claims the folder in between wins, and this one is refused.
+    _lock(folder, fd, fcntl.LOCK_SH)
+    try:
+        yield folder / LOCK_NAME
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)  # releases this process's share
+
+
+_joined: list[int] = []  # descriptors a worker holds until it exits
+
+
+def join_run_lock(out_dir: str | os.PathLike[str]) -> None:
+    """Take a share of the lock of ``out_dir``, which this worker's launcher holds, until this process exits."""
+    folder, fd = _open(out_dir)
+    _lock(folder, fd, fcntl.LOCK_SH)
+    _joined.append(fd)

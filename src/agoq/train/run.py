@@ -17,8 +17,16 @@ import torch.distributed as dist
 
 from agoq.train.compute_dtype import ResolvedChoices
 from agoq.train.config import TrainConfig
-from agoq.train.forkserver import adopt_launcher_env, start_method, under_torchrun, workers_environment
-from agoq.train.lock import run_lock
+from agoq.train.forkserver import (
+    die_with_launcher,
+    inherited_gloo_interface,
+    raise_deferred_interrupt,
+    start_method,
+    stray_rank_variables,
+    under_torchrun,
+    workers_environment,
+)
+from agoq.train.lock import join_run_lock, run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
 
 
@@ -347,6 +355,23 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
         + ")",
         flush=True,
     )
+    if under_torchrun():
+        return
+    stray = stray_rank_variables()
+    if stray:
+        found = ", ".join(f"{k}={v}" for k, v in stray.items())
+        print(
+            f"agoq train: {found} in the environment ignored: no launcher started this process (torchrun sets "
+            "TORCHELASTIC_RUN_ID; others RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT); each local worker gets its own",
+            flush=True,
+        )
+    iface = inherited_gloo_interface()
+    if iface:
+        print(
+            f"agoq train: GLOO_SOCKET_IFNAME={iface} from the environment: gloo's connections between the workers "
+            "use that interface, not loopback; unset it to keep them on loopback",
+            flush=True,
+        )
 
 
 def finished_run(cfg: TrainConfig) -> int | None:
@@ -410,20 +435,136 @@ def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     return summary
 
 
-def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launcher_env: dict[str, str] | None = None) -> dict[str, Any] | None:
+class _RankLog:
+    """``out_dir/logs/rank<R>.log`` (a failure's traceback) and ``rank<R>.error`` (its time and last line).
+
+    Both are opened, and space for them reserved, when the worker starts: a failure on a full disk
+    (ENOSPC) must still be written down, and it is the one failure that leaves no room to write.
+    A worker that succeeds removes them.
+    """
+
+    RESERVE = 1 << 16  # bytes per file
+
+    def __init__(self, logs: Path, rank: str) -> None:
+        self.paths = (logs / f"rank{rank}.log", logs / f"rank{rank}.error")
+        self.fds: list[int] = []
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            for path in self.paths:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                self.fds.append(fd)
+                _reserve(fd, self.RESERVE)
+        except OSError:
+            pass  # written where it can be, at the failure
+
+    def write(self, traceback_text: str, line: str) -> None:
+        for i, text in enumerate((traceback_text, f"{time.time()} {line}\n")):
+            data = text.encode(errors="replace")
+            try:
+                if i < len(self.fds):
+                    try:
+                        os.pwrite(self.fds[i], data, 0)
+                    except OSError:  # longer than the space reserved, on a full disk
+                        data = data[: self.RESERVE]
+                        os.pwrite(self.fds[i], data, 0)
+                    os.ftruncate(self.fds[i], len(data))
+                else:
+                    self.paths[i].write_bytes(data)
+            except OSError:
+                pass
+
+    def remove(self) -> None:
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+        try:
+            self.paths[0].parent.rmdir()  # only when empty: other ranks' or earlier runs' logs stay
+        except OSError:
+            pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes of disk for ``fd`` without changing its length (Linux fallocate, FALLOC_FL_KEEP_SIZE)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate(fd, 1, ctypes.c_int64(0), ctypes.c_int64(size))
+    except (OSError, AttributeError):
+        pass
+
+
+def _disk_full(e: BaseException) -> OSError | None:
+    """The ENOSPC error behind ``e``: itself, one it was raised from or while handling, one of the
+    per-rank failures it carries (torch's CheckpointException), or one only its message quotes."""
+    import errno
+
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+        if f"[Errno {errno.ENOSPC}]" in str(e) or os.strerror(errno.ENOSPC) in str(e):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        failures = getattr(e, "failures", None)
+        todo += (
+            [e.__cause__, e.__context__, *(v for v in failures.values() if isinstance(v, BaseException))]
+            if isinstance(failures, dict)
+            else [e.__cause__, e.__context__]
+        )
+    return None
+
+
+def _full_folder(cfg: TrainConfig) -> str:
+    """The first of the run's folders whose disk is full (out_dir when none is, or none can be asked)."""
+    import tempfile
+
+    for folder in (cfg.train.out_dir, cfg.data.cache_dir, tempfile.gettempdir()):
+        try:
+            if folder and os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize < (1 << 20):
+                return str(folder)
+        except OSError:
+            continue
+    return str(cfg.train.out_dir)
+
+
+def error_line(e: BaseException, cfg: TrainConfig) -> str:
+    """The one line a worker's failure is reported with."""
+    if isinstance(e, KeyboardInterrupt):
+        return f"interrupted (pid {os.getpid()})"
+    full = _disk_full(e)
+    if full is not None:
+        where = full.filename or _full_folder(cfg)
+        return f"no space left on device (ENOSPC) writing {where}; free space on that disk, or write the run elsewhere with --train.out_dir=PATH"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launcher_pid: int | None = None) -> dict[str, Any] | None:
     """What the local launcher runs in each worker: train_worker, with any error logged instead of printed.
 
-    The full traceback goes to ``out_dir/logs/rank<R>.log`` and its last line to ``rank<R>.error``;
-    the worker then exits with status 1 (130 for Ctrl-C) without printing a traceback, and the
-    launcher prints one line from the first rank that failed (:func:`failure_line`).
+    The worker dies with its launcher (``launcher_pid``) and holds a share of the run folder's lock
+    for as long as it lives. The full traceback of a failure goes to ``out_dir/logs/rank<R>.log``
+    and its line to ``rank<R>.error``; the worker then exits with status 1 (130 for Ctrl-C)
+    without printing a traceback, and the launcher prints one line (:func:`failure_line`).
     """
-    if launcher_env is not None:
-        adopt_launcher_env(launcher_env)
+    import signal
+
+    if launcher_pid is not None:
+        die_with_launcher(launcher_pid)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver.guard_fork_server)
+    rank = os.environ.get("RANK", "0")
+    log = _RankLog(Path(cfg.train.out_dir) / "logs", rank)
     _DeferredInterrupt.install()
     try:
-        return train_worker(cfg, choices)
+        if launcher_pid is not None:
+            join_run_lock(cfg.train.out_dir)
+        result = train_worker(cfg, choices)
     except BaseException as e:
-        import signal
         import traceback
 
         interrupted = isinstance(e, KeyboardInterrupt)
@@ -432,35 +573,49 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
             # Python's exit handlers would print a traceback of its own.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        rank = os.environ.get("RANK", "0")
-        logs = Path(cfg.train.out_dir) / "logs"
-        try:
-            logs.mkdir(parents=True, exist_ok=True)
-            (logs / f"rank{rank}.log").write_text("".join(traceback.format_exception(e)))
-            line = "interrupted" if interrupted else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            (logs / f"rank{rank}.error").write_text(f"{time.time()} {line}\n")
-        except OSError:
-            pass
+        log.write("".join(traceback.format_exception(e)), error_line(e, cfg))
         if interrupted:
             sys.stderr.flush()
             os._exit(130)  # skip exit handlers: nothing of this run needs them, and they can be interrupted again
         raise SystemExit(1) from None
+    log.remove()
+    return result
 
 
-def failure_line(out_dir: str | os.PathLike[str], ranks: list[int]) -> str:
-    """One line for a run whose workers failed: the first failure (by time) among ``ranks``' logs, and where its traceback is."""
+def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], world_size: int | None = None) -> str:
+    """One line for a run whose workers failed: the first failure (by time) in the logs of the
+    run's ``world_size`` ranks, and where its traceback is.
+
+    torch's launcher reports one failed rank, the first it finds exited (``failures``: rank ->
+    ProcessFailure, with ``exitcode`` and ``pid``), not the first that failed; it names a rank
+    that died without writing a log (killed by a signal).
+    """
+    import re
+    import signal
+
     logs = Path(out_dir) / "logs"
     found = []
-    for rank in ranks:
+    for rank in sorted(set(failures) | set(range(world_size or 0))):
         try:
             stamp, _, line = (logs / f"rank{rank}.error").read_text().strip().partition(" ")
             found.append((float(stamp), rank, line))
         except (OSError, ValueError):
             continue
     if not found:
-        return f"a worker process died without a Python error (killed, or out of memory); ranks {ranks} failed"
+        killed = [(rank, f) for rank, f in sorted(failures.items()) if getattr(f, "exitcode", 0) < 0]
+        if killed:
+            rank, f = killed[0]
+            try:
+                name = signal.Signals(-f.exitcode).name
+            except ValueError:
+                name = f"signal {-f.exitcode}"
+            return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
+        return f"a worker process died without a Python error (killed, or out of memory); ranks {sorted(failures)} failed"
     # Other ranks fail after the first one, on the collectives it no longer answers.
     _, rank, line = min(found)
+    interrupted = re.fullmatch(r"interrupted \(pid (\d+)\)", line)
+    if interrupted:
+        return f"rank {rank} (pid {interrupted.group(1)}) was interrupted (SIGINT), and the run stopped with it"
     return f"rank {rank} failed: {line} (full traceback: {logs / f'rank{rank}.log'})"
 
 
@@ -474,11 +629,12 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     """Run the training: in place under torchrun, else spawn pp x dp x tp local processes with torch's launcher."""
-    first = os.environ.get("RANK", "0") == "0"
+    first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     done = finished_run(cfg)
     if done is not None:
         return report_finished(cfg, done) if first else None
     if under_torchrun():
+        raise_deferred_interrupt()  # this process trains: a Ctrl-C raises where it lands from here
         if not first:
             return train_worker(cfg)
         with run_lock(cfg.train.out_dir):  # rank 0 holds the folder for the job
@@ -521,13 +677,14 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         start_method="spawn",  # decided below, once the workers' environment is set
         monitor_interval=0.5,
     )
+    raise_deferred_interrupt()  # one pressed while torch was imported or the data prepared
     # Earlier failures' logs would be mistaken for this run's.
     for stale in (Path(cfg.train.out_dir) / "logs").glob("rank*.error"):
         stale.unlink(missing_ok=True)
     try:
         with workers_environment():  # the workers inherit it; this process gets its own back after
             config.start_method = start_method()
-            results = elastic_launch(config, worker_entry)(cfg, choices, dict(os.environ))
+            results = elastic_launch(config, worker_entry)(cfg, choices, os.getpid())
     finally:
         del rdzv_store  # closes its socket
     return results.get(0)
