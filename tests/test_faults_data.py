@@ -227,7 +227,7 @@ def test_a_batch_longer_than_the_corpus_is_refused_before_launch(tmp_path, capsy
 def test_a_batch_that_cannot_fit_in_memory_is_refused_before_launch(tmp_path, capsys, launches, monkeypatch):
     """The check compares agoq plan's estimate of every local process's tensors with the machine's
     memory; here the machine is made to report 64 MiB, less than the default run's four processes need."""
-    import agoq.train.config as config_mod
+    import agoq.plan.fit as fit
     from agoq.plan.config import from_train_config
     from agoq.plan.memory import plan_memory
 
@@ -235,7 +235,7 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_launch(tmp_path, ca
     (setup,) = plan_memory(from_train_config(cfg)).setups
     need = sum(r.total for r in setup.ranks) * cfg.parallel.dp
     assert need > 64 * 2**20
-    monkeypatch.setattr(config_mod, "machine_memory_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(fit, "machine_memory_bytes", lambda: 64 * 2**20)
     args = ["--precision.compute_dtype=fp32", f"--train.out_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}"]
     err = _refused(capsys, args, launches)
     assert (

@@ -112,6 +112,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from agoq.plan.fit import check_memory
+    from agoq.train.forkserver import under_torchrun
     from agoq.train.lock import FolderInUse
     from agoq.train.run import checkpoint_root, failure_line, launch
 
@@ -122,6 +124,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
+        if not under_torchrun():
+            check_memory(cfg)  # a local run's processes share this machine's memory
         launch(cfg, max_restarts=args.max_restarts)
     except (FolderInUse, ConfigError) as e:  # found before any worker started
         print(f"agoq train: {e}", file=sys.stderr)

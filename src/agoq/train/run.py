@@ -650,10 +650,8 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
 
     # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,
     # and the workers only read the cache.
-    from agoq.train.config import check_memory
     from agoq.train.data import prepare_data
 
-    check_memory(cfg)
     d = cfg.data
     data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
     check_data(cfg, len(data.train), len(data.val), data.tokenizer.vocab_size)
