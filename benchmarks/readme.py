@@ -163,13 +163,17 @@ def _headline_from_train_ratio(payload: dict[str, Any]) -> str:
     from statistics import median
 
     r = payload["results"]
-    side = {s: [row for row in r["rows"] if row["side"] == s] for s in ("agoq", "bf16")}
+    first_mode = next(iter(r.get("modes", {"default": []})))
+    side = {s: [row for row in r["rows"] if row["side"] == s and row.get("mode", "default") == first_mode] for s in ("agoq", "bf16")}
     first = {s: rows[0] for s, rows in side.items()}
     step = {s: median(row["step_time_s"] for row in rows) for s, rows in side.items()}
     lines = [
         *HEADER,
         f"| step time (s, median of {r['repeats']} alternating runs each) | {step['bf16']:.3f} | {step['agoq']:.3f} | {r['ratios']['step_time_s']:.2f}x |",
     ]
+    for mode, q in r.get("ratios_by_mode", {}).items():
+        if mode != first_mode and q.get("step_time_s") is not None:
+            lines.append(f"| step time, `{' '.join(r['modes'][mode])}` on both sides | | | {q['step_time_s']:.2f}x |")
     lines += _headline_rows(first["agoq"], first["bf16"])
     if first["agoq"].get("val_loss") is not None and first["bf16"].get("val_loss") is not None:
         val = {s: median(row["val_loss"] for row in rows) for s, rows in side.items()}

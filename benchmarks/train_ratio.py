@@ -29,6 +29,15 @@ SIDES = {
     "bf16": ["--precision.activations=bf16", "--precision.gradients=fp32"],
 }
 
+# The paths a user can pick, each given to both sides: the embedded default (eager quantization
+# below 400 steps on a CPU), the compiled quantization kernels, and the whole model compiled per
+# decoder layer with fullgraph=True.
+MODES = {
+    "default": [],
+    "compiled": ["--precision.quant_backend=compiled"],
+    "train-compile": ["--train.compile=true"],
+}
+
 # Figures read from every run's summary.json ("run" section, or the maximum over ranks).
 RUN_FIELDS = ("step_time_s", "tokens_per_s", "train_loss", "final_loss", "val_loss")
 RANK_FIELDS = ("peak_saved_bytes", "peak_tensor_bytes", "peak_rss_bytes", "wire_bytes_per_step", "fp32_wire_bytes_per_step")
@@ -38,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length, rounds, extra overrides and where the runs go."""
     parser.add_argument("--steps", type=int, default=200, help="--train.steps of every run (the embedded default's own: 200)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each round runs AGoQ, then the bf16 policy")
+    parser.add_argument(
+        "--modes",
+        default="default",
+        help=f"comma-separated paths to measure, each on both sides, all taking turns within a round: {', '.join(MODES)}",
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -80,12 +94,13 @@ def _train(side: str, extra: list[str], steps: int, out: Path, cache_dir: str | 
     return row
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """AGoQ over the bf16 policy for each figure: the median over rounds of that round's ratio."""
+def ratios(rows: list[dict[str, Any]], mode: str = "default") -> dict[str, float | None]:
+    """AGoQ over the bf16 policy for each figure of one mode: the median over rounds of that round's ratio."""
     from benchmarks._common import same_round_ratio
 
-    a = [r for r in rows if r["side"] == "agoq"]
-    b = [r for r in rows if r["side"] == "bf16"]
+    mine = [r for r in rows if r.get("mode", "default") == mode]
+    a = [r for r in mine if r["side"] == "agoq"]
+    b = [r for r in mine if r["side"] == "bf16"]
     out: dict[str, float | None] = {}
     for k in ("step_time_s", "peak_saved_bytes", "peak_tensor_bytes", "wire_bytes_per_step", "val_loss"):
         pairs = [(x[k], y[k]) for x, y in zip(a, b) if x.get(k) is not None and y.get(k)]
@@ -100,14 +115,20 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 3 or args.repeats < 1:
         print("python -m benchmarks.train_ratio: --steps must be >= 3 (the first step is not timed) and --repeats >= 1", file=sys.stderr)
         return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        print(f"python -m benchmarks.train_ratio: --modes={args.modes!r}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(args.out_dir) / "runs" if args.out_dir else Path(tmp)
         rows = []
         for round_ in range(args.repeats):
-            for side in SIDES:
-                row = _train(side, args.set, args.steps, runs / f"{side}_{round_}", args.cache_dir)
-                rows.append({"round": round_, **row})
-                print(f"round {round_ + 1}/{args.repeats} {side}: {row['step_time_s']:.3f} s/step, {row['wall_s']:.0f} s wall", flush=True)
+            for mode in modes:
+                for side in SIDES:
+                    row = _train(side, [*MODES[mode], *args.set], args.steps, runs / f"{mode}_{side}_{round_}", args.cache_dir)
+                    rows.append({"round": round_, "mode": mode, **row})
+                    print(f"round {round_ + 1}/{args.repeats} {mode} {side}: {row['step_time_s']:.3f} s/step, {row['wall_s']:.0f} s wall", flush=True)
     path = Path(args.out_dir or RESULTS_DIR) / "train_ratio.json"
     results = {
         "config": "embedded default (tiny LLaMA, pp=2 x dp=2, 1f1b, 4 micro-batches, 16 x 128 tokens per step)",
@@ -115,10 +136,13 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "sides": SIDES,
         "rows": rows,
-        "ratios": ratios(rows),
+        "modes": {m: MODES[m] for m in modes},
+        "ratios": ratios(rows, modes[0]),
+        "ratios_by_mode": {m: ratios(rows, m) for m in modes},
         "history": result_history(path, lambda rows: {"ratios": ratios(rows)}),
     }
     command = f"python -m benchmarks.train_ratio --steps {args.steps} --repeats {args.repeats}"
+    command += f" --modes {','.join(modes)}" if modes != ["default"] else ""
     command += "".join(f" --set={s}" for s in args.set) + (f" --cache-dir {args.cache_dir}" if args.cache_dir else "")
     command += f" --out-dir {args.out_dir}" if args.out_dir else ""
     write_result("train_ratio", results, command=command, out_dir=args.out_dir)
@@ -135,21 +159,21 @@ def readme_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"{results['config']}, {results['steps']} steps per run, {results['repeats']} round(s) alternating AGoQ and the bf16 policy.",
         "",
-        "| round | side | compute | quantization | s / step | saved activations MiB | all tensors MiB | wire MiB / step | val loss | wall s |",
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| round | mode | side | compute | quantization | s / step | saved activations MiB | all tensors MiB | wire MiB / step | val loss | wall s |",
+        "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
         val = "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}"
         lines.append(
-            f"| {r['round'] + 1} | {r['side']} | {r['compute_dtype']} | {r['quant_backend']} | {r['step_time_s']:.3f} | {_mib(r['peak_saved_bytes'])} "
+            f"| {r['round'] + 1} | {r.get('mode', 'default')} | {r['side']} | {r['compute_dtype']} | {r['quant_backend']} | {r['step_time_s']:.3f} | {_mib(r['peak_saved_bytes'])} "
             f"| {_mib(r['peak_tensor_bytes'])} | {_mib(r['wire_bytes_per_step'])} | {val} | {r['wall_s']:.0f} |"
         )
-    q = results["ratios"]
-    cells = [
-        f"{q[k]:.3f}x" if q.get(k) is not None else ""
-        for k in ("step_time_s", "peak_saved_bytes", "peak_tensor_bytes", "wire_bytes_per_step", "val_loss")
-    ]
-    lines.append(f"| median | agoq / bf16 | | | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} | |")
+    for mode, q in results.get("ratios_by_mode", {"default": results["ratios"]}).items():
+        cells = [
+            f"{q[k]:.3f}x" if q.get(k) is not None else ""
+            for k in ("step_time_s", "peak_saved_bytes", "peak_tensor_bytes", "wire_bytes_per_step", "val_loss")
+        ]
+        lines.append(f"| median | {mode} | agoq / bf16 | | | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} | |")
     return "\n".join(lines)
 
 
