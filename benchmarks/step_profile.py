@@ -35,7 +35,10 @@ CATEGORIES = (
         ("CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatcher", "inductor"),
     ),
     ("gradient hooks (fold into the buffer)", ("AccumulateGrad",)),
-    ("fused ops' Python and autograd", ("_NormLinear", "_SwiGLULinear", "_SavedInputLinear", "_RMSNorm", "_Rotary", "_ChunkedLoss", "_Loss")),
+    # The fused ops are torch.library custom ops: the profiler names each "agoq::norm_linear" (its
+    # backward op "agoq::norm_linear_backward") and its autograd node
+    # "GeneratedBackwardFor_agoq_norm_linear_default..."; _RMSNorm and _Rotary are autograd Functions.
+    ("fused ops' Python and autograd", ("agoq::", "GeneratedBackwardFor_agoq_", "_RMSNorm", "_Rotary")),
     ("loss (log-softmax, recompute)", ("log_softmax", "nll_loss", "cross_entropy")),
     ("optimizer", ("adamw", "Optimizer")),
     ("allocation", ("aten::empty", "aten::zeros", "aten::full", "aten::fill_", "aten::zero_")),

@@ -208,3 +208,27 @@ def test_the_convergence_command_names_every_option_that_changes_its_file():
     )
     small = parser.parse_args(["--model", "small", "--runs", "bf16,agoq"])
     assert " --model small --runs bf16,agoq" in convergence.reproducing_command(small)
+
+
+def test_step_profile_files_the_fused_custom_ops_under_their_category():
+    # The profiler names a custom op "agoq::<name>" and its autograd node "GeneratedBackwardFor_agoq_...":
+    # a profiled agoq step must put the fused ops' own (self) time in their category.
+    import torch
+
+    from agoq.activation import make_policy
+    from agoq.models.config import LlamaConfig
+    from agoq.models.llama import Llama
+    from benchmarks.step_profile import _category
+
+    cfg = LlamaConfig(vocab_size=128, hidden=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate=128, max_seq_len=64)
+    model = Llama(cfg, make_policy("agoq"))
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.profiler.profile() as prof:
+        model(ids[:, :-1], ids[:, 1:]).backward()
+    keys = {ev.key for ev in prof.key_averages()}
+    fused = {k for k in keys if _category(k) == "fused ops' Python and autograd"}
+    for op in ("norm_linear", "swiglu_linear"):
+        assert {f"agoq::{op}", f"agoq::{op}_backward"} <= fused, sorted(fused)
+        assert any(k.startswith(f"GeneratedBackwardFor_agoq_{op}") for k in fused), sorted(fused)
+    # No agoq op is left in the catch-all.
+    assert not {k for k in keys if "agoq" in k and k not in fused}

@@ -274,6 +274,53 @@ def test_backward_gathers_the_norm_input_as_4bit_codes_and_scales(ranks):
             assert out["comm"][name]["total"] == out["comm"][name]["calls"] * (TP - 1) * shard * 4
 
 
+def _compile_worker(rank: int, world: int) -> dict:
+    """Each policy's tp = 2 model eagerly, then with its layers compiled (fullgraph, aot_eager)."""
+    out = {}
+    for policy in ("agoq", "bf16"):
+        torch._dynamo.reset()
+        model = shard_llama(_full_model(policy), dist.group.WORLD, CommCounter())
+        tokens, targets = _batch(SEQ_ALIGNED)
+        layer = model.layers["0"]
+        cos, sin = torch.randn(SEQ_ALIGNED, CFG.head_dim), torch.randn(SEQ_ALIGNED, CFG.head_dim)
+        x = torch.randn(BATCH, SEQ_ALIGNED // world, CFG.hidden, requires_grad=True)
+        explained = torch._dynamo.explain(layer)(x, cos, sin, model.policy, model.group_name, model.counter_key)
+        runs = []
+        for compiled in (False, True):
+            if compiled:
+                model.compile_layers(backend="aot_eager")
+            model.zero_grad(set_to_none=True)
+            model.counter.reset()
+            loss = model(tokens, targets)
+            loss.backward()
+            grads = {n: g.float().numpy() for n, g in gather_gradients(model).items()}
+            runs.append({"loss": loss.item(), "grads": grads, "comm": model.counter.as_dict()})
+        out[policy] = {
+            "graphs": (explained.graph_count, explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]),
+            "ops": sorted({str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}),
+            "eager": runs[0],
+            "compiled": runs[1],
+        }
+    return out
+
+
+def test_tp_layers_compile_fullgraph_with_the_eager_loss_gradients_and_bytes():
+    # The tp ops are custom ops taking the group and the counter by name: a tp decoder layer is one
+    # graph, the ops single nodes, and compiled (aot_eager: the same kernels, one graph) its loss,
+    # gradients and wire bytes are the eager ones.
+    for r in run_distributed(_compile_worker, TP):
+        for policy, out in r.items():
+            assert out["graphs"][:2] == (1, 0), (policy, out["graphs"])
+            fused = {"agoq.tp_sp_norm_linear.default"} if policy == "agoq" else {"agoq.tp_gathered_linear.default"}
+            assert fused | {"agoq.tp_scatter_seq.default"} <= set(out["ops"]), (policy, out["ops"])
+            eager, compiled = out["eager"], out["compiled"]
+            assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-6)
+            # fp32 throughout; one graph may order a sum differently: 1e-5 relative, as test_compile_native.
+            errors = _grad_errors(compiled["grads"], {n: torch.as_tensor(g) for n, g in eager["grads"].items()})
+            assert max(errors.values()) <= 1e-5, (policy, errors)
+            assert compiled["comm"] == eager["comm"], policy
+
+
 def test_shapes_that_do_not_split_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"n_heads=4 and n_kv_heads=2 must both be divisible by tp=4"):
         check_tp_shapes(CFG, 4)

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -56,10 +55,15 @@ def is_multi_stage(name: str) -> bool:
 
 
 def stage_to_rank(name: str, pp: int, virtual_stages: int = 1) -> list[int]:
-    """The pp rank that holds each global stage index under this schedule's placement."""
-    style = "v" if schedule_name(name) in _V_SCHEDULES else "loop"
-    mapping = generate_stage_to_rank_mapping(pp, pp * virtual_stages, style=style)
-    return [mapping[s] for s in range(pp * virtual_stages)]
+    """The pp rank that holds each global stage index under this schedule's placement.
+
+    The placement torch's multi-stage schedules assume (``torch.distributed.pipelining``'s
+    ``generate_stage_to_rank_mapping``, which it does not export): ``loop`` puts stage s on rank
+    s mod pp; ``v`` walks the ranks down and back up, round k = s // pp of pp stages in rank order
+    when k is even and in reverse order when it is odd.
+    """
+    v = schedule_name(name) in _V_SCHEDULES
+    return [pp - 1 - s % pp if v and (s // pp) % 2 else s % pp for s in range(pp * virtual_stages)]
 
 
 def rank_stages(name: str, pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:

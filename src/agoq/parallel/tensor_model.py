@@ -22,10 +22,12 @@ The loss is always the sequence- and vocab-parallel chunked one, which keeps no 
 
 ``agoq train --parallel.tp`` builds one of these per pipeline stage (agoq.train.trainer); checkpoint
 names carry the shard (:func:`shard_name`). Not supported: activation checkpointing
-(``Llama.recompute``). Performance work left: the collectives are synchronous (no overlap with the
-GEMMs), the fused norm's backward is not row-chunked as ``activation.ops._NormLinear``'s is, and the
-sequence-parallel norm uses the eager formulas (not the compiled or Triton ones of
-:mod:`agoq.quant.backend`).
+(``Llama.recompute``). ``compile_layers`` compiles each decoder layer with ``fullgraph=True``, as
+``Llama.compile_layers`` does: the tp ops are custom ops that take the group and the byte counter
+by name (:func:`agoq.parallel.tensor_ops.register_group`, ``register_counter``). Performance work
+left: the collectives are synchronous (no overlap with the GEMMs), the sequence-parallel norm's
+backward is not row-chunked as the ``agoq::norm_linear`` op's is, and it uses the eager formulas
+(not the compiled or Triton ones of :mod:`agoq.quant.backend`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from agoq.gradient.counter import COMM_COUNTER, CommCounter
 from agoq.models.config import LlamaConfig
 from agoq.models.llama import IGNORE_INDEX, Llama, RMSNorm, rope_tables
 from agoq.parallel.tensor_ops import (
+    register_counter,
+    register_group,
     replicated,
     scatter_seq,
     sp_rms_norm_linear,
@@ -137,9 +141,9 @@ class TensorParallelDecoderLayer(nn.Module):
         self.mlp_norm = _norm(shards["mlp_norm.weight"], cfg.norm_eps)
         self.mlp = _holder(**{n: _linear(shards[f"mlp.{n}.weight"]) for n in ("gate", "up", "down")})
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, policy: ActivationPolicy, group: Group, counter: CommCounter
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, policy: ActivationPolicy, group: str, counter: str) -> torch.Tensor:
+        """This rank's sequence shard after the layer; ``group`` and ``counter`` are the registered
+        names of the tp group and the byte counter (strings: constants in a compiled graph)."""
         cfg, p, hd = self.cfg, policy.layer(self.index), self.cfg.head_dim
         a, m = self.attn, self.mlp
         b = x.shape[0]
@@ -150,7 +154,7 @@ class TensorParallelDecoderLayer(nn.Module):
         k = rotary_embedding(k.view(b, s, self.n_kv_heads, hd).transpose(1, 2), cos, sin)
         v = v.view(b, s, self.n_kv_heads, hd).transpose(1, 2)
         o = causal_attention(q, k, v, p.attention).transpose(1, 2).reshape(b, s, self.n_heads * hd)
-        x = x + scatter_seq(saved_input_linear(o, a.o.weight, p.out_proj_input), group, counter)
+        x = x + scatter_seq(saved_input_linear(o, a.o.weight, p.out_proj_input, attention_output=p.attention is None), group, counter)
         gate, up = sp_rms_norm_linear(x, mlp_norm, cfg.norm_eps, (m.gate.weight, m.up.weight), p.norm_input, group, counter)
         return x + scatter_seq(swiglu_linear(gate, up, m.down.weight, p.act_input), group, counter)
 
@@ -169,6 +173,8 @@ class TensorParallelLlama(nn.Module):
         self.cfg, self.policy, self.group = cfg, model.policy, group
         self.layer_range = model.layer_range
         self.counter = COMM_COUNTER if counter is None else counter
+        # What the layers pass their ops: names, which a compiled graph holds as constants.
+        self.group_name, self.counter_key = register_group(group), register_counter(self.counter)
         full = dict(model.named_parameters())
         shards = {name: _shard(t, split_dim(name), self.rank, self.tp) for name, t in full.items()}
         self.vocab_start = self.rank * cfg.vocab_size // self.tp
@@ -203,6 +209,12 @@ class TensorParallelLlama(nn.Module):
         """Whether this shard holds the final norm and the LM head (last pipeline stage)."""
         return self.head is not None
 
+    def compile_layers(self, **options: Any) -> None:
+        """torch.compile each decoder layer in place with fullgraph=True (parameter names unchanged),
+        as :meth:`agoq.models.llama.Llama.compile_layers`; the embedding and the loss stay eager."""
+        for layer in self.layers.values():
+            layer.compile(fullgraph=True, **options)
+
     def set_policy(self, policy: ActivationPolicy) -> None:
         """Switch the activation precision policy (takes effect on the next forward)."""
         self.policy = policy
@@ -214,15 +226,15 @@ class TensorParallelLlama(nn.Module):
             s = x.shape[1]
             if s % self.tp:
                 raise ValueError(f"sequence parallelism splits the sequence: length {s} must be divisible by tp={self.tp}")
-            x = vocab_parallel_embedding(x, self.embed.weight, self.vocab_start, self.group, self.counter)
+            x = vocab_parallel_embedding(x, self.embed.weight, self.vocab_start, self.group_name, self.counter_key)
         s = x.shape[1] * self.tp
         if s > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.cfg.max_seq_len}; raise it in the model config")
         cos, sin = rope_tables(self.cfg, s, x.device)
         for layer in self.layers.values():
-            x = layer(x, cos, sin, self.policy, self.group, self.counter)
+            x = layer(x, cos, sin, self.policy, self.group_name, self.counter_key)
         if self.norm is not None:
-            x = rms_norm(x, replicated(self.norm.weight, self.group, self.counter), self.cfg.norm_eps)
+            x = rms_norm(x, replicated(self.norm.weight, self.group_name, self.counter_key), self.cfg.norm_eps)
         return x
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, divisor: int = 1, weight_grad_in_forward: bool = False) -> torch.Tensor:
@@ -232,7 +244,7 @@ class TensorParallelLlama(nn.Module):
         if self.head is None:
             raise RuntimeError("this shard is not of the last pipeline stage: it has no LM head")
         loss = vocab_parallel_cross_entropy(
-            hidden, self.head.weight, targets, self.vocab_start, self.group, self.counter, ignore_index=IGNORE_INDEX, sequence_parallel=True
+            hidden, self.head.weight, targets, self.vocab_start, self.group_name, self.counter_key, ignore_index=IGNORE_INDEX, sequence_parallel=True
         )
         return loss if divisor == 1 else loss / divisor
 

@@ -19,11 +19,20 @@ implements it in torch 2.13, so no emulation is needed) and ``all_reduce``. Ever
 bytes this rank sends in a :class:`agoq.gradient.counter.CommCounter`, counted as the 8-bit
 collectives count them (an all-gather of m bytes costs (tp - 1) m, a reduce-scatter to m bytes
 (tp - 1) m, a ring all-reduce of n bytes 2 (tp - 1) / tp n).
+
+Every op with autograd is a ``torch.library`` custom op (namespace ``agoq``, ``tp_*``) with a fake
+kernel and registered autograd, as :mod:`agoq.activation.ops` are, so ``torch.compile(fullgraph=True)``
+traces a tensor-parallel decoder layer into one graph (docs/ARCHITECTURE.md). An op cannot take a
+process group or a counter object, so it takes their names: :func:`register_group` files a group
+under its ``group_name`` and :func:`register_counter` a counter under a key, both in weak registries
+of this module, and each op looks them up when it runs. The functions below take either the object
+(registered on the call, eagerly) or its name (what a compiled caller passes).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import weakref
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,11 +40,11 @@ import torch.nn.functional as F
 
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.meter import meter_scope
-from agoq.activation.ops import _norm_backward, _norm_forward, _quantize_saved, rms_norm
+from agoq.activation.ops import _fake_codes, _norm_backward, _norm_forward, _or_empty, _quantize_saved, rms_norm
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
-from agoq.quant import QTensor, QuantFormat, dequantize
+from agoq.quant import QTensor, QuantFormat, dequantize, parse_format
 
-Group = Any
+Group = Any  # a torch.distributed ProcessGroup (None: the default group), or the name register_group gave it
 
 # Names under which the collectives record their bytes.
 SEQ_ALL_GATHER = "tp_seq_all_gather"
@@ -45,8 +54,69 @@ VOCAB_ALL_REDUCE = "tp_vocab_all_reduce"
 REPLICATED_GRAD_ALL_REDUCE = "tp_replicated_grad_all_reduce"  # the norm weights' gradients, summed over tp
 
 
+# ---- process groups and counters by name, for the custom ops ------------------------------------
+
+# Weak: a registry keeps no group or counter alive; the model that uses them holds them.
+_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SIZES: dict[str, int] = {}
+_COUNTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+GLOBAL_COUNTER = "global"  # the key of agoq.gradient.counter.COMM_COUNTER
+
+
+def register_group(group: Group) -> str:
+    """The name under which the tp ops find ``group``: its ``group_name``, filed now (a name is
+    returned as it is). Filing again replaces the entry, so a group created under a reused name
+    (after ``destroy_process_group``) is the one found."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.group.WORLD
+    name = group.group_name
+    _GROUPS[name], _SIZES[name] = group, dist.get_world_size(group)
+    return name
+
+
+def register_counter(counter: CommCounter | str | None) -> str:
+    """The key under which the tp ops find ``counter`` (None: the global COMM_COUNTER), filed now."""
+    if isinstance(counter, str):
+        return counter
+    if counter is None or counter is COMM_COUNTER:
+        return GLOBAL_COUNTER
+    key = f"counter-{id(counter):x}"  # unique while the counter lives; the entry dies with it
+    _COUNTERS[key] = counter
+    return key
+
+
+def _group(name: str) -> Any:
+    try:
+        return _GROUPS[name]
+    except KeyError:
+        raise KeyError(f"no process group registered as {name!r}: pass the group itself, or register_group(group) first") from None
+
+
+def _counter(key: str) -> CommCounter:
+    if key == GLOBAL_COUNTER:
+        return COMM_COUNTER
+    try:
+        return _COUNTERS[key]
+    except KeyError:
+        raise KeyError(f"no CommCounter registered as {key!r}: pass the counter itself, or register_counter(counter) first") from None
+
+
+def _hold(ctx: Any, group: str, counter: str) -> None:
+    # The registries are weak: the autograd graph keeps the group and the counter its backward
+    # names alive, as it kept the objects themselves when they were its arguments.
+    ctx.held = (_GROUPS.get(group), _COUNTERS.get(counter))
+
+
+def _names(group: Group, counter: CommCounter | str | None) -> tuple[str, str]:
+    return register_group(group), register_counter(counter)
+
+
 def tp_size(group: Group) -> int:
-    """Ranks in the tp group."""
+    """Ranks in the tp group (a group or a registered name)."""
+    if isinstance(group, str):
+        return _SIZES[group]
     return dist.get_world_size(group)
 
 
@@ -82,36 +152,51 @@ def reduce_scatter_seq(x: torch.Tensor, group: Group, counter: CommCounter, name
     return out
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, counter: CommCounter) -> torch.Tensor:
-        ctx.group, ctx.counter = group, counter
-        return all_gather_seq(x, group, counter)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return reduce_scatter_seq(grad, ctx.group, ctx.counter), None, None
+def _fake_gathered(x: torch.Tensor, group: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _SIZES[group] * x.shape[1], *x.shape[2:]))
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, counter: CommCounter) -> torch.Tensor:
-        ctx.group, ctx.counter = group, counter
-        return reduce_scatter_seq(x, group, counter)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return all_gather_seq(grad, ctx.group, ctx.counter), None, None
+@torch.library.custom_op("agoq::tp_gather_seq", mutates_args=())
+def _gather_seq_op(x: torch.Tensor, group: str, counter: str) -> torch.Tensor:
+    """all_gather_seq of x (a copy at tp = 1: an op's output may not alias its input)."""
+    out = all_gather_seq(x, _group(group), _counter(counter))
+    return x.clone() if out is x else out
 
 
-def gather_seq(x: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
+@_gather_seq_op.register_fake
+def _(x: torch.Tensor, group: str, counter: str) -> torch.Tensor:
+    return _fake_gathered(x, group)
+
+
+@torch.library.custom_op("agoq::tp_scatter_seq", mutates_args=())
+def _scatter_seq_op(x: torch.Tensor, group: str, counter: str) -> torch.Tensor:
+    """reduce_scatter_seq of x (a copy at tp = 1)."""
+    out = reduce_scatter_seq(x, _group(group), _counter(counter))
+    return x.clone() if out is x else out
+
+
+@_scatter_seq_op.register_fake
+def _(x: torch.Tensor, group: str, counter: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] // _SIZES[group], *x.shape[2:]))
+
+
+def _seq_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.names = inputs[1:]
+    _hold(ctx, *ctx.names)
+
+
+_gather_seq_op.register_autograd(lambda ctx, grad: (_scatter_seq_op(grad, *ctx.names), None, None), setup_context=_seq_setup)
+_scatter_seq_op.register_autograd(lambda ctx, grad: (_gather_seq_op(grad, *ctx.names), None, None), setup_context=_seq_setup)
+
+
+def gather_seq(x: torch.Tensor, group: Group, counter: CommCounter | str | None = None) -> torch.Tensor:
     """Sequence all-gather with autograd (backward: reduce-scatter of the gradient)."""
-    return _GatherSeq.apply(x, group, COMM_COUNTER if counter is None else counter)
+    return _gather_seq_op(x, *_names(group, counter))
 
 
-def scatter_seq(x: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
+def scatter_seq(x: torch.Tensor, group: Group, counter: CommCounter | str | None = None) -> torch.Tensor:
     """Sequence reduce-scatter with autograd (backward: all-gather of the gradient)."""
-    return _ReduceScatterSeq.apply(x, group, COMM_COUNTER if counter is None else counter)
+    return _scatter_seq_op(x, *_names(group, counter))
 
 
 # ---- RMSNorm + column-parallel GEMMs, LAAQ under sequence parallelism ----------------------------
@@ -131,77 +216,171 @@ def _gather_quantized(q: QTensor, group: Group, counter: CommCounter) -> torch.T
     return torch.cat(parts, dim=1)
 
 
-class _SPNormLinear(torch.autograd.Function):
-    """RMSNorm of the sequence-sharded x, all-gathered, times column-parallel weights; keeps only
-    the 4-bit copy of the sharded x (1/tp of the tokens) and recomputes the rest in backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, fmt: QuantFormat, group: Group, counter: CommCounter, *weights: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        h, _ = _norm_forward(x, norm_weight, eps=eps)
-        h_full = all_gather_seq(h, group, counter)
-        del h
-        outs = tuple(F.linear(h_full, w) for w in weights)
-        q = _quantize_saved(x, fmt)
-        ctx.save_for_backward(q.payload, q.scales, norm_weight, *weights)
-        ctx.meta = (q.shape, q.dtype, q.fmt, eps, group, counter)
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        payload, scales, norm_weight, *weights = ctx.saved_tensors
-        shape, dtype, fmt, eps, group, counter = ctx.meta
-        q = QTensor(payload, scales, shape, dtype, fmt)
-        # Every token's GEMM input is recomputed from the gathered 4-bit shards, so the weight
-        # gradients see exactly the tp = 1 recompute of the tokens.
-        x_full = _gather_quantized(q, group, counter) if tp_size(group) > 1 else dequantize(q, torch.float32)
-        h_full, _ = _norm_forward(x_full, norm_weight, eps=eps, out_dtype=dtype)
-        del x_full
-        grad_h = torch.zeros(h_full.shape, dtype=torch.float32, device=payload.device)
-        weight_grads: list[torch.Tensor | None] = [None] * len(weights)
-        h_rows = h_full.reshape(-1, h_full.shape[-1])
-        for i, (g, w) in enumerate(zip(grads, weights)):
-            if g is None:
-                continue
-            grad_h += F.linear(g, w.t())
-            if ctx.needs_input_grad[6 + i]:
-                weight_grads[i] = g.reshape(-1, g.shape[-1]).t().mm(h_rows).to(w.dtype)
-        del h_full, h_rows
-        # Each rank's grad_h is its column shard's share: summed over tp, this rank keeps its tokens.
-        # Sent in the compute dtype, as the baseline's gather backward sends it.
-        grad_h = reduce_scatter_seq(grad_h.to(dtype), group, counter)
-        x = dequantize(q, torch.float32)
-        _, rstd = _norm_forward(x, norm_weight, eps=eps)
-        gx, gw = _norm_backward(grad_h, x, rstd, norm_weight, x_dtype=dtype, need_weight_grad=ctx.needs_input_grad[1])
-        return (gx, gw, None, None, None, None, *weight_grads)
+@torch.library.custom_op("agoq::tp_sp_norm_linear", mutates_args=())
+def _sp_norm_linear_op(
+    x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor], eps: float, fmt: str, group: str, counter: str
+) -> list[torch.Tensor]:
+    """RMSNorm of the sequence-sharded x, all-gathered, times each column-parallel weight; then
+    [outputs..., x's packed codes, x's block scales]: only the 4-bit copy of the sharded x (1/tp
+    of the tokens) is kept, the rest is recomputed in backward."""
+    h, _ = _norm_forward(x, norm_weight, eps=eps)
+    h_full = all_gather_seq(h, _group(group), _counter(counter))
+    del h
+    outs = [F.linear(h_full, w) for w in weights]
+    q = _quantize_saved(x, parse_format(fmt))
+    return [*outs, q.payload, q.scales]
 
 
-class _GatheredLinear(torch.autograd.Function):
-    """Sequence all-gather of h then column-parallel GEMMs, keeping only the sharded h (1/tp of the
-    tokens) and gathering it again in backward, as Megatron-LM's sequence-parallel linear does."""
+@_sp_norm_linear_op.register_fake
+def _(x, norm_weight, weights, eps, fmt, group, counter):  # noqa: ANN001, ANN202
+    full = _fake_gathered(x, group)
+    return [full.new_empty((*full.shape[:-1], w.shape[0])) for w in weights] + _fake_codes(x, parse_format(fmt))
 
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, group: Group, counter: CommCounter, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        h_full = all_gather_seq(h, group, counter)
-        ctx.save_for_backward(h, *weights)
-        ctx.meta = (group, counter)
-        return tuple(F.linear(h_full, w) for w in weights)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        h, *weights = ctx.saved_tensors
-        group, counter = ctx.meta
-        h_rows = all_gather_seq(h, group, counter).reshape(-1, h.shape[-1])
-        grad_h = torch.zeros((*h.shape[:1], h.shape[1] * tp_size(group), h.shape[2]), dtype=torch.float32, device=h.device)
-        weight_grads: list[torch.Tensor | None] = [None] * len(weights)
-        for i, (g, w) in enumerate(zip(grads, weights)):
-            if g is None:
-                continue
-            grad_h += F.linear(g, w.t())
-            if ctx.needs_input_grad[3 + i]:
-                weight_grads[i] = g.reshape(-1, g.shape[-1]).t().mm(h_rows).to(w.dtype)
-        return (reduce_scatter_seq(grad_h.to(h.dtype), group, counter), None, None, *weight_grads)
+@torch.library.custom_op("agoq::tp_sp_norm_linear_backward", mutates_args=())
+def _sp_norm_linear_backward_op(
+    grads: list[Optional[torch.Tensor]],
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weights: list[torch.Tensor],
+    shape: list[int],
+    dtype: torch.dtype,
+    eps: float,
+    fmt: str,
+    group: str,
+    counter: str,
+    need_norm_weight: bool,
+    need_weights: list[bool],
+) -> list[torch.Tensor]:
+    """[grad of x, grad of the norm weight, grad of each weight], an empty tensor for each one not needed."""
+    g_, c_ = _group(group), _counter(counter)
+    q = QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt))
+    # Every token's GEMM input is recomputed from the gathered 4-bit shards, so the weight
+    # gradients see exactly the tp = 1 recompute of the tokens.
+    x_full = _gather_quantized(q, g_, c_) if tp_size(g_) > 1 else dequantize(q, torch.float32)
+    h_full, _ = _norm_forward(x_full, norm_weight, eps=eps, out_dtype=dtype)
+    del x_full
+    grad_h = torch.zeros(h_full.shape, dtype=torch.float32, device=payload.device)
+    weight_grads: list[torch.Tensor | None] = [None] * len(weights)
+    h_rows = h_full.reshape(-1, h_full.shape[-1])
+    for i, (g, w) in enumerate(zip(grads, weights)):
+        if g is None:
+            continue
+        grad_h += F.linear(g, w.t())
+        if need_weights[i]:
+            weight_grads[i] = g.reshape(-1, g.shape[-1]).t().mm(h_rows).to(w.dtype)
+    del h_full, h_rows
+    # Each rank's grad_h is its column shard's share: summed over tp, this rank keeps its tokens.
+    # Sent in the compute dtype, as the baseline's gather backward sends it.
+    grad_h = reduce_scatter_seq(grad_h.to(dtype), g_, c_)
+    x = dequantize(q, torch.float32)
+    _, rstd = _norm_forward(x, norm_weight, eps=eps)
+    gx, gw = _norm_backward(grad_h, x, rstd, norm_weight, x_dtype=dtype, need_weight_grad=need_norm_weight)
+    return [gx, *(_or_empty(g, payload) for g in (gw, *weight_grads))]
+
+
+@_sp_norm_linear_backward_op.register_fake
+def _(grads, payload, scales, norm_weight, weights, shape, dtype, eps, fmt, group, counter, need_norm_weight, need_weights):  # noqa: ANN001, ANN202
+    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
+    gws = [torch.empty_like(w) if need else payload.new_empty(0, dtype=torch.float32) for w, need in zip(weights, wanted)]
+    gnw = torch.empty_like(norm_weight) if need_norm_weight else payload.new_empty(0, dtype=torch.float32)
+    return [payload.new_empty(shape, dtype=dtype), gnw, *gws]
+
+
+def _sp_norm_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    x, norm_weight, weights, eps, fmt, group, counter = inputs
+    payload, scales = output[-2:]
+    ctx.mark_non_differentiable(payload, scales)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(payload, scales, norm_weight, *weights)
+    ctx.meta = (list(x.shape), x.dtype, eps, fmt, group, counter)
+    _hold(ctx, group, counter)
+
+
+def _sp_norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
+    payload, scales, norm_weight, *weights = ctx.saved_tensors
+    shape, dtype, eps, fmt, group, counter = ctx.meta
+    need_norm_weight, need_weights = ctx.needs_input_grad[1:3]
+    outs = _sp_norm_linear_backward_op(
+        list(grads[: len(weights)]),
+        payload,
+        scales,
+        norm_weight,
+        weights,
+        shape,
+        dtype,
+        eps,
+        fmt,
+        group,
+        counter,
+        need_norm_weight,
+        list(need_weights),
+    )
+    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
+    gws = [g if need else None for g, need in zip(outs[2:], wanted)]
+    return outs[0], outs[1] if need_norm_weight else None, gws, None, None, None, None
+
+
+_sp_norm_linear_op.register_autograd(_sp_norm_linear_grad, setup_context=_sp_norm_linear_setup)
+
+
+@torch.library.custom_op("agoq::tp_gathered_linear", mutates_args=())
+def _gathered_linear_op(h: torch.Tensor, weights: list[torch.Tensor], group: str, counter: str) -> list[torch.Tensor]:
+    """Sequence all-gather of h then column-parallel GEMMs; with its autograd only the sharded h
+    (1/tp of the tokens) is kept and gathered again in backward, as Megatron-LM's sequence-parallel
+    linear does."""
+    h_full = all_gather_seq(h, _group(group), _counter(counter))
+    return [F.linear(h_full, w) for w in weights]
+
+
+@_gathered_linear_op.register_fake
+def _(h: torch.Tensor, weights: list[torch.Tensor], group: str, counter: str) -> list[torch.Tensor]:
+    full = _fake_gathered(h, group)
+    return [full.new_empty((*full.shape[:-1], w.shape[0])) for w in weights]
+
+
+@torch.library.custom_op("agoq::tp_gathered_linear_backward", mutates_args=())
+def _gathered_linear_backward_op(
+    grads: list[Optional[torch.Tensor]], h: torch.Tensor, weights: list[torch.Tensor], group: str, counter: str, need_weights: list[bool]
+) -> list[torch.Tensor]:
+    """[grad of h, grad of each weight], an empty tensor for each weight's not needed."""
+    g_, c_ = _group(group), _counter(counter)
+    h_rows = all_gather_seq(h, g_, c_).reshape(-1, h.shape[-1])
+    grad_h = torch.zeros((*h.shape[:1], h.shape[1] * tp_size(g_), h.shape[2]), dtype=torch.float32, device=h.device)
+    weight_grads: list[torch.Tensor | None] = [None] * len(weights)
+    for i, (g, w) in enumerate(zip(grads, weights)):
+        if g is None:
+            continue
+        grad_h += F.linear(g, w.t())
+        if need_weights[i]:
+            weight_grads[i] = g.reshape(-1, g.shape[-1]).t().mm(h_rows).to(w.dtype)
+    return [reduce_scatter_seq(grad_h.to(h.dtype), g_, c_), *(_or_empty(g, h) for g in weight_grads)]
+
+
+@_gathered_linear_backward_op.register_fake
+def _(grads, h, weights, group, counter, need_weights):  # noqa: ANN001, ANN202
+    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
+    return [torch.empty_like(h), *(torch.empty_like(w) if need else h.new_empty(0, dtype=torch.float32) for w, need in zip(weights, wanted))]
+
+
+def _gathered_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    h, weights, group, counter = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(h, *weights)
+    ctx.meta = (group, counter)
+    _hold(ctx, group, counter)
+
+
+def _gathered_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
+    h, *weights = ctx.saved_tensors
+    need_weights = ctx.needs_input_grad[1]
+    outs = _gathered_linear_backward_op(list(grads), h, weights, *ctx.meta, list(need_weights))
+    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
+    return outs[0], [g if need else None for g, need in zip(outs[1:], wanted)], None, None
+
+
+_gathered_linear_op.register_autograd(_gathered_linear_grad, setup_context=_gathered_linear_setup)
 
 
 def sp_rms_norm_linear(
@@ -211,52 +390,70 @@ def sp_rms_norm_linear(
     weights: Sequence[torch.Tensor],
     fmt: QuantFormat | None,
     group: Group,
-    counter: CommCounter | None = None,
+    counter: CommCounter | str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """RMSNorm of sequence-sharded x [batch, s / tp, hidden], gathered to [batch, s, hidden], times
     each column-parallel weight shard. With fmt only quantized x is saved (LAAQ); without, the
     baseline (Megatron-LM's): the norm keeps its sharded input and rstd, the GEMMs the sharded norm
     output, all-gathered again in backward."""
-    counter = COMM_COUNTER if counter is None else counter
+    group, counter = _names(group, counter)
     if fmt is None:
         h = rms_norm(x, norm_weight, eps)
         with meter_scope(kind="gemm_input"):
-            return _GatheredLinear.apply(h, group, counter, *weights)
+            return tuple(_gathered_linear_op(h, list(weights), group, counter))
     with meter_scope(kind="norm_input"):
-        return _SPNormLinear.apply(x, norm_weight, eps, fmt, group, counter, *weights)
+        return tuple(_sp_norm_linear_op(x, norm_weight, list(weights), eps, fmt.name, group, counter)[: len(weights)])
+
+
+@torch.library.custom_op("agoq::tp_sum_over_tp", mutates_args=())
+def _sum_over_tp_op(grad: torch.Tensor, group: str, counter: str) -> torch.Tensor:
+    """grad all-reduced (summed) over the tp group, into a new tensor."""
+    grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's own tensor
+    g_ = _group(group)
+    w = tp_size(g_)
+    if w > 1:
+        dist.all_reduce(grad, group=g_)
+        _counter(counter).record(REPLICATED_GRAD_ALL_REDUCE, ring_all_reduce_bytes(_nbytes(grad), w))
+    return grad
+
+
+@_sum_over_tp_op.register_fake
+def _(grad: torch.Tensor, group: str, counter: str) -> torch.Tensor:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
 class _SumGradOverTp(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient over tp (Megatron's sequence-parallel
-    parameter all-reduce, placed in autograd so the sum exists before any gradient hook folds it)."""
+    parameter all-reduce, placed in autograd so the sum exists before any gradient hook folds it).
+
+    An autograd Function, not a custom op: its forward returns a view of the parameter (an op's
+    output may not alias its input), which a saved-bytes meter recognises as the parameter.
+    Dynamo traces it (strings in ctx, the sum a custom op)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, group: Group, counter: CommCounter) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, group: str, counter: str) -> torch.Tensor:
         ctx.group, ctx.counter = group, counter
+        if not torch.compiler.is_compiling():  # a compiled caller's module holds them
+            _hold(ctx, group, counter)
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's own tensor
-        w = tp_size(ctx.group)
-        if w > 1:
-            dist.all_reduce(grad, group=ctx.group)
-            ctx.counter.record(REPLICATED_GRAD_ALL_REDUCE, ring_all_reduce_bytes(_nbytes(grad), w))
-        return grad, None, None
+        return _sum_over_tp_op(grad, ctx.group, ctx.counter), None, None
 
 
-def replicated(weight: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
+def replicated(weight: torch.Tensor, group: Group, counter: CommCounter | str | None = None) -> torch.Tensor:
     """A tp-replicated parameter (a norm weight) as used in forward: each rank's gradient of it is
     partial (its own tokens), so backward sums it over tp; every tp rank then holds the full,
     identical gradient, summed exactly once."""
-    return _SumGradOverTp.apply(weight, group, COMM_COUNTER if counter is None else counter)
+    return _SumGradOverTp.apply(weight, *_names(group, counter))
 
 
 # ---- vocab-parallel embedding and LM head + cross-entropy ---------------------------------------
 
 
 def vocab_parallel_embedding(
-    tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int, group: Group, counter: CommCounter | None = None
+    tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int, group: Group, counter: CommCounter | str | None = None
 ) -> torch.Tensor:
     """Token ids [batch, seq] (the same on every rank) -> this rank's sequence shard [batch, seq / tp, hidden].
 
@@ -288,71 +485,108 @@ def _vocab_chunk_lse(
     return peak + stats[:, 0].log(), stats[:, 1]
 
 
-class _VocabParallelLoss(torch.autograd.Function):
-    """Mean cross-entropy of hidden @ weight_shard.T over the vocab split on tp; keeps the hidden
-    states, targets and one fp32 log-sum-exp per token, never logits; backward recomputes each
-    chunk's local logits. With ``seq_sharded`` the hidden states come as this rank's sequence shard:
-    forward all-gathers them, only the shard is kept, and backward gathers them again and
-    reduce-scatters their gradient (Megatron's sequence-parallel LM head)."""
+# The vocab-parallel loss: mean cross-entropy of hidden @ weight_shard.T over the vocab split on
+# tp; keeps the hidden states, targets and one fp32 log-sum-exp per token, never logits; backward
+# recomputes each chunk's local logits. With ``seq_sharded`` the hidden states come as this rank's
+# sequence shard: forward all-gathers them, only the shard is kept, and backward gathers them
+# again and reduce-scatters their gradient (Megatron's sequence-parallel LM head).
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        vocab_start: int,
-        ignore_index: int,
-        chunk: int,
-        group: Group,
-        counter: CommCounter,
-        seq_sharded: bool,
-    ) -> torch.Tensor:
-        kept = hidden
-        if seq_sharded:
-            hidden = all_gather_seq(hidden, group, counter)
-        h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        valid = t != ignore_index
-        local = t - vocab_start
-        own = valid & (local >= 0) & (local < weight.shape[0])
-        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            logits = F.linear(h[s : s + chunk], weight).float()
-            lse[s : s + chunk], target = _vocab_chunk_lse(logits, local[s : s + chunk], own[s : s + chunk], group, counter)
-            total += torch.where(valid[s : s + chunk], lse[s : s + chunk] - target, 0.0).sum()
-            del logits
-        scale = valid.sum().float().reciprocal()
-        ctx.save_for_backward(kept, weight, targets, lse)
-        ctx.args = (vocab_start, ignore_index, chunk, scale)
-        ctx.gather = (group, counter) if seq_sharded else None
-        return total * scale
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, targets, lse = ctx.saved_tensors
-        vocab_start, ignore_index, chunk, scale = ctx.args
-        if ctx.gather is not None:
-            hidden = all_gather_seq(hidden, *ctx.gather)
-        h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        valid = t != ignore_index
-        local = t - vocab_start
-        own = valid & (local >= 0) & (local < weight.shape[0])
-        coef = torch.where(valid, grad_out * scale, 0.0)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, h.shape[0], chunk):
-            h_c, own_c = h[s : s + chunk], own[s : s + chunk]
-            g = (F.linear(h_c, weight).float() - lse[s : s + chunk].unsqueeze(1)).exp_()
-            rows = own_c.nonzero().squeeze(1)
-            g[rows, local[s : s + chunk][rows]] -= 1.0
-            g = g.mul_(coef[s : s + chunk].unsqueeze(1)).to(h.dtype)
-            torch.mm(g, weight, out=grad_h[s : s + chunk])
-            grad_w.addmm_(g.t().float(), h_c.float())
-        grad_h = grad_h.view(hidden.shape)
-        if ctx.gather is not None:
-            grad_h = reduce_scatter_seq(grad_h, *ctx.gather)
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None, None, None
+@torch.library.custom_op("agoq::tp_vocab_loss", mutates_args=())
+def _vocab_loss_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    ignore_index: int,
+    chunk: int,
+    group: str,
+    counter: str,
+    seq_sharded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, fp32 log-sum-exp of every token)."""
+    g_, c_ = _group(group), _counter(counter)
+    if seq_sharded:
+        hidden = all_gather_seq(hidden, g_, c_)
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    valid = t != ignore_index
+    local = t - vocab_start
+    own = valid & (local >= 0) & (local < weight.shape[0])
+    lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, h.shape[0], chunk):
+        logits = F.linear(h[s : s + chunk], weight).float()
+        lse[s : s + chunk], target = _vocab_chunk_lse(logits, local[s : s + chunk], own[s : s + chunk], g_, c_)
+        total += torch.where(valid[s : s + chunk], lse[s : s + chunk] - target, 0.0).sum()
+        del logits
+    return total * valid.sum().float().reciprocal(), lse
+
+
+@_vocab_loss_op.register_fake
+def _(hidden, weight, targets, vocab_start, ignore_index, chunk, group, counter, seq_sharded):  # noqa: ANN001, ANN202
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty(targets.numel(), dtype=torch.float32)
+
+
+@torch.library.custom_op("agoq::tp_vocab_loss_backward", mutates_args=())
+def _vocab_loss_backward_op(
+    grad_out: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_start: int,
+    ignore_index: int,
+    chunk: int,
+    group: str,
+    counter: str,
+    seq_sharded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of hidden, grad of the weight shard)."""
+    g_, c_ = _group(group), _counter(counter)
+    if seq_sharded:
+        hidden = all_gather_seq(hidden, g_, c_)
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    valid = t != ignore_index
+    scale = valid.sum().float().reciprocal()
+    local = t - vocab_start
+    own = valid & (local >= 0) & (local < weight.shape[0])
+    coef = torch.where(valid, grad_out * scale, 0.0)
+    grad_h = torch.empty_like(h)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for s in range(0, h.shape[0], chunk):
+        h_c, own_c = h[s : s + chunk], own[s : s + chunk]
+        g = (F.linear(h_c, weight).float() - lse[s : s + chunk].unsqueeze(1)).exp_()
+        rows = own_c.nonzero().squeeze(1)
+        g[rows, local[s : s + chunk][rows]] -= 1.0
+        g = g.mul_(coef[s : s + chunk].unsqueeze(1)).to(h.dtype)
+        torch.mm(g, weight, out=grad_h[s : s + chunk])
+        grad_w.addmm_(g.t().float(), h_c.float())
+    grad_h = grad_h.view(hidden.shape)
+    if seq_sharded:
+        grad_h = reduce_scatter_seq(grad_h, g_, c_)
+    return grad_h, grad_w.to(weight.dtype)
+
+
+@_vocab_loss_backward_op.register_fake
+def _(grad_out, hidden, weight, targets, lse, vocab_start, ignore_index, chunk, group, counter, seq_sharded):  # noqa: ANN001, ANN202
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _vocab_loss_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    hidden, weight, targets, *args = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(hidden, weight, targets, output[1])
+    ctx.args = args
+    _hold(ctx, *args[3:5])
+
+
+def _vocab_loss_grad(ctx: Any, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None) -> tuple:
+    hidden, weight, targets, lse = ctx.saved_tensors
+    grad_h, grad_w = _vocab_loss_backward_op(grad_out, hidden, weight, targets, lse, *ctx.args)
+    return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+_vocab_loss_op.register_autograd(_vocab_loss_grad, setup_context=_vocab_loss_setup)
 
 
 def vocab_parallel_loss_saved_bytes(tokens: int, hidden: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -369,7 +603,7 @@ def vocab_parallel_cross_entropy(
     targets: torch.Tensor,
     vocab_start: int,
     group: Group,
-    counter: CommCounter | None = None,
+    counter: CommCounter | str | None = None,
     *,
     ignore_index: int = -100,
     chunk_size: int | None = None,
@@ -383,5 +617,4 @@ def vocab_parallel_cross_entropy(
     this rank's sequence shard [batch, seq / tp, hidden], gathered inside (only the shard is kept
     for backward), and its gradient is the full one of that shard."""
     chunk = chunk_size if chunk_size is not None else default_chunk_size(weight.shape[0], weight.shape[1])
-    counter = COMM_COUNTER if counter is None else counter
-    return _VocabParallelLoss.apply(hidden, weight, targets, vocab_start, ignore_index, chunk, group, counter, sequence_parallel)
+    return _vocab_loss_op(hidden, weight, targets, vocab_start, ignore_index, chunk, *_names(group, counter), sequence_parallel)[0]

@@ -363,11 +363,6 @@ def _validate_compile(cfg: TrainConfig) -> None:
             "train.compile=true cannot trace precision.activations=uniform4: its quantized attention keeps SDPA's saved tensors "
             "through saved_tensors_hooks, which torch.compile does not capture; use activations=agoq or bf16, or train.compile=false"
         )
-    if cfg.parallel.tp > 1:
-        raise ConfigError(
-            "train.compile=true supports parallel.tp=1 only: the tensor-parallel ops run collectives inside autograd Functions "
-            "that torch.compile does not capture in one graph; set parallel.tp=1 or train.compile=false"
-        )
 
 
 def _validate_model(cfg: TrainConfig, mc: LlamaConfig) -> None:

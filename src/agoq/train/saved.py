@@ -11,13 +11,27 @@ is reported apart.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
+
+# No public path exports the dispatch-mode base class (torch.library's own docs subclass it here).
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from agoq.activation.meter import storage_key, storage_nbytes
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in an operator's arguments or results: nested tuples (named ones too), lists
+    and dict values, the only containers an aten schema has."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _tensors(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _tensors(item)
 
 
 class _Held:
@@ -144,8 +158,8 @@ class StepAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
+        inputs = {storage_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
             if isinstance(t, torch.Tensor):
                 self._allocated(t, inputs)
         return out
