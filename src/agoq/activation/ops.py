@@ -147,6 +147,33 @@ def _norm_linear_forward(
     return tuple(outs), q, masks
 
 
+def _norm_output_grad(
+    outputs: Sequence[torch.Tensor | None],
+    dense: Sequence[torch.Tensor],
+    adapters: Sequence[tuple[LoraAdapter, torch.Tensor]],
+    a_inputs: Sequence[torch.Tensor],
+    r0: int,
+    r1: int,
+    width: int,
+) -> torch.Tensor:
+    """Rows r0 .. r1 of the gradient of the norm output, fp32: every GEMM's and every adapter's share."""
+    grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=dense[0].device)
+    for g, w in zip(outputs, dense):
+        if g is not None:
+            grad_h += F.linear(g[r0:r1], w.t())
+    for (ad, mask), ga_in in zip(adapters, a_inputs):
+        grad_h += lora_input_grad(ga_in, ad, mask, r0, r1, width)
+    return grad_h
+
+
+def _adapter_grads(
+    adapters: Sequence[tuple], live: Sequence[tuple], a_inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor | None], h: torch.Tensor | None
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """(grad of A, of B) of every adapter, (None, None) for those whose projection got no gradient."""
+    grads = iter([lora_weight_grads(g, ga_in, h, ad, mask, na, nb) for (g, ad, mask, na, nb), ga_in in zip(live, a_inputs)])
+    return [next(grads) if outputs[t] is not None else (None, None) for t, *_ in adapters]
+
+
 def _norm_linear_backward(
     grads: Sequence[torch.Tensor | None],
     q: QTensor,
@@ -173,9 +200,8 @@ def _norm_linear_backward(
     a_inputs = [lora_grad_a_input(g, ad) for g, ad, *_ in live]  # [tokens, r] each: small, whole
     # A dequantized 4-bit base weight lives for this backward only, never saved.
     dense = [dense_weight(w, dtype) for w in weights]
-    # The recomputed norm output of every token, in the compute dtype (the tensor the bf16
-    # policy saves): the weight gradients are then whole GEMMs, as the bf16 policy's backward
-    # makes them, with no fp32 accumulator of a weight's size across chunks.
+    # The recomputed norm output of every token in the compute dtype (what the bf16 policy saves):
+    # weight gradients are then whole GEMMs, with no fp32 accumulator of a weight's size.
     keep_h = any(need_weight_grads) or any(na or nb for *_, na, nb in live)
     h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if keep_h else None
     grad_norm_weight: torch.Tensor | None = None
@@ -194,12 +220,7 @@ def _norm_linear_backward(
         if h_all is not None:
             h_all[r0:r1].copy_(h)
         del h
-        grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
-        for g, w in zip(outputs, dense):
-            if g is not None:
-                grad_h += F.linear(g[r0:r1], w.t())
-        for (_, ad, mask, _, _), ga_in in zip(live, a_inputs):
-            grad_h += lora_input_grad(ga_in, ad, mask, r0, r1, width)
+        grad_h = _norm_output_grad(outputs, dense, [(ad, mask) for _, ad, mask, _, _ in live], a_inputs, r0, r1, width)
         if x is None:
             gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
         else:
@@ -208,10 +229,8 @@ def _norm_linear_backward(
         if gw is not None:
             grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
         del gx, gw, grad_h, x
-    del dense
     weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
-    adapter_grads = iter([lora_weight_grads(g, ga_in, h_all, ad, mask, na, nb) for (g, ad, mask, na, nb), ga_in in zip(live, a_inputs)])
-    lora_grads = [next(adapter_grads) if outputs[t] is not None else (None, None) for t, *_ in adapters]
+    lora_grads = _adapter_grads(adapters, live, a_inputs, outputs, h_all)
     if grad_norm_weight is not None:
         grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
     return grad_x, grad_norm_weight, weight_grads, lora_grads
