@@ -246,6 +246,11 @@ def _fake_masks(x: torch.Tensor, lora_p: Sequence[float]) -> list[torch.Tensor]:
     return [x.new_empty(-(-x.numel() // 8) if p > 0 else 0, dtype=torch.uint8) for p in lora_p]
 
 
+def _no_grad(values: Sequence[Any]) -> list | None:
+    """The gradient of a list argument of numbers: None, or an empty list for an empty one (autograd's pytree sees [] as a list of tensors)."""
+    return None if values else []
+
+
 def _or_none(grads: Sequence[torch.Tensor], wanted: Sequence[bool]) -> list[torch.Tensor | None]:
     return [g if want else None for g, want in zip(grads, wanted)]
 
@@ -332,7 +337,7 @@ def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
     saved = ctx.saved_tensors
     payload, scales, masks, norm_weight = saved[0], saved[1], list(saved[2 : 2 + m]), saved[2 + m]
     weights, lora_a, lora_b = list(saved[3 + m : 3 + m + n]), list(saved[3 + m + n : 3 + 2 * m + n]), list(saved[3 + 2 * m + n :])
-    need_norm_weight, need_weights, _, _, _, need_a, need_b = ctx.needs_input_grad[1:8]
+    need_norm_weight, need_weights, _, _, need_a, need_b = ctx.needs_input_grad[1:7]
     outs = _norm_linear_backward_op(
         list(grads[:n]), payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, list(need_weights),
         lora_a, lora_b, lora_target, lora_scale, lora_p, masks, list(need_a), list(need_b),
@@ -341,7 +346,7 @@ def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
     live = [grads[t] is not None for t in lora_target]
     gas = _or_none(outs[2 + n : 2 + n + m], [na and ok for na, ok in zip(need_a, live)])
     gbs = _or_none(outs[2 + n + m :], [nb and ok for nb, ok in zip(need_b, live)])
-    return outs[0], outs[1] if need_norm_weight else None, _or_none(outs[2 : 2 + n], wanted), None, None, gas, gbs, [None] * m, [None] * m, [None] * m
+    return outs[0], outs[1] if need_norm_weight else None, _or_none(outs[2 : 2 + n], wanted), None, None, gas, gbs, _no_grad(lora_target), _no_grad(lora_scale), _no_grad(lora_p)
 
 
 _norm_linear_op.register_autograd(_norm_linear_grad, setup_context=_norm_linear_setup)
@@ -556,7 +561,7 @@ def _swiglu_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
         lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b,
     )  # fmt: skip
     gg, gu, gd = outs[:3]
-    return gg, gu, gd if need_down else None, None, _or_none(outs[3 : 3 + m], need_a), _or_none(outs[3 + m :], need_b), [None] * m, [None] * m
+    return gg, gu, gd if need_down else None, None, _or_none(outs[3 : 3 + m], need_a), _or_none(outs[3 + m :], need_b), _no_grad(lora_scale), _no_grad(lora_p)
 
 
 _swiglu_linear_op.register_autograd(_swiglu_linear_grad, setup_context=_swiglu_linear_setup)
@@ -750,7 +755,7 @@ def _saved_input_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     if any(need_a) or any(need_b):
         outs = _saved_input_lora_grads_op(grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, list(masks), need_a, need_b)
         gas, gbs = _or_none(outs[:m], need_a), _or_none(outs[m:], need_b)
-    return grad_x, grad_w, None, gas, gbs, [None] * m, [None] * m
+    return grad_x, grad_w, None, gas, gbs, _no_grad(lora_scale), _no_grad(lora_p)
 
 
 _saved_input_linear_op.register_autograd(_saved_input_linear_grad, setup_context=_saved_input_linear_setup)
