@@ -117,7 +117,10 @@ def apply_agoq(
                 _set_forward(patch, head_norm, _head_norm_forward)
     norm = getattr(_base_model(model), "norm", None)
     head = getattr(model, "lm_head", None)
-    if policy.fused_loss and hasattr(norm, "variance_epsilon") and isinstance(head, nn.Linear) and head.bias is None:
+    # A forward someone else already replaced (TRL's SFTTrainer installs a fused LM head that keeps no
+    # logits either, and its trainer calls it with its own arguments) keeps the head and the loss.
+    own_forward = "forward" not in model.__dict__
+    if policy.fused_loss and own_forward and hasattr(norm, "variance_epsilon") and isinstance(head, nn.Linear) and head.bias is None:
         _set_forward(patch, norm, _final_norm_forward)
         _set_forward(patch, model, _causal_lm_forward)
     model.__dict__[_PATCH] = patch
