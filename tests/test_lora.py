@@ -223,7 +223,9 @@ def _assert_adapter_grads(x, dx, ad, g, got_a, got_b, mask) -> None:
     gt, xt, dxt, mt = (t.detach().reshape(-1, t.shape[-1]) for t in (g, x, dx, mask))
     gu = (gt @ ad.b.detach()).abs() * ad.scale
     bound_a = gu.t() @ (dxt * mt.abs()) + 1e-5 * (gu.t() @ (xt * mt).abs())
-    bound_b = ad.scale * gt.abs().t() @ ((dxt * mt.abs()) @ ad.a.detach().abs().t()) + 1e-5 * ad.scale * gt.abs().t() @ ((xt * mt).abs() @ ad.a.detach().abs().t())
+    bound_b = ad.scale * gt.abs().t() @ ((dxt * mt.abs()) @ ad.a.detach().abs().t()) + 1e-5 * ad.scale * gt.abs().t() @ (
+        (xt * mt).abs() @ ad.a.detach().abs().t()
+    )
     for got, want, bound, what in ((got_a, want_a, bound_a, "A"), (got_b, want_b, bound_b, "B")):
         excess = ((got - want).abs() - bound).max().item()
         assert excess <= 0, f"grad of {what}: error exceeds the bound by {excess:.3g}"

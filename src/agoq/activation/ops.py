@@ -236,7 +236,9 @@ def _norm_linear_backward(
     return grad_x, grad_norm_weight, weight_grads, lora_grads
 
 
-def _adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], lora_scale: Sequence[float], lora_p: Sequence[float]) -> list[LoraAdapter]:
+def _adapters(
+    lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], lora_scale: Sequence[float], lora_p: Sequence[float]
+) -> list[LoraAdapter]:
     """The adapters a custom op's flat argument lists describe."""
     return [LoraAdapter(a, b, s, p) for a, b, s, p in zip(lora_a, lora_b, lora_scale, lora_p)]
 
@@ -312,7 +314,27 @@ def _norm_linear_backward_op(
 
 
 @_norm_linear_backward_op.register_fake
-def _(grads, payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, need_weights, lora_a, lora_b, lora_target, lora_scale, lora_p, masks, need_a, need_b):  # noqa: ANN001, ANN202, E501
+def _(
+    grads,
+    payload,
+    scales,
+    norm_weight,
+    weights,
+    shape,
+    dtype,
+    eps,
+    fmt,
+    need_norm_weight,
+    need_weights,
+    lora_a,
+    lora_b,
+    lora_target,
+    lora_scale,
+    lora_p,
+    masks,
+    need_a,
+    need_b,
+):  # noqa: ANN001, ANN202, E501
     wanted = [g is not None and need for g, need in zip(grads, need_weights)]
     gws = [torch.empty_like(w) if need else w.new_empty(0) for w, need in zip(weights, wanted)]
     gnw = torch.empty_like(norm_weight) if need_norm_weight else norm_weight.new_empty(0)
@@ -346,7 +368,18 @@ def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
     live = [grads[t] is not None for t in lora_target]
     gas = _or_none(outs[2 + n : 2 + n + m], [na and ok for na, ok in zip(need_a, live)])
     gbs = _or_none(outs[2 + n + m :], [nb and ok for nb, ok in zip(need_b, live)])
-    return outs[0], outs[1] if need_norm_weight else None, _or_none(outs[2 : 2 + n], wanted), None, None, gas, gbs, _no_grad(lora_target), _no_grad(lora_scale), _no_grad(lora_p)
+    return (
+        outs[0],
+        outs[1] if need_norm_weight else None,
+        _or_none(outs[2 : 2 + n], wanted),
+        None,
+        None,
+        gas,
+        gbs,
+        _no_grad(lora_target),
+        _no_grad(lora_scale),
+        _no_grad(lora_p),
+    )
 
 
 _norm_linear_op.register_autograd(_norm_linear_grad, setup_context=_norm_linear_setup)
@@ -355,7 +388,13 @@ _norm_linear_op.register_autograd(_norm_linear_grad, setup_context=_norm_linear_
 def _flat_adapters(adapters: Sequence[Sequence[LoraAdapter]]) -> tuple[list, list, list[int], list[float], list[float]]:
     """(A's, B's, target weight, scale, dropout p) of adapters given per weight, in that order."""
     flat = [(t, ad) for t, ads in enumerate(adapters) for ad in ads]
-    return [ad.a for _, ad in flat], [ad.b for _, ad in flat], [t for t, _ in flat], [float(ad.scale) for _, ad in flat], [float(ad.dropout) for _, ad in flat]
+    return (
+        [ad.a for _, ad in flat],
+        [ad.b for _, ad in flat],
+        [t for t, _ in flat],
+        [float(ad.scale) for _, ad in flat],
+        [float(ad.dropout) for _, ad in flat],
+    )
 
 
 def _plain_lora(x: torch.Tensor, out: torch.Tensor, adapters: Sequence[LoraAdapter]) -> torch.Tensor:
@@ -535,7 +574,27 @@ def _swiglu_linear_backward_op(
 
 
 @_swiglu_linear_backward_op.register_fake
-def _(grad_out, gate_payload, gate_scales, up_payload, up_scales, down_weight, gate_shape, gate_dtype, up_shape, up_dtype, fmt, need_down, lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b):  # noqa: ANN001, ANN202, E501
+def _(
+    grad_out,
+    gate_payload,
+    gate_scales,
+    up_payload,
+    up_scales,
+    down_weight,
+    gate_shape,
+    gate_dtype,
+    up_shape,
+    up_dtype,
+    fmt,
+    need_down,
+    lora_a,
+    lora_b,
+    lora_scale,
+    lora_p,
+    masks,
+    need_a,
+    need_b,
+):  # noqa: ANN001, ANN202, E501
     gd = torch.empty_like(down_weight) if need_down else down_weight.new_empty(0, dtype=torch.float32)
     gas = [torch.empty_like(a) if need else a.new_empty(0) for a, need in zip(lora_a, need_a)]
     gbs = [torch.empty_like(b) if need else b.new_empty(0) for b, need in zip(lora_b, need_b)]
@@ -561,7 +620,16 @@ def _swiglu_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
         lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b,
     )  # fmt: skip
     gg, gu, gd = outs[:3]
-    return gg, gu, gd if need_down else None, None, _or_none(outs[3 : 3 + m], need_a), _or_none(outs[3 + m :], need_b), _no_grad(lora_scale), _no_grad(lora_p)
+    return (
+        gg,
+        gu,
+        gd if need_down else None,
+        None,
+        _or_none(outs[3 : 3 + m], need_a),
+        _or_none(outs[3 + m :], need_b),
+        _no_grad(lora_scale),
+        _no_grad(lora_p),
+    )
 
 
 _swiglu_linear_op.register_autograd(_swiglu_linear_grad, setup_context=_swiglu_linear_setup)
@@ -665,7 +733,13 @@ def swiglu_linear(
 
 @torch.library.custom_op("agoq::saved_input_linear", mutates_args=())
 def _saved_input_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, fmt: str, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], lora_scale: list[float], lora_p: list[float]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_scale: list[float],
+    lora_p: list[float],
 ) -> list[torch.Tensor]:
     """[x times weight transposed plus its adapters, x's packed codes, x's block scales, each adapter's packed dropout mask...]."""
     out = F.linear(x, dense_weight(weight, x.dtype))
@@ -748,12 +822,16 @@ def _saved_input_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
         # The input gradient needs no saved activation: it is traced as plain GEMMs (and mask reads).
         grad_x = F.linear(grad_out, dense_weight(weight, grad_out.dtype).t())
         for ad, mask in zip(adapters, masks):
-            grad_x = grad_x + lora_input_grad(lora_grad_a_input(grad_out, ad), ad, mask, 0, grad_x.numel() // shape[-1], shape[-1]).view(grad_x.shape).to(grad_x.dtype)
+            grad_x = grad_x + lora_input_grad(lora_grad_a_input(grad_out, ad), ad, mask, 0, grad_x.numel() // shape[-1], shape[-1]).view(
+                grad_x.shape
+            ).to(grad_x.dtype)
     grad_w = _saved_input_weight_grad_op(grad_out, payload, scales, shape, dtype, fmt) if ctx.needs_input_grad[1] else None
     gas: list = [None] * m
     gbs: list = [None] * m
     if any(need_a) or any(need_b):
-        outs = _saved_input_lora_grads_op(grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, list(masks), need_a, need_b)
+        outs = _saved_input_lora_grads_op(
+            grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, list(masks), need_a, need_b
+        )
         gas, gbs = _or_none(outs[:m], need_a), _or_none(outs[m:], need_b)
     return grad_x, grad_w, None, gas, gbs, _no_grad(lora_scale), _no_grad(lora_p)
 

@@ -314,7 +314,9 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **k
             module.__dict__.pop(_PENDING, None)
     x = x + attn_out
     norm = self.post_attention_layernorm
-    gate, up = rms_norm_linear(x, norm.weight, norm.variance_epsilon, [gate_proj.weight, up_proj.weight], p.norm_input, [gate_proj.adapters, up_proj.adapters])
+    gate, up = rms_norm_linear(
+        x, norm.weight, norm.variance_epsilon, [gate_proj.weight, up_proj.weight], p.norm_input, [gate_proj.adapters, up_proj.adapters]
+    )
     return x + swiglu_linear(gate, up, down_proj.weight, p.act_input, down_proj.adapters)
 
 
