@@ -1,7 +1,8 @@
 """agoq: train LLaMA-style models with 4-bit saved activations and 8-bit gradients.
 
 What a user needs is importable from here: patch a Hugging Face model (:func:`apply_agoq`,
-:func:`remove_agoq`), train it (:class:`AgoqTrainer`), reduce a wrapped model's gradients in 8 bits
+:func:`remove_agoq`), train it (:class:`AgoqTrainer`, or any Trainer subclass such as TRL's SFTTrainer with
+:class:`AgoqMixin`), reduce a wrapped model's gradients in 8 bits
 (:func:`use_8bit_gradients`), the quantizer pair (:func:`quantize`, :func:`dequantize`), the
 activation policy (:func:`make_policy`) and the training config (:class:`TrainConfig`,
 :func:`load_config`). Everything else stays importable from its own module.
@@ -42,6 +43,7 @@ _HOMES = {
     "apply_agoq": "agoq.integrations.hf",
     "remove_agoq": "agoq.integrations.hf",
     "AgoqTrainer": "agoq.integrations.hf_trainer",
+    "AgoqMixin": "agoq.integrations.hf_trainer",
     "use_8bit_gradients": "agoq.integrations.hf_trainer",
     "quantize": "agoq.quant",
     "dequantize": "agoq.quant",

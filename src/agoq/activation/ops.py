@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from agoq.activation.lora import LoraAdapter, dense_weight, lora_forward, lora_grad_a_input, lora_input_grad, lora_weight_grads, out_features
 from agoq.activation.meter import meter_scope
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 
@@ -122,18 +123,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _norm_linear_forward(
-    x: torch.Tensor, norm_weight: torch.Tensor, weights: Sequence[torch.Tensor], eps: float, fmt: QuantFormat
-) -> tuple[tuple[torch.Tensor, ...], QTensor]:
-    """(RMSNorm(x) times each weight, quantized x): the forward of the fused norm + GEMMs."""
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    eps: float,
+    fmt: QuantFormat,
+    adapters: Sequence[tuple[int, LoraAdapter]] = (),
+) -> tuple[tuple[torch.Tensor, ...], QTensor, list[torch.Tensor]]:
+    """(RMSNorm(x) times each weight plus its adapters, quantized x, packed dropout masks): the fused forward."""
     kernels = _norm_kernels(x.device, fmt, x.shape[-1])
     if kernels is not None:  # one pass writes the norm output and the quantized input
         h, q = kernels.rms_norm_quantize(x, norm_weight, eps, fmt)
-        outs = tuple(F.linear(h, w) for w in weights)
     else:
         h, _ = _norm_forward(x, norm_weight, eps=eps)
-        outs = tuple(F.linear(h, w) for w in weights)
         q = _quantize_saved(x, fmt)
-    return outs, q
+    outs = [F.linear(h, dense_weight(w, h.dtype)) for w in weights]
+    masks = []
+    # Adapters in PEFT's order (projection by projection), so dropout draws PEFT's masks.
+    for target, adapter in adapters:
+        delta, mask = lora_forward(h, adapter)
+        outs[target] = outs[target] + delta
+        masks.append(mask)
+    return tuple(outs), q, masks
+
+
+def _norm_output_grad(
+    outputs: Sequence[torch.Tensor | None],
+    dense: Sequence[torch.Tensor],
+    adapters: Sequence[tuple[LoraAdapter, torch.Tensor]],
+    a_inputs: Sequence[torch.Tensor],
+    r0: int,
+    r1: int,
+    width: int,
+) -> torch.Tensor:
+    """Rows r0 .. r1 of the gradient of the norm output, fp32: every GEMM's and every adapter's share."""
+    grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=dense[0].device)
+    for g, w in zip(outputs, dense):
+        if g is not None:
+            grad_h += F.linear(g[r0:r1], w.t())
+    for (ad, mask), ga_in in zip(adapters, a_inputs):
+        grad_h += lora_input_grad(ga_in, ad, mask, r0, r1, width)
+    return grad_h
+
+
+def _adapter_grads(
+    adapters: Sequence[tuple], live: Sequence[tuple], a_inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor | None], h: torch.Tensor | None
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """(grad of A, of B) of every adapter, (None, None) for those whose projection got no gradient."""
+    grads = iter([lora_weight_grads(g, ga_in, h, ad, mask, na, nb) for (g, ad, mask, na, nb), ga_in in zip(live, a_inputs)])
+    return [next(grads) if outputs[t] is not None else (None, None) for t, *_ in adapters]
 
 
 def _norm_linear_backward(
@@ -144,8 +182,10 @@ def _norm_linear_backward(
     eps: float,
     need_norm_weight: bool,
     need_weights: Sequence[bool],
-) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
-    """(grad of x, grad of the norm weight or None, grad of each weight or None) of the fused norm + GEMMs."""
+    adapters: Sequence[tuple[int, LoraAdapter, torch.Tensor, bool, bool]] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """(grad of x, of the norm weight or None, of each weight or None, (grad of A, of B) of each adapter)
+    of the fused norm + GEMMs; ``adapters``: (target weight, adapter, packed mask, need A, need B)."""
     payload, shape, dtype, fmt = q.payload, q.shape, q.dtype, q.fmt
     width = shape[-1]
     kernels = _norm_kernels(payload.device, fmt, width)
@@ -156,10 +196,14 @@ def _norm_linear_backward(
     grad_rows = _tokens(grad_x)
     outputs = [None if g is None else _tokens(g) for g in grads]
     need_weight_grads = [g is not None and need for g, need in zip(outputs, need_weights)]
-    # The recomputed norm output of every token, in the compute dtype (the tensor the bf16
-    # policy saves): the weight gradients are then whole GEMMs, as the bf16 policy's backward
-    # makes them, with no fp32 accumulator of a weight's size across chunks.
-    h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if any(need_weight_grads) else None
+    live = [(outputs[t], ad, mask, na, nb) for t, ad, mask, na, nb in adapters if outputs[t] is not None]
+    a_inputs = [lora_grad_a_input(g, ad) for g, ad, *_ in live]  # [tokens, r] each: small, whole
+    # A dequantized 4-bit base weight lives for this backward only, never saved.
+    dense = [dense_weight(w, dtype) for w in weights]
+    # The recomputed norm output of every token in the compute dtype (what the bf16 policy saves):
+    # weight gradients are then whole GEMMs, with no fp32 accumulator of a weight's size.
+    keep_h = any(need_weight_grads) or any(na or nb for *_, na, nb in live)
+    h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if keep_h else None
     grad_norm_weight: torch.Tensor | None = None
     # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
     # then hold a chunk's rows, not every token's.
@@ -176,10 +220,7 @@ def _norm_linear_backward(
         if h_all is not None:
             h_all[r0:r1].copy_(h)
         del h
-        grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=payload.device)
-        for g, w in zip(outputs, weights):
-            if g is not None:
-                grad_h += F.linear(g[r0:r1], w.t())
+        grad_h = _norm_output_grad(outputs, dense, [(ad, mask) for _, ad, mask, _, _ in live], a_inputs, r0, r1, width)
         if x is None:
             gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
         else:
@@ -189,21 +230,56 @@ def _norm_linear_backward(
             grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
         del gx, gw, grad_h, x
     weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
+    lora_grads = _adapter_grads(adapters, live, a_inputs, outputs, h_all)
     if grad_norm_weight is not None:
         grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
-    return grad_x, grad_norm_weight, weight_grads
+    return grad_x, grad_norm_weight, weight_grads, lora_grads
+
+
+def _adapters(
+    lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], lora_scale: Sequence[float], lora_p: Sequence[float]
+) -> list[LoraAdapter]:
+    """The adapters a custom op's flat argument lists describe."""
+    return [LoraAdapter(a, b, s, p) for a, b, s, p in zip(lora_a, lora_b, lora_scale, lora_p)]
+
+
+def _fake_masks(x: torch.Tensor, lora_p: Sequence[float]) -> list[torch.Tensor]:
+    """Empty packed dropout masks over x (1 bit per element), or empty tensors where p is 0."""
+    return [x.new_empty(-(-x.numel() // 8) if p > 0 else 0, dtype=torch.uint8) for p in lora_p]
+
+
+def _no_grad(values: Sequence[Any]) -> list | None:
+    """The gradient of a list argument of numbers: None, or an empty list for an empty one (autograd's pytree sees [] as a list of tensors)."""
+    return None if values else []
+
+
+def _or_none(grads: Sequence[torch.Tensor], wanted: Sequence[bool]) -> list[torch.Tensor | None]:
+    return [g if want else None for g, want in zip(grads, wanted)]
 
 
 @torch.library.custom_op("agoq::norm_linear", mutates_args=())
-def _norm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor], eps: float, fmt: str) -> list[torch.Tensor]:
-    """[RMSNorm(x) times each weight..., x's packed codes, x's block scales]."""
-    outs, q = _norm_linear_forward(x, norm_weight, weights, eps, parse_format(fmt))
-    return [*outs, q.payload, q.scales]
+def _norm_linear_op(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weights: list[torch.Tensor],
+    eps: float,
+    fmt: str,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_target: list[int],
+    lora_scale: list[float],
+    lora_p: list[float],
+) -> list[torch.Tensor]:
+    """[RMSNorm(x) times each weight plus its adapters..., x's packed codes, x's block scales, each adapter's packed dropout mask...]."""
+    adapters = list(zip(lora_target, _adapters(lora_a, lora_b, lora_scale, lora_p)))
+    outs, q, masks = _norm_linear_forward(x, norm_weight, weights, eps, parse_format(fmt), adapters)
+    return [*outs, q.payload, q.scales, *masks]
 
 
 @_norm_linear_op.register_fake
-def _(x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor], eps: float, fmt: str) -> list[torch.Tensor]:
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights] + _fake_codes(x, parse_format(fmt))
+def _(x, norm_weight, weights, eps, fmt, lora_a, lora_b, lora_target, lora_scale, lora_p):  # noqa: ANN001, ANN202
+    outs = [x.new_empty((*x.shape[:-1], out_features(w))) for w in weights]
+    return outs + _fake_codes(x, parse_format(fmt)) + _fake_masks(x, lora_p)
 
 
 @torch.library.custom_op("agoq::norm_linear_backward", mutates_args=())
@@ -219,57 +295,134 @@ def _norm_linear_backward_op(
     fmt: str,
     need_norm_weight: bool,
     need_weights: list[bool],
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_target: list[int],
+    lora_scale: list[float],
+    lora_p: list[float],
+    masks: list[torch.Tensor],
+    need_a: list[bool],
+    need_b: list[bool],
 ) -> list[torch.Tensor]:
-    """[grad of x, grad of the norm weight, grad of each weight], an empty tensor for each one not needed."""
+    """[grad of x, of the norm weight, of each weight, of each adapter's A, of each adapter's B], an empty tensor for each one not needed."""
     q = QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt))
-    gx, gnw, gws = _norm_linear_backward(grads, q, norm_weight, weights, eps, need_norm_weight, need_weights)
-    return [gx, *(_or_empty(g, payload) for g in (gnw, *gws))]
+    adapters = list(zip(lora_target, _adapters(lora_a, lora_b, lora_scale, lora_p), masks, need_a, need_b))
+    gx, gnw, gws, lora_grads = _norm_linear_backward(grads, q, norm_weight, weights, eps, need_norm_weight, need_weights, adapters)
+    gas = [_or_empty(ga, payload) for ga, _ in lora_grads]
+    gbs = [_or_empty(gb, payload) for _, gb in lora_grads]
+    return [gx, *(_or_empty(g, payload) for g in (gnw, *gws)), *gas, *gbs]
 
 
 @_norm_linear_backward_op.register_fake
-def _(grads, payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, need_weights):  # noqa: ANN001, ANN202
+def _(
+    grads,
+    payload,
+    scales,
+    norm_weight,
+    weights,
+    shape,
+    dtype,
+    eps,
+    fmt,
+    need_norm_weight,
+    need_weights,
+    lora_a,
+    lora_b,
+    lora_target,
+    lora_scale,
+    lora_p,
+    masks,
+    need_a,
+    need_b,
+):  # noqa: ANN001, ANN202, E501
     wanted = [g is not None and need for g, need in zip(grads, need_weights)]
     gws = [torch.empty_like(w) if need else w.new_empty(0) for w, need in zip(weights, wanted)]
     gnw = torch.empty_like(norm_weight) if need_norm_weight else norm_weight.new_empty(0)
-    return [payload.new_empty(shape, dtype=dtype), gnw, *gws]
+    live = [grads[t] is not None for t in lora_target]
+    gas = [torch.empty_like(a) if need and ok else a.new_empty(0) for a, need, ok in zip(lora_a, need_a, live)]
+    gbs = [torch.empty_like(b) if need and ok else b.new_empty(0) for b, need, ok in zip(lora_b, need_b, live)]
+    return [payload.new_empty(shape, dtype=dtype), gnw, *gws, *gas, *gbs]
 
 
 def _norm_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    x, norm_weight, weights, eps, fmt = inputs
-    payload, scales = output[-2:]
-    ctx.mark_non_differentiable(payload, scales)
+    x, norm_weight, weights, eps, fmt, lora_a, lora_b, lora_target, lora_scale, lora_p = inputs
+    codes = output[len(weights) :]
+    ctx.mark_non_differentiable(*codes)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(payload, scales, norm_weight, *weights)
-    ctx.meta = (list(x.shape), x.dtype, eps, fmt)
+    ctx.save_for_backward(*codes, norm_weight, *weights, *lora_a, *lora_b)
+    ctx.meta = (list(x.shape), x.dtype, eps, fmt, len(weights), list(lora_target), list(lora_scale), list(lora_p))
 
 
 def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
-    payload, scales, norm_weight, *weights = ctx.saved_tensors
-    shape, dtype, eps, fmt = ctx.meta
-    need_norm_weight, need_weights = ctx.needs_input_grad[1:3]
+    shape, dtype, eps, fmt, n, lora_target, lora_scale, lora_p = ctx.meta
+    m = len(lora_target)
+    saved = ctx.saved_tensors
+    payload, scales, masks, norm_weight = saved[0], saved[1], list(saved[2 : 2 + m]), saved[2 + m]
+    weights, lora_a, lora_b = list(saved[3 + m : 3 + m + n]), list(saved[3 + m + n : 3 + 2 * m + n]), list(saved[3 + 2 * m + n :])
+    need_norm_weight, need_weights, _, _, need_a, need_b = ctx.needs_input_grad[1:7]
     outs = _norm_linear_backward_op(
-        list(grads[: len(weights)]), payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, list(need_weights)
-    )
+        list(grads[:n]), payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, list(need_weights),
+        lora_a, lora_b, lora_target, lora_scale, lora_p, masks, list(need_a), list(need_b),
+    )  # fmt: skip
     wanted = [g is not None and need for g, need in zip(grads, need_weights)]
-    gws = [g if need else None for g, need in zip(outs[2:], wanted)]
-    return outs[0], outs[1] if need_norm_weight else None, gws, None, None
+    live = [grads[t] is not None for t in lora_target]
+    gas = _or_none(outs[2 + n : 2 + n + m], [na and ok for na, ok in zip(need_a, live)])
+    gbs = _or_none(outs[2 + n + m :], [nb and ok for nb, ok in zip(need_b, live)])
+    return (
+        outs[0],
+        outs[1] if need_norm_weight else None,
+        _or_none(outs[2 : 2 + n], wanted),
+        None,
+        None,
+        gas,
+        gbs,
+        _no_grad(lora_target),
+        _no_grad(lora_scale),
+        _no_grad(lora_p),
+    )
 
 
 _norm_linear_op.register_autograd(_norm_linear_grad, setup_context=_norm_linear_setup)
 
 
+def _flat_adapters(adapters: Sequence[Sequence[LoraAdapter]]) -> tuple[list, list, list[int], list[float], list[float]]:
+    """(A's, B's, target weight, scale, dropout p) of adapters given per weight, in that order."""
+    flat = [(t, ad) for t, ads in enumerate(adapters) for ad in ads]
+    return (
+        [ad.a for _, ad in flat],
+        [ad.b for _, ad in flat],
+        [t for t, _ in flat],
+        [float(ad.scale) for _, ad in flat],
+        [float(ad.dropout) for _, ad in flat],
+    )
+
+
+def _plain_lora(x: torch.Tensor, out: torch.Tensor, adapters: Sequence[LoraAdapter]) -> torch.Tensor:
+    """out plus each adapter's update through autograd (the unfused path: PEFT's own saved tensors)."""
+    for ad in adapters:
+        xa = x.to(ad.a.dtype)
+        out = out + (F.linear(F.linear(F.dropout(xa, ad.dropout, training=ad.dropout > 0), ad.a), ad.b) * ad.scale).to(out.dtype)
+    return out
+
+
 def rms_norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weights: Sequence[torch.Tensor], fmt: QuantFormat | None
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weights: Sequence[torch.Tensor],
+    fmt: QuantFormat | None,
+    adapters: Sequence[Sequence[LoraAdapter]] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """RMSNorm(x) times each weight (transposed); with fmt, saves only quantized x."""
+    """RMSNorm(x) times each weight (transposed) plus its LoRA adapters; with fmt, saves only quantized x."""
+    adapters = adapters or [()] * len(weights)
     if fmt is None:
         h = rms_norm(x, norm_weight, eps)
         with meter_scope(kind="gemm_input"):
             # One GEMM per weight: a fused [q|k|v] GEMM would make v a view of one buffer, and
             # attention saving v would then keep q's and k's GEMM outputs alive as well.
-            return tuple(F.linear(h, w) for w in weights)
+            return tuple(_plain_lora(h, F.linear(h, dense_weight(w, h.dtype)), ads) for w, ads in zip(weights, adapters))
     with meter_scope(kind="norm_input"):
-        return tuple(_norm_linear_op(x, norm_weight, list(weights), eps, fmt.name)[: len(weights)])
+        return tuple(_norm_linear_op(x, norm_weight, list(weights), eps, fmt.name, *_flat_adapters(adapters))[: len(weights)])
 
 
 # ---- SwiGLU + linear -----------------------------------------------------------------------------
@@ -281,13 +434,13 @@ SILU_MAX_CURVATURE = 0.5
 
 
 def _swiglu_linear_forward(
-    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat
-) -> tuple[torch.Tensor, QTensor, QTensor]:
-    """((SiLU(gate) * up) times down_weight, quantized gate, quantized up): the fused SwiGLU + GEMM forward."""
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat, adapters: Sequence[LoraAdapter] = ()
+) -> tuple[torch.Tensor, QTensor, QTensor, list[torch.Tensor]]:
+    """((SiLU(gate) * up) times down_weight plus its adapters, quantized gate, quantized up, packed dropout masks)."""
     kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
     if kernels is not None:  # Triton or compiled code: one pass writes SiLU(gate) * up and the quantized gate and up
         act, qg, qu = kernels.swiglu_quantize(gate, up, fmt)
-        out = F.linear(act, down_weight)
+        out = F.linear(act, dense_weight(down_weight, act.dtype))
     else:
         # SiLU(gate) * up a chunk of rows at a time into one buffer: SiLU(gate) is never a whole
         # [tokens, intermediate] temporary (elementwise, so the product is the same bits).
@@ -295,16 +448,28 @@ def _swiglu_linear_forward(
         rows, g2, u2 = _tokens(act), _tokens(gate), _tokens(up)
         for r0, r1 in _row_chunks(rows.shape[0], rows.shape[1], fmt.block_size, gate.device, SWIGLU_CHUNK_VALUES):
             torch.mul(F.silu(g2[r0:r1]), u2[r0:r1], out=rows[r0:r1])
-        out = F.linear(act, down_weight)
-        del act, rows
+        out = F.linear(act, dense_weight(down_weight, act.dtype))
+        del rows
         qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
-    return out, qg, qu
+    masks = []
+    for adapter in adapters:
+        delta, mask = lora_forward(act, adapter)
+        out = out + delta
+        masks.append(mask)
+    return out, qg, qu, masks
 
 
 def _swiglu_linear_backward(
-    grad_out: torch.Tensor, qg: QTensor, qu: QTensor, down_weight: torch.Tensor, need_act: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(grad of gate, grad of up, grad of down_weight or None) of the fused SwiGLU + GEMM."""
+    grad_out: torch.Tensor,
+    qg: QTensor,
+    qu: QTensor,
+    down_weight: torch.Tensor,
+    need_down: bool,
+    adapters: Sequence[tuple[LoraAdapter, torch.Tensor, bool, bool]] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """(grad of gate, of up, of down_weight or None, (grad of A, of B) of each adapter) of the fused SwiGLU + GEMM;
+    ``adapters``: (adapter, packed mask, need A, need B)."""
+    need_act = need_down or any(na or nb for *_, na, nb in adapters)
     gp, gshape, gdtype, ushape, udtype, fmt = qg.payload, qg.shape, qg.dtype, qu.shape, qu.dtype, qg.fmt
     act_dtype = grad_out.dtype if need_act else None
     kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
@@ -324,7 +489,10 @@ def _swiglu_linear_backward(
     # too. Each chunk's recomputed SiLU(gate) * up then overwrites the rows it was computed
     # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
     # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost more: benchmarks/op_overhead.py).
-    grad_act = F.linear(go, down_weight.t())
+    grad_act = F.linear(go, dense_weight(down_weight, go.dtype).t())
+    a_inputs = [lora_grad_a_input(go, ad) for ad, *_ in adapters]
+    for (ad, mask, _, _), ga_in in zip(adapters, a_inputs):
+        grad_act += lora_input_grad(ga_in, ad, mask, 0, go.shape[0], width).to(grad_act.dtype)
     for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
         grad_act_rows = grad_act[r0:r1]
         g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
@@ -343,25 +511,33 @@ def _swiglu_linear_backward(
         if act is not None:
             grad_act_rows.copy_(act)
         del act, grad_act_rows
-    grad_down = go.t().mm(grad_act).to(down_weight.dtype) if need_act else None
-    return grad_gate, grad_up, grad_down
+    grad_down = go.t().mm(grad_act).to(down_weight.dtype) if need_down else None
+    lora_grads = [lora_weight_grads(go, ga_in, grad_act, ad, mask, na, nb) for (ad, mask, na, nb), ga_in in zip(adapters, a_inputs)]
+    return grad_gate, grad_up, grad_down, lora_grads
 
 
 @torch.library.custom_op("agoq::swiglu_linear", mutates_args=())
 def _swiglu_linear_op(
-    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """((SiLU(gate) * up) times down_weight, gate's codes, gate's scales, up's codes, up's scales)."""
-    out, qg, qu = _swiglu_linear_forward(gate, up, down_weight, parse_format(fmt))
-    return out, qg.payload, qg.scales, qu.payload, qu.scales
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down_weight: torch.Tensor,
+    fmt: str,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_scale: list[float],
+    lora_p: list[float],
+) -> list[torch.Tensor]:
+    """[(SiLU(gate) * up) times down_weight plus its adapters, gate's codes, gate's scales, up's codes, up's scales, each adapter's packed dropout mask...]."""
+    out, qg, qu, masks = _swiglu_linear_forward(gate, up, down_weight, parse_format(fmt), _adapters(lora_a, lora_b, lora_scale, lora_p))
+    return [out, qg.payload, qg.scales, qu.payload, qu.scales, *masks]
 
 
 @_swiglu_linear_op.register_fake
-def _(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+def _(gate, up, down_weight, fmt, lora_a, lora_b, lora_scale, lora_p):  # noqa: ANN001, ANN202
     f = parse_format(fmt)
     act_dtype = torch.promote_types(gate.dtype, up.dtype)
-    out = gate.new_empty((*gate.shape[:-1], down_weight.shape[0]), dtype=act_dtype)
-    return (out, *_fake_codes(gate, f), *_fake_codes(up, f))
+    out = gate.new_empty((*gate.shape[:-1], out_features(down_weight)), dtype=act_dtype)
+    return [out, *_fake_codes(gate, f), *_fake_codes(up, f), *_fake_masks(gate, lora_p)]
 
 
 @torch.library.custom_op("agoq::swiglu_linear_backward", mutates_args=())
@@ -378,34 +554,82 @@ def _swiglu_linear_backward_op(
     up_dtype: torch.dtype,
     fmt: str,
     need_down: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad of gate, grad of up, grad of down_weight or an empty tensor)."""
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_scale: list[float],
+    lora_p: list[float],
+    masks: list[torch.Tensor],
+    need_a: list[bool],
+    need_b: list[bool],
+) -> list[torch.Tensor]:
+    """[grad of gate, of up, of down_weight, of each adapter's A, of each adapter's B], an empty tensor for each one not needed."""
     f = parse_format(fmt)
     qg = QTensor(gate_payload, gate_scales, torch.Size(gate_shape), gate_dtype, f)
     qu = QTensor(up_payload, up_scales, torch.Size(up_shape), up_dtype, f)
-    gg, gu, gd = _swiglu_linear_backward(grad_out, qg, qu, down_weight, need_down)
-    return gg, gu, _or_empty(gd, gate_payload)
+    adapters = list(zip(_adapters(lora_a, lora_b, lora_scale, lora_p), masks, need_a, need_b))
+    gg, gu, gd, lora_grads = _swiglu_linear_backward(grad_out, qg, qu, down_weight, need_down, adapters)
+    gas = [_or_empty(ga, gate_payload) for ga, _ in lora_grads]
+    gbs = [_or_empty(gb, gate_payload) for _, gb in lora_grads]
+    return [gg, gu, _or_empty(gd, gate_payload), *gas, *gbs]
 
 
 @_swiglu_linear_backward_op.register_fake
-def _(grad_out, gate_payload, gate_scales, up_payload, up_scales, down_weight, gate_shape, gate_dtype, up_shape, up_dtype, fmt, need_down):  # noqa: ANN001, ANN202
+def _(
+    grad_out,
+    gate_payload,
+    gate_scales,
+    up_payload,
+    up_scales,
+    down_weight,
+    gate_shape,
+    gate_dtype,
+    up_shape,
+    up_dtype,
+    fmt,
+    need_down,
+    lora_a,
+    lora_b,
+    lora_scale,
+    lora_p,
+    masks,
+    need_a,
+    need_b,
+):  # noqa: ANN001, ANN202, E501
     gd = torch.empty_like(down_weight) if need_down else down_weight.new_empty(0, dtype=torch.float32)
-    return grad_out.new_empty(gate_shape, dtype=gate_dtype), grad_out.new_empty(up_shape, dtype=up_dtype), gd
+    gas = [torch.empty_like(a) if need else a.new_empty(0) for a, need in zip(lora_a, need_a)]
+    gbs = [torch.empty_like(b) if need else b.new_empty(0) for b, need in zip(lora_b, need_b)]
+    return [grad_out.new_empty(gate_shape, dtype=gate_dtype), grad_out.new_empty(up_shape, dtype=up_dtype), gd, *gas, *gbs]
 
 
-def _swiglu_linear_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    gate, up, down_weight, fmt = inputs
+def _swiglu_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    gate, up, down_weight, fmt, lora_a, lora_b, lora_scale, lora_p = inputs
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(*output[1:], down_weight)
-    ctx.meta = (list(gate.shape), gate.dtype, list(up.shape), up.dtype, fmt)
+    ctx.save_for_backward(*output[1:], down_weight, *lora_a, *lora_b)
+    ctx.meta = (list(gate.shape), gate.dtype, list(up.shape), up.dtype, fmt, list(lora_scale), list(lora_p))
 
 
-def _swiglu_linear_grad(ctx: Any, grad_out: torch.Tensor, *_codes: torch.Tensor | None) -> tuple:
-    gp, gs, up_p, up_s, down_weight = ctx.saved_tensors
-    gshape, gdtype, ushape, udtype, fmt = ctx.meta
-    need_down = ctx.needs_input_grad[2]
-    gg, gu, gd = _swiglu_linear_backward_op(grad_out, gp, gs, up_p, up_s, down_weight, gshape, gdtype, ushape, udtype, fmt, need_down)
-    return gg, gu, gd if need_down else None, None
+def _swiglu_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
+    grad_out = grads[0]
+    gshape, gdtype, ushape, udtype, fmt, lora_scale, lora_p = ctx.meta
+    m = len(lora_p)
+    gp, gs, up_p, up_s, *rest = ctx.saved_tensors
+    masks, down_weight, lora_a, lora_b = rest[:m], rest[m], rest[m + 1 : 2 * m + 1], rest[2 * m + 1 :]
+    need_down, need_a, need_b = ctx.needs_input_grad[2], list(ctx.needs_input_grad[4]), list(ctx.needs_input_grad[5])
+    outs = _swiglu_linear_backward_op(
+        grad_out, gp, gs, up_p, up_s, down_weight, gshape, gdtype, ushape, udtype, fmt, need_down,
+        lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b,
+    )  # fmt: skip
+    gg, gu, gd = outs[:3]
+    return (
+        gg,
+        gu,
+        gd if need_down else None,
+        None,
+        _or_none(outs[3 : 3 + m], need_a),
+        _or_none(outs[3 + m :], need_b),
+        _no_grad(lora_scale),
+        _no_grad(lora_p),
+    )
 
 
 _swiglu_linear_op.register_autograd(_swiglu_linear_grad, setup_context=_swiglu_linear_setup)
@@ -489,31 +713,48 @@ def _swiglu_backward(
     return act, grad_gate, grad_up
 
 
-def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat | None) -> torch.Tensor:
-    """(SiLU(gate) * up) times down_weight (transposed); with fmt, saves only quantized gate/up."""
+def swiglu_linear(
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat | None, adapters: Sequence[LoraAdapter] | None = None
+) -> torch.Tensor:
+    """(SiLU(gate) * up) times down_weight (transposed) plus its LoRA adapters; with fmt, saves only quantized gate/up."""
+    adapters = list(adapters or ())
     if fmt is None:
         with meter_scope(kind="act_input"):
             act = F.silu(gate) * up
         with meter_scope(kind="gemm_input"):
-            return F.linear(act, down_weight)
+            return _plain_lora(act, F.linear(act, dense_weight(down_weight, act.dtype)), adapters)
+    lora = ([ad.a for ad in adapters], [ad.b for ad in adapters], [float(ad.scale) for ad in adapters], [float(ad.dropout) for ad in adapters])
     with meter_scope(kind="act_input"):
-        return _swiglu_linear_op(gate, up, down_weight, fmt.name)[0]
+        return _swiglu_linear_op(gate, up, down_weight, fmt.name, *lora)[0]
 
 
 # ---- linear with a quantized saved input ---------------------------------------------------------
 
 
 @torch.library.custom_op("agoq::saved_input_linear", mutates_args=())
-def _saved_input_linear_op(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x times weight transposed, x's packed codes, x's block scales)."""
-    out = F.linear(x, weight)
+def _saved_input_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_scale: list[float],
+    lora_p: list[float],
+) -> list[torch.Tensor]:
+    """[x times weight transposed plus its adapters, x's packed codes, x's block scales, each adapter's packed dropout mask...]."""
+    out = F.linear(x, dense_weight(weight, x.dtype))
+    masks = []
+    for adapter in _adapters(lora_a, lora_b, lora_scale, lora_p):
+        delta, mask = lora_forward(x, adapter)
+        out = out + delta
+        masks.append(mask)
     q = _quantize_saved(x, parse_format(fmt))
-    return out, q.payload, q.scales
+    return [out, q.payload, q.scales, *masks]
 
 
 @_saved_input_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
-    return (x.new_empty((*x.shape[:-1], weight.shape[0])), *_fake_codes(x, parse_format(fmt)))
+def _(x, weight, fmt, lora_a, lora_b, lora_scale, lora_p):  # noqa: ANN001, ANN202
+    return [x.new_empty((*x.shape[:-1], out_features(weight))), *_fake_codes(x, parse_format(fmt)), *_fake_masks(x, lora_p)]
 
 
 @torch.library.custom_op("agoq::saved_input_weight_grad", mutates_args=())
@@ -530,20 +771,69 @@ def _(grad_out: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, shape
     return grad_out.new_empty((grad_out.shape[-1], shape[-1]), dtype=torch.promote_types(grad_out.dtype, dtype))
 
 
-def _saved_input_linear_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, weight, fmt = inputs
+@torch.library.custom_op("agoq::saved_input_lora_grads", mutates_args=())
+def _saved_input_lora_grads_op(
+    grad_out: torch.Tensor,
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    shape: list[int],
+    dtype: torch.dtype,
+    fmt: str,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    lora_scale: list[float],
+    lora_p: list[float],
+    masks: list[torch.Tensor],
+    need_a: list[bool],
+    need_b: list[bool],
+) -> list[torch.Tensor]:
+    """[grad of each adapter's A, grad of each adapter's B] of x @ w^T plus adapters, x read back from its codes; empty where not needed."""
+    x = dequantize(QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt)))
+    grads = [
+        lora_weight_grads(grad_out, lora_grad_a_input(grad_out, ad), x, ad, mask, na, nb)
+        for ad, mask, na, nb in zip(_adapters(lora_a, lora_b, lora_scale, lora_p), masks, need_a, need_b)
+    ]
+    return [_or_empty(ga, payload) for ga, _ in grads] + [_or_empty(gb, payload) for _, gb in grads]
+
+
+@_saved_input_lora_grads_op.register_fake
+def _(grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b):  # noqa: ANN001, ANN202
+    gas = [torch.empty_like(a) if need else a.new_empty(0) for a, need in zip(lora_a, need_a)]
+    return gas + [torch.empty_like(b) if need else b.new_empty(0) for b, need in zip(lora_b, need_b)]
+
+
+def _saved_input_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    x, weight, fmt, lora_a, lora_b, lora_scale, lora_p = inputs
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(output[1], output[2], weight)
-    ctx.meta = (list(x.shape), x.dtype, fmt)
+    ctx.save_for_backward(*output[1:], weight, *lora_a, *lora_b)
+    ctx.meta = (list(x.shape), x.dtype, fmt, list(lora_scale), list(lora_p))
 
 
-def _saved_input_linear_grad(ctx: Any, grad_out: torch.Tensor, *_codes: torch.Tensor | None) -> tuple:
-    payload, scales, weight = ctx.saved_tensors
-    shape, dtype, fmt = ctx.meta
-    # The input gradient needs no saved activation: it is traced as a plain GEMM.
-    grad_x = F.linear(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
+def _saved_input_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
+    grad_out = grads[0]
+    shape, dtype, fmt, lora_scale, lora_p = ctx.meta
+    m = len(lora_p)
+    payload, scales, *rest = ctx.saved_tensors
+    masks, weight, lora_a, lora_b = rest[:m], rest[m], rest[m + 1 : 2 * m + 1], rest[2 * m + 1 :]
+    adapters = _adapters(lora_a, lora_b, lora_scale, lora_p)
+    need_a, need_b = list(ctx.needs_input_grad[3]), list(ctx.needs_input_grad[4])
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        # The input gradient needs no saved activation: it is traced as plain GEMMs (and mask reads).
+        grad_x = F.linear(grad_out, dense_weight(weight, grad_out.dtype).t())
+        for ad, mask in zip(adapters, masks):
+            grad_x = grad_x + lora_input_grad(lora_grad_a_input(grad_out, ad), ad, mask, 0, grad_x.numel() // shape[-1], shape[-1]).view(
+                grad_x.shape
+            ).to(grad_x.dtype)
     grad_w = _saved_input_weight_grad_op(grad_out, payload, scales, shape, dtype, fmt) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None
+    gas: list = [None] * m
+    gbs: list = [None] * m
+    if any(need_a) or any(need_b):
+        outs = _saved_input_lora_grads_op(
+            grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, list(masks), need_a, need_b
+        )
+        gas, gbs = _or_none(outs[:m], need_a), _or_none(outs[m:], need_b)
+    return grad_x, grad_w, None, gas, gbs, _no_grad(lora_scale), _no_grad(lora_p)
 
 
 _saved_input_linear_op.register_autograd(_saved_input_linear_grad, setup_context=_saved_input_linear_setup)
@@ -558,19 +848,28 @@ def kept_by_attention(x: torch.Tensor) -> bool:
     return bool(getattr(base, _KEPT_BY_ATTENTION, False)) and x.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-def saved_input_linear(x: torch.Tensor, weight: torch.Tensor, fmt: QuantFormat | None, *, attention_output: bool = False) -> torch.Tensor:
-    """x times weight (transposed); with fmt, saves x quantized for the weight gradient.
+def saved_input_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: QuantFormat | None,
+    *,
+    attention_output: bool = False,
+    adapters: Sequence[LoraAdapter] | None = None,
+) -> torch.Tensor:
+    """x times weight (transposed) plus its LoRA adapters; with fmt, saves x quantized for the weight gradients.
 
     When x is a view of an attention output that attention already keeps at full precision, x is
     saved as that view (zero extra bytes) instead of as a quantized copy, whatever ``fmt`` says.
     Under torch.compile no tensor can be asked whether it is such a view: there ``attention_output``
     (x is :func:`causal_attention`'s output, unquantized) says so, as the eager check would find it.
     """
+    adapters = list(adapters or ())
     with meter_scope(kind="out_proj_input"):
         if fmt is None or (attention_output and torch.compiler.is_compiling()) or kept_by_attention(x):
             # In a compiled graph SDPA's backward needs its output too: the partitioner saves it once for both.
-            return F.linear(x, weight)
-        return _saved_input_linear_op(x, weight, fmt.name)[0]
+            return _plain_lora(x, F.linear(x, dense_weight(weight, x.dtype)), adapters)
+        lora = ([ad.a for ad in adapters], [ad.b for ad in adapters], [float(ad.scale) for ad in adapters], [float(ad.dropout) for ad in adapters])
+        return _saved_input_linear_op(x, weight, fmt.name, *lora)[0]
 
 
 # ---- attention core ------------------------------------------------------------------------------

@@ -19,8 +19,13 @@ autograd (``generate``, evaluation): it runs the model's own code. :func:`remove
 A patched model pickles (``torch.save``) and loads (``torch.load(weights_only=False)``) still patched;
 a model is patched once, at the top: patching a module inside a patched one, or around one, is refused.
 
-Projections wrapped by adapters (PEFT/LoRA) are not fused: such a layer runs its own code, with a
-warning, since the adapter reads the normed input that the fused op never materialises.
+PEFT LoRA (``peft.get_peft_model`` with a ``LoraConfig``) is fused: an adapter on q/k/v or gate/up
+reads the norm output that the fused op recomputes in backward, one on o or down the input kept at
+4 bits; PEFT's active adapters apply, with their dropout (its mask kept at 1 bit per element),
+and disabled or merged adapters give the base projection. Base weights may be bitsandbytes 4-bit
+(QLoRA): the fused ops dequantize them per GEMM. Call ``apply_agoq`` on the ``PeftModel`` (or on the
+model inside it). A layer with a projection agoq cannot fuse (a DoRA or other LoRA variant, a
+``lora_bias``, another adapter type) runs its own code, with a one-time warning naming it.
 Biases on q/k/v/o (Qwen2) are added after the fused GEMMs; an MLP with biases or an activation other
 than SiLU is refused when patching.
 """
@@ -36,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from agoq.activation.lora import LoraAdapter
 from agoq.activation.loss import normed_lm_head_cross_entropy
 from agoq.activation.ops import rms_norm, rms_norm_linear, saved_input_linear, swiglu_linear
 from agoq.activation.policy import ActivationPolicy, make_policy
@@ -57,6 +63,7 @@ class AgoqPatch:
     policy: ActivationPolicy
     layers: dict[int, nn.Module]
     patched: list[nn.Module] = field(default_factory=list)  # modules given an instance ``forward``
+    holders: list[nn.Module] = field(default_factory=list)  # wrappers (a PeftModel) that hold the patch too
 
     def remove(self) -> None:
         """Drop every patched forward (the modules' own class methods apply again)."""
@@ -66,8 +73,10 @@ class AgoqPatch:
         for layer in self.layers.values():
             for name in ("_agoq_index", "_agoq_policy", "_agoq_warned"):
                 layer.__dict__.pop(name, None)
-        self.model.__dict__.pop(_PATCH, None)
+        for holder in (self.model, *self.holders):
+            holder.__dict__.pop(_PATCH, None)
         self.patched.clear()
+        self.holders.clear()
 
 
 def apply_agoq(
@@ -86,6 +95,7 @@ def apply_agoq(
     integer bit width (16 keeps it unquantized), as ``agoq train``'s stage bits do.
     """
     _refuse_nested(model)
+    outer, model = model, _unwrap_peft(model)
     layers = _decoder_layers(model)
     if isinstance(policy, str):
         policy = make_policy(policy, formats=formats, layer_bits=layer_bits, fused_loss=fused_loss)
@@ -101,17 +111,22 @@ def apply_agoq(
         _set_forward(patch, layer, _layer_forward)
         attn = layer.self_attn
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            if type(proj) is nn.Linear:  # an adapter's wrapper keeps its own forward (the layer then runs unpatched)
-                _set_forward(patch, proj, _projection_forward)
+            _set_forward(patch, proj, _projection_forward)  # its own forward again where its layer runs unpatched
         for head_norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):  # Qwen3
             if hasattr(head_norm, "variance_epsilon"):
                 _set_forward(patch, head_norm, _head_norm_forward)
     norm = getattr(_base_model(model), "norm", None)
     head = getattr(model, "lm_head", None)
-    if policy.fused_loss and hasattr(norm, "variance_epsilon") and isinstance(head, nn.Linear) and head.bias is None:
+    # A forward someone else already replaced (TRL's SFTTrainer installs a fused LM head that keeps no
+    # logits either, and its trainer calls it with its own arguments) keeps the head and the loss.
+    own_forward = "forward" not in model.__dict__
+    if policy.fused_loss and own_forward and hasattr(norm, "variance_epsilon") and isinstance(head, nn.Linear) and head.bias is None:
         _set_forward(patch, norm, _final_norm_forward)
         _set_forward(patch, model, _causal_lm_forward)
     model.__dict__[_PATCH] = patch
+    if outer is not model:  # a PeftModel: found from the wrapper too, and removed with it
+        outer.__dict__[_PATCH] = patch
+        patch.holders.append(outer)
     return patch
 
 
@@ -125,7 +140,7 @@ def remove_agoq(model: nn.Module) -> None:
 def agoq_patch(model: nn.Module) -> AgoqPatch | None:
     """The patch applied to ``model`` (or to the model a wrapper such as DDP holds), or None."""
     while model is not None:
-        patch = model.__dict__.get(_PATCH)
+        patch = model.__dict__.get(_PATCH) or _unwrap_peft(model).__dict__.get(_PATCH)
         if patch is not None:
             return patch
         model = getattr(model, "module", None)
@@ -159,6 +174,12 @@ def _refuse_nested(model: nn.Module) -> None:
             )
 
 
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT ``PeftModel``; any other model itself."""
+    get_base = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if callable(get_base) and type(model).__module__.startswith("peft.") else model
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     """The decoder stack: ``model.model`` of a causal LM, or the model itself."""
     inner = getattr(model, "model", None)
@@ -180,6 +201,7 @@ def _check_layer(index: int, layer: nn.Module) -> None:
     mlp = layer.mlp
     for name in ("gate_proj", "up_proj", "down_proj"):
         proj = getattr(mlp, name)
+        proj = getattr(proj, "base_layer", proj)
         if isinstance(proj, nn.Linear) and proj.bias is not None:
             raise ValueError(f"layer {index}: mlp.{name} has a bias; agoq's fused SwiGLU has none (config.mlp_bias must be False)")
     act = getattr(mlp, "act_fn", None)
@@ -198,53 +220,116 @@ def _set_forward(patch: AgoqPatch, module: nn.Module, fn: Callable[..., Any]) ->
     patch.patched.append(module)
 
 
-def _fusable(layer: nn.Module) -> bool:
-    """Whether every projection of the layer is the plain Linear the patch fuses (not wrapped by an adapter)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return all(type(p) is nn.Linear for p in projections)
+@dataclass(frozen=True)
+class _Projection:
+    """What the fused ops compute for one projection: its base weight (maybe 4-bit), bias and active adapters."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    adapters: tuple[LoraAdapter, ...] = ()
+
+
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _is_base_linear(module: nn.Module) -> bool:
+    """A plain Linear, or a bitsandbytes 4-bit Linear whose weight is quantized."""
+    if type(module) is nn.Linear:
+        return True
+    bnb_4bit = type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
+    return bnb_4bit and getattr(module.weight, "quant_state", None) is not None
+
+
+def _projection(module: nn.Module) -> _Projection | str:
+    """The projection as the fused ops compute it (PEFT's forward, for its active adapters), or what agoq cannot fuse."""
+    if _is_base_linear(module):
+        return _Projection(module.weight, module.bias)
+    base = getattr(module, "base_layer", None)
+    if not type(module).__module__.startswith("peft.tuners.lora") or base is None or not hasattr(module, "lora_A"):
+        return f"a {type(module).__name__}"
+    if not _is_base_linear(base):
+        return f"a {type(module).__name__} over a {type(base).__name__}"
+    if module.disable_adapters and module.merged:
+        module.unmerge()  # as PEFT's forward does: disabled adapters mean the base weight itself
+    if module.disable_adapters or module.merged:
+        return _Projection(base.weight, base.bias)
+    adapters = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}):
+            return f"a {type(module.lora_variant[name]).__name__} (LoRA variant) adapter {name!r}"
+        if getattr(module, "lora_bias", {}).get(name):
+            return f"an adapter {name!r} with lora_bias=True"
+        drop = module.lora_dropout[name]
+        if type(drop) not in (nn.Dropout, nn.Identity):
+            return f"an adapter {name!r} with a {type(drop).__name__} dropout"
+        p = float(drop.p) if isinstance(drop, nn.Dropout) and drop.training else 0.0
+        adapters.append(LoraAdapter(module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]), p))
+    return _Projection(base.weight, base.bias, tuple(adapters))
+
+
+def _layer_projections(layer: nn.Module) -> list[_Projection] | str:
+    """The layer's seven projections, q/k/v/o/gate/up/down, or the first one agoq cannot fuse and why."""
+    found = []
+    for name in _PROJECTIONS:
+        part, attr = name.split(".")
+        proj = _projection(getattr(getattr(layer, part), attr))
+        if isinstance(proj, str):
+            return f"{name} is {proj}"
+        found.append(proj)
+    return found
 
 
 # ---- patched forwards ----------------------------------------------------------------------------
 
 
 def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The decoder layer through agoq's fused ops; the model's own forward without autograd or with adapters."""
-    if not torch.is_grad_enabled() or args or not _fusable(self):
-        if torch.is_grad_enabled() and not _fusable(self) and not self.__dict__.get("_agoq_warned"):
+    """The decoder layer through agoq's fused ops; the model's own forward without autograd or where a projection cannot be fused."""
+    projections = _layer_projections(self) if torch.is_grad_enabled() and not args else None
+    if not isinstance(projections, list):
+        if isinstance(projections, str) and not self.__dict__.get("_agoq_warned"):
             self._agoq_warned = True
-            warnings.warn(f"agoq: decoder layer {self._agoq_index} has adapter-wrapped projections; it runs unpatched (no saving)", stacklevel=2)
+            warnings.warn(f"agoq: decoder layer {self._agoq_index} runs unpatched (no saving): {projections} agoq cannot fuse", stacklevel=2)
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    q, k, v, o, gate_proj, up_proj, down_proj = projections
     p = self._agoq_policy.layer(self._agoq_index)
-    attn, mlp = self.self_attn, self.mlp
+    attn = self.self_attn
     x = hidden_states
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    qkv = rms_norm_linear(x, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, [w.weight for w in projections], p.norm_input)
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    for module in modules:  # a module put in since patching (merge_and_unload's base Linear) reads its output too
+        if "forward" not in module.__dict__:
+            _set_forward(self.__dict__[_OWNER], module, _projection_forward)
+    norm = self.input_layernorm
+    qkv = rms_norm_linear(x, norm.weight, norm.variance_epsilon, [q.weight, k.weight, v.weight], p.norm_input, [q.adapters, k.adapters, v.adapters])
     try:
         # The attention module runs its own code (rope, cache, attention kernel, q/k norms) on
         # projections it reads back from its q/k/v_proj, already computed from the fused norm.
-        for proj, out in zip(projections, qkv):
-            proj.__dict__[_PENDING] = out if proj.bias is None else out + proj.bias
-        attn.o_proj.__dict__[_PENDING] = lambda o: saved_input_linear(o, attn.o_proj.weight, p.out_proj_input)
+        for module, proj, out in zip(modules, (q, k, v), qkv):
+            module.__dict__[_PENDING] = out if proj.bias is None else out + proj.bias
+        attn.o_proj.__dict__[_PENDING] = lambda h: _with_bias(saved_input_linear(h, o.weight, p.out_proj_input, adapters=o.adapters), o.bias)
         attn_out = attn(hidden_states=x, **kwargs)[0]
     finally:
-        for proj in (*projections, attn.o_proj):
-            proj.__dict__.pop(_PENDING, None)
+        for module in modules:
+            module.__dict__.pop(_PENDING, None)
     x = x + attn_out
     norm = self.post_attention_layernorm
-    gate, up = rms_norm_linear(x, norm.weight, norm.variance_epsilon, [mlp.gate_proj.weight, mlp.up_proj.weight], p.norm_input)
-    return x + swiglu_linear(gate, up, mlp.down_proj.weight, p.act_input)
+    gate, up = rms_norm_linear(
+        x, norm.weight, norm.variance_epsilon, [gate_proj.weight, up_proj.weight], p.norm_input, [gate_proj.adapters, up_proj.adapters]
+    )
+    return x + swiglu_linear(gate, up, down_proj.weight, p.act_input, down_proj.adapters)
 
 
-def _projection_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The output its layer computed (q/k/v), or the fused call it set (o_proj); else a plain Linear."""
+def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+def _projection_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The output its layer computed (q/k/v), or the fused call it set (o_proj); else the module's own forward."""
     pending = self.__dict__.pop(_PENDING, None)
     if pending is None:
-        return F.linear(x, self.weight, self.bias)
-    if callable(pending):
-        out = pending(x)
-        return out if self.bias is None else out + self.bias
-    return pending
+        return type(self).forward(self, x, *args, **kwargs)
+    return pending(x) if callable(pending) else pending
 
 
 def _head_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@
   and, once the Trainer has wrapped the model, its gradient reduction in 8 bits: DDP's bucket
   all-reduce through agoq's comm hook, or FSDP2's reduce-scatter through agoq's custom one. The
   8-bit AdamW is the Trainer's own knob: ``TrainingArguments(optim="adamw_torch_8bit")`` (torchao).
+- :class:`AgoqMixin` gives the same to any ``Trainer`` subclass, TRL's ``SFTTrainer`` included:
+  ``class AgoqSFTTrainer(AgoqMixin, SFTTrainer): pass`` (the mixin first, so its ``__init__`` and
+  ``training_step`` wrap the trainer's). A PEFT model the trainer builds (``peft_config=``) is
+  patched after the trainer has built it.
 - :func:`use_8bit_gradients` does the same reduction for a model a loop wrapped itself
   (``DistributedDataParallel(model)``, ``accelerator.prepare(model)``, ``fully_shard``).
 
@@ -49,8 +53,8 @@ def use_8bit_gradients(model: nn.Module, counter: CommCounter | None = None, fmt
     return counter
 
 
-class AgoqTrainer(Trainer):
-    """``transformers.Trainer`` with AGoQ's saved activations, loss and 8-bit gradient reduction.
+class AgoqMixin:
+    """AGoQ's saved activations, loss and 8-bit gradient reduction for a ``transformers.Trainer`` subclass listed after it.
 
     ``agoq_policy``, ``agoq_formats``, ``agoq_layer_bits`` and ``agoq_fused_loss`` are
     :func:`apply_agoq`'s ``policy``, ``formats``, ``layer_bits`` and ``fused_loss`` (the Trainer's
@@ -83,3 +87,7 @@ class AgoqTrainer(Trainer):
             self._agoq_wrapped = model
             use_8bit_gradients(model, self.agoq_comm)
         return super().training_step(model, inputs, num_items_in_batch)
+
+
+class AgoqTrainer(AgoqMixin, Trainer):
+    """``transformers.Trainer`` with AGoQ's saved activations, loss and 8-bit gradient reduction (:class:`AgoqMixin`)."""
