@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC = ["AgoqMixin", "AgoqTrainer", "TrainConfig", "apply_agoq", "dequantize", "load_config", "make_policy", "quantize", "remove_agoq", "use_8bit_gradients"]
+PUBLIC = [
+    "AgoqMixin",
+    "AgoqTrainer",
+    "TrainConfig",
+    "apply_agoq",
+    "dequantize",
+    "load_config",
+    "make_policy",
+    "quantize",
+    "remove_agoq",
+    "use_8bit_gradients",
+]
 # `agoq --help` reads presets and option lists only; importing torch alone costs seconds of CPU.
 HELP_CPU_S = 1.5
 

@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import torch
+
 # No public query for an active Python dispatch mode exists (docs/ARCHITECTURE.md, private APIs).
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
