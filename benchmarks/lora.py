@@ -397,9 +397,12 @@ def readme_markdown(results: dict[str, Any]) -> str:
             f"| {r['step_s']:.3f} | {r['train_loss']:.3f} | {r['val_loss']:.4f} ± {r['val_loss_std']:.4f} |"
         )
     for name, q in results["ratios"].items():
+        # Each round's own ratio too: with few rounds one loaded round moves the median a lot.
+        a, b = name.split("/")
+        per_round = ", ".join(f"{x['step_s'] / y['step_s']:.2f}" for x, y in zip(results["runs"][a], results["runs"][b]))
         lines.append(
             f"| {name.replace('/', ' / ')} | {q['saved_bytes_per_layer']:.3f}x | {q['peak_tensor_bytes']:.3f}x | {q['peak_rss_bytes']:.3f}x "
-            f"| {q['step_time']:.2f}x | | {q['val_loss']:.4f}x |"
+            f"| {q['step_time']:.2f}x (rounds: {per_round}) | | {q['val_loss']:.4f}x |"
         )
     return "\n".join(lines)
 
