@@ -193,6 +193,25 @@ def test_op_overhead_times_each_fused_op_both_ways_and_keeps_the_earlier_ratios(
     assert "Earlier, revision" in capsys.readouterr().out
 
 
+def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path):
+    pytest.importorskip("peft")
+    from benchmarks import lora
+
+    tiny = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--hidden", "64", "--intermediate", "128", "--layers", "2"]
+    argv = [*tiny, "--seq-len", "16", "--batch-size", "2", "--eval-windows", "2", "--variants", "lora,agoq_lora", "--out-dir", str(tmp_path)]
+    before = _committed()
+    assert lora.main(argv) == 0
+    assert _committed() == before
+    written = json.loads((tmp_path / "lora.json").read_text())["results"]
+    rows = written["rows"]
+    assert set(rows) == {"lora", "agoq_lora"} and set(written["ratios"]) == {"agoq_lora/lora"}
+    for r in rows.values():
+        assert r["peak_tensor_bytes"] > 0 and r["peak_rss_bytes"] > 0 and r["step_s"] > 0
+    # The fused ops keep 4-bit copies where plain LoRA keeps fp32 ones.
+    assert written["ratios"]["agoq_lora/lora"]["saved_bytes_per_layer"] < 0.3
+    assert "| agoq_lora / lora |" in lora.readme_markdown(written)
+
+
 def test_the_convergence_command_names_every_option_that_changes_its_file():
     import argparse
 
