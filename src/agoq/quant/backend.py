@@ -1,9 +1,8 @@
 """Which implementation runs quantization: the torch reference, compiled CPU code, or Triton.
 
-- ``auto`` (default): Triton for CUDA tensors when triton is importable; on CPUs the compiled
-  path when a C++ compiler is present (else torch, with one warning); torch everywhere else;
+- ``auto`` (default): Triton for CUDA tensors when triton is importable; torch everywhere else;
 - ``torch``: always the torch reference (eager, the definition the others must equal);
-- ``compiled``: :mod:`agoq.quant.compiled`, the reference's formulas under torch.compile
+- ``compiled`` (CPUs, opt-in): :mod:`agoq.quant.compiled`, the reference's formulas under torch.compile
   (inductor's C++/OpenMP code) for quantize, dequantize, the gradient fold and the all-reduce's
   local sum; the activation ops also compile their recompute formulas (RMSNorm, SwiGLU);
 - ``triton``: the kernels wherever they apply. On CPU tensors Triton runs only under its
@@ -123,7 +122,9 @@ def resolve(device: torch.device | str) -> str:
     if choice == "auto":
         if device.type == "cuda":
             return "triton" if triton_available() else "torch"
-        return _compiled_cpu() if device.type == "cpu" else "torch"
+        # CPUs: eager, since the compiled formulas measured slower on a training step
+        # (benchmarks/results/train_ratio.json); "compiled" stays for whoever asks for it.
+        return "torch"
     if choice == "compiled":
         return _compiled_cpu() if device.type == "cpu" else "torch"
     if not triton_available():

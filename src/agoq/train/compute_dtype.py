@@ -274,12 +274,8 @@ def check_resume_dtype(cfg: "TrainConfig") -> None:
     )
 
 
-# Compiling the quantization formulas costs a fixed time at a run's start (less where inductor's
-# own on-disk cache holds them from an earlier run) and saves a little on every step; below
-# COMPILE_MIN_STEPS steps eager torch is faster overall (`python -m benchmarks.run_time`,
-# benchmarks/results/run_time.json). The rule does not ask whether a cache is warm: agoq keeps no
-# notes of its own in inductor's folder.
-COMPILE_MIN_STEPS = 400
+# On CPUs `auto` quantizes eagerly: the compiled formulas measured slower than eager torch on the
+# embedded default (benchmarks/results/train_ratio.json, mode "compiled"), so compiling is opt-in.
 
 
 def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeChoice:
@@ -294,15 +290,10 @@ def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeC
         return (
             DtypeChoice("auto", "Triton kernels where installed") if backend.triton_available() else DtypeChoice("torch", "triton is not installed")
         )
-    if not backend.compiler_available():
-        return DtypeChoice("torch", "no C++ compiler for torch.compile")
-    if steps < COMPILE_MIN_STEPS:
-        return DtypeChoice(
-            "torch",
-            f"eager: a {steps}-step run is shorter than the {COMPILE_MIN_STEPS} steps that repay compiling; "
-            "precision.quant_backend=compiled compiles anyway",
-        )
-    return DtypeChoice("compiled", f"torch.compile'd formulas: a run of {COMPILE_MIN_STEPS}+ steps repays compiling them")
+    return DtypeChoice(
+        "torch",
+        "eager: on CPUs the compiled formulas do not pay (benchmarks/results/train_ratio.json); precision.quant_backend=compiled compiles anyway",
+    )
 
 
 def quant_backend_for(cfg: "TrainConfig", device_type: str, compute_dtype: str) -> DtypeChoice:
@@ -361,7 +352,6 @@ def worker_threads(world_size: int) -> int:
 
 __all__ = [
     "BF16_MIN_SPEEDUP",
-    "COMPILE_MIN_STEPS",
     "PROBE_RECORD",
     "DtypeChoice",
     "ResolvedChoices",
