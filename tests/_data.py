@@ -13,6 +13,18 @@ from pathlib import Path
 
 ENV_VAR = "AGOQ_TEST_DATA_CACHE"
 
+# The smallest model the suite's whole runs train (a few hundred thousand parameters) and its data
+# shape: what those tests check is what a run loads, refuses or says, not its speed.
+SMALL_MODEL = [
+    "--model.hidden=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.intermediate=160",
+    "--data.vocab_size=512",
+    "--data.seq_len=32",
+]
+
 
 def data_cache() -> Path:
     """The session's shared data cache folder."""

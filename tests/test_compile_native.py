@@ -17,7 +17,7 @@ from agoq.activation import make_policy
 from agoq.models.config import LlamaConfig
 from agoq.models.llama import IGNORE_INDEX, Llama
 from agoq.train.config import ConfigError, load_config
-from tests._data import data_cache
+from tests._data import SMALL_MODEL, data_cache
 from tests._dist import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -149,13 +149,7 @@ def test_bad_targets_still_raise_from_inside_the_op():
 # ---- agoq train --train.compile=true ------------------------------------------------------------
 
 TRAIN = [
-    "--model.hidden=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.intermediate=160",
-    "--data.vocab_size=512",
-    "--data.seq_len=32",
+    *SMALL_MODEL,
     "--data.batch_size=4",
     "--parallel.pp=1",
     "--parallel.dp=1",

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from agoq.train.lock import LOCK_NAME, FolderInUse, run_lock
-from tests._data import data_cache
+from tests._data import SMALL_MODEL, data_cache
 
 HOLD = "import sys, time; from agoq.train.lock import run_lock\nwith run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
 
@@ -235,13 +235,7 @@ def test_the_trainer_state_round_trips_without_pickle(tmp_path):
 # ---------------------------------------------------------------------------------- whole runs
 
 SMALL = [
-    "--model.hidden=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.intermediate=160",
-    "--data.vocab_size=512",
-    "--data.seq_len=32",
+    *SMALL_MODEL,
     "--data.batch_size=8",
     "--parallel.microbatches=2",
     "--optim.warmup_steps=0",

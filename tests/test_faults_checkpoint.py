@@ -21,18 +21,12 @@ import pytest
 import torch
 
 from agoq.train import compute_dtype as cd
-from tests._data import data_cache
+from tests._data import SMALL_MODEL, data_cache
 
 # One process, eager quantization, a model of a few hundred thousand parameters: what is checked
 # is what the run loads and says, not its speed or layout.
 BASE = [
-    "--model.hidden=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.intermediate=160",
-    "--data.vocab_size=512",
-    "--data.seq_len=32",
+    *SMALL_MODEL,
     "--data.batch_size=8",
     "--parallel.microbatches=2",
     "--parallel.pp=1",

@@ -12,16 +12,11 @@ import pytest
 
 from agoq.train.config import load_config
 from agoq.train.data import CacheMismatch, open_packed, prepare_data
+from tests._data import SMALL_MODEL
 
 # A one-process run of a small model: the faults checked here are the launcher's, not the layout's.
 SMALL = [
-    "--model.hidden=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.intermediate=160",
-    "--data.vocab_size=512",
-    "--data.seq_len=32",
+    *SMALL_MODEL,
     "--data.batch_size=4",
     "--parallel.pp=1",
     "--parallel.dp=1",
