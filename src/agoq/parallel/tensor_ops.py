@@ -492,6 +492,26 @@ def _vocab_chunk_lse(
 # again and reduce-scatters their gradient (Megatron's sequence-parallel LM head).
 
 
+def _vocab_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    ignore_index: int,
+    group: Any,
+    counter: Any,
+    seq_sharded: bool,
+) -> tuple[torch.Tensor, ...]:
+    """(hidden with the whole sequence, its rows, valid targets, targets in this shard's vocabulary,
+    the valid targets this shard owns): what the vocab-parallel loss and its backward both start from."""
+    if seq_sharded:
+        hidden = all_gather_seq(hidden, group, counter)
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    valid = t != ignore_index
+    local = t - vocab_start
+    return hidden, h, valid, local, valid & (local >= 0) & (local < weight.shape[0])
+
+
 @torch.library.custom_op("agoq::tp_vocab_loss", mutates_args=())
 def _vocab_loss_op(
     hidden: torch.Tensor,
@@ -506,12 +526,7 @@ def _vocab_loss_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, fp32 log-sum-exp of every token)."""
     g_, c_ = _group(group), _counter(counter)
-    if seq_sharded:
-        hidden = all_gather_seq(hidden, g_, c_)
-    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    valid = t != ignore_index
-    local = t - vocab_start
-    own = valid & (local >= 0) & (local < weight.shape[0])
+    hidden, h, valid, local, own = _vocab_rows(hidden, weight, targets, vocab_start, ignore_index, g_, c_, seq_sharded)
     lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk):
@@ -543,13 +558,8 @@ def _vocab_loss_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of hidden, grad of the weight shard)."""
     g_, c_ = _group(group), _counter(counter)
-    if seq_sharded:
-        hidden = all_gather_seq(hidden, g_, c_)
-    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    valid = t != ignore_index
+    hidden, h, valid, local, own = _vocab_rows(hidden, weight, targets, vocab_start, ignore_index, g_, c_, seq_sharded)
     scale = valid.sum().float().reciprocal()
-    local = t - vocab_start
-    own = valid & (local >= 0) & (local < weight.shape[0])
     coef = torch.where(valid, grad_out * scale, 0.0)
     grad_h = torch.empty_like(h)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
