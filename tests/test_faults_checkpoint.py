@@ -166,6 +166,47 @@ def test_an_fp32_run_resumed_in_bf16_is_refused_naming_the_saved_dtype(fp32_run,
     assert _folder_digest(out) == before
 
 
+def _saved_run(out: Path, dtype: torch.dtype) -> Path:
+    """A checkpoint of a small model in ``dtype`` where `agoq train --train.out_dir=out` looks for it."""
+    from agoq.models.config import LlamaConfig
+    from agoq.models.llama import Llama
+    from agoq.train.checkpoint import save_checkpoint
+
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=64, max_seq_len=16)
+    return save_checkpoint(out / "checkpoints", 3, Llama(cfg).to(dtype), None, {})
+
+
+def _resume_cfg(out: Path, *extra: str):
+    from agoq.train.config import load_config
+
+    return load_config(None, [f"--train.out_dir={out}", "--parallel.pp=1", "--parallel.dp=1", "--precision.quant_backend=torch", *extra])
+
+
+@pytest.mark.parametrize(
+    "saved, machine_flags", [(torch.bfloat16, ()), (torch.float32, ("amx_bf16",))], ids=["bf16-where-auto-says-fp32", "fp32-where-auto-says-bf16"]
+)
+def test_auto_keeps_the_checkpoints_dtype_both_ways_and_without_a_manifest(tmp_path, monkeypatch, capsys, saved, machine_flags):
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[saved]
+    other = {"bf16": "fp32", "fp32": "bf16"}[name]
+    step = _saved_run(tmp_path, saved)
+    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: machine_flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cd, "_measured_once", lambda *a, **k: (3.0, "recorded"))  # the machine's probe says bf16 pays
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fresh = _resume_cfg(tmp_path / "fresh")
+    assert cd.resolve_choices(fresh, "cpu", 2).compute_dtype == other  # what auto says on this machine
+    capsys.readouterr()
+    assert cd.resolve_choices(_resume_cfg(tmp_path), "cpu", 2).compute_dtype == name
+    assert f"compute dtype {name} (kept from the checkpoint this run resumes, {step}" in capsys.readouterr().out
+
+    # Without its manifest the checkpoint loads only with consent; then DCP's index says the dtype.
+    (step / "manifest.json").unlink()
+    assert cd.checkpoint_compute_dtype(_resume_cfg(tmp_path)) is None  # refused at load, not guessed
+    trusted = _resume_cfg(tmp_path, "--checkpoint.trust_unverified=true")
+    assert cd.checkpoint_compute_dtype(trusted) == (name, step)
+    assert cd.resolve_choices(trusted, "cpu", 2).compute_dtype == name
+
+
 def test_the_library_refuses_loading_weights_into_another_dtype(tmp_path):
     from agoq.models.config import LlamaConfig
     from agoq.models.llama import Llama
@@ -289,6 +330,16 @@ def _tiny_saved(root: Path):
     return step_dir, model, opt, fresh
 
 
+def _assert_same_model_and_optimizer(model, opt, m, o) -> None:
+    """Every parameter, and every optimizer state tensor and value (step, moments), equal and of one dtype."""
+    for p, q in zip(model.parameters(), m.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+        assert opt.state[p].keys() == o.state[q].keys()
+        for key, value in opt.state[p].items():
+            other = o.state[q][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+
+
 @pytest.mark.parametrize(
     "damage, problem",
     [
@@ -314,8 +365,7 @@ def test_the_library_refuses_unverifiable_checkpoints_unless_trusted(tmp_path, d
     # Consent loads it, every tensor as saved.
     assert latest_checkpoint(tmp_path / "ck") == step_dir
     assert load_checkpoint(tmp_path / "ck", m, o, trust_unverified=True) == (2, {"at": 2})
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), m.parameters()))
-    assert all(torch.equal(opt.state[p]["exp_avg"], o.state[q]["exp_avg"]) for p, q in zip(model.parameters(), m.parameters()))
+    _assert_same_model_and_optimizer(model, opt, m, o)
 
 
 def test_the_library_never_falls_back_past_a_folder_without_its_manifest(tmp_path):
@@ -334,8 +384,7 @@ def test_the_library_never_falls_back_past_a_folder_without_its_manifest(tmp_pat
     assert latest_checkpoint(tmp_path / "ck", trust_unverified=True) == step_dir
     # Loaded with consent: the step from its folder's name, every tensor as saved.
     assert load_checkpoint(tmp_path / "ck", m, o, trust_unverified=True) == (2, {"at": 2})
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), m.parameters()))
-    assert all(torch.equal(opt.state[p]["exp_avg_sq"], o.state[q]["exp_avg_sq"]) for p, q in zip(model.parameters(), m.parameters()))
+    _assert_same_model_and_optimizer(model, opt, m, o)
     # A whole folder deleted (what the damage messages advise) leaves the earlier one as the latest.
     shutil.rmtree(step_dir)
     assert latest_checkpoint(tmp_path / "ck") == tmp_path / "ck" / "step_000001"

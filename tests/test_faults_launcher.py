@@ -3,6 +3,7 @@ status, leaves no process behind, and loses nothing the run had written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -237,6 +238,22 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_what_it_names_is_untouched
     assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
 
 
+def test_a_lock_file_that_is_a_hard_link_is_refused_and_its_other_name_untouched(tmp_path):
+    from agoq.train.config import ConfigError
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.link(target, out / LOCK_NAME)
+    for take in (run_lock, join_run_lock):
+        with pytest.raises(ConfigError) as info:
+            with take(out) if take is run_lock else contextlib.nullcontext(take(out)):
+                pass
+        assert f"{out / LOCK_NAME} has 2 names (a hard link" in str(info.value) and f"rm {out / LOCK_NAME}" in str(info.value)
+    assert target.read_text() == "keep me\n"
+
+
 def test_stray_rank_variables_are_ignored_and_named(tmp_path):
     out = tmp_path / "run"
     env = _env(RANK="3", WORLD_SIZE="8")
@@ -346,12 +363,38 @@ def test_a_full_disk_is_named_in_the_line_and_in_the_rank_log(small_disk):
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = _lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
-    assert re.fullmatch(rf"agoq train: rank (\d) failed: no space left on device \(ENOSPC\) writing {re.escape(str(out))}\S*; .*", lines[0]), lines
-    rank = re.match(r"agoq train: rank (\d)", lines[0]).group(1)
+    found = re.fullmatch(rf"agoq train: rank (\d) failed: no space left on device \(ENOSPC\) writing ({re.escape(str(out))}\S*); .*", lines[0])
+    assert found, lines
+    rank, path = found.groups()
     log = (out / "logs" / f"rank{rank}.log").read_text()
-    assert "No space left on device" in log and "Traceback" in log
+    assert "No space left on device" in log and "Traceback" in log and f"(ENOSPC) writing {path};" in log
     # The step trained before the disk filled is in the metrics.
     assert json.loads((out / "metrics" / "rank0.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_a_full_disk_behind_a_one_line_checkpoint_error_is_in_the_line_and_the_log():
+    """Which rank's write meets the full disk first varies: the rank that reports may hold only the
+    DCP failure, its ENOSPC carried as another rank's, under a CheckpointError raised ``from None``."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from agoq.train.checkpoint import CheckpointError
+    from agoq.train.config import TrainConfig
+    from agoq.train.run import _full_traceback, error_line
+
+    enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/checkpoints/step_3.tmp/__1_0.distcp")
+    try:
+        try:
+            raise CheckpointException("save", {1: (enospc, None)})
+        except CheckpointException:
+            raise CheckpointError("writing checkpoint failed (rank 0: RuntimeError: unexpected pos 704 vs 598); save again") from None
+    except CheckpointError as e:
+        error = e
+    assert error_line(error, TrainConfig()).startswith("no space left on device (ENOSPC) writing /runs/x/checkpoints/step_3.tmp/__1_0.distcp; ")
+    log = _full_traceback(error)
+    assert "No space left on device" in log and "unexpected pos 704 vs 598" in log and log.startswith("Traceback")
+    assert "/runs/x/checkpoints/step_3.tmp/__1_0.distcp" in log
 
 
 def test_a_worker_killed_without_a_log_is_named_with_its_signal(tmp_path):

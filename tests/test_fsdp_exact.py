@@ -30,7 +30,7 @@ from agoq.quant.formats import round_up
 from tests._dist import run_distributed
 
 BLOCK = 256  # the default 8-bit gradient format's block (int8/256)
-SMALL = 6e-6  # the small branch's loss weight: its gradients are about 1e4 below the big linear's
+SMALL = 3e-6  # the small branch's loss weight: its gradients are at least 1e4 below the big linear's
 # Slack on the bound: the reference is an fp64 sum, the 8-bit path sums dequantized values in fp32.
 SLACK = 1 + 1e-4
 
@@ -211,8 +211,8 @@ def test_every_parameter_stays_within_the_int8_bound_of_its_own_blocks(unit):
     world, results = unit
     for r in results:
         amax = r["grad_absmax"]
-        # The setup: gradients about 1e4 apart in scale.
-        assert amax["big.weight"] / amax["small.weight"] > 5e3 and amax["big.weight"] / amax["scale"] > 5e3, amax
+        # The setup: gradients at least 1e4 apart in scale.
+        assert amax["big.weight"] / amax["small.weight"] >= 1e4 and amax["big.weight"] / amax["scale"] >= 1e4, amax
         for name, s in r["aligned"].items():
             assert s["bound_ratio"] <= 1.0, (world, name, s)
             assert s["rel_err"] <= (world + 1) / 254, (world, name, s)  # W + 1 half-steps of the parameter's absmax

@@ -824,6 +824,18 @@ def _fmt_shape(shape: Any) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
 
 
+def saved_weights_dtype(step_dir: str | os.PathLike) -> str | None:
+    """The dtype of the model weights a checkpoint's DCP index records (e.g. "torch.bfloat16"), or
+    None where it cannot say. The index is a pickle: read it only from a verified checkpoint or with
+    the user's consent (``trust_unverified``)."""
+    try:
+        metadata = _read_metadata(Path(step_dir))
+    except CheckpointError:
+        return None
+    dtypes = {str(m.properties.dtype) for k, m in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(m, "properties")}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def _read_metadata(step_dir: Path) -> Any:
     try:
         return dcp.FileSystemReader(step_dir).read_metadata()
@@ -970,21 +982,22 @@ def _check_layout(step_dir: Path, manifest: dict, rank: int, msd: dict, metadata
         )
 
 
-def _failures(e: BaseException) -> list[tuple[int, BaseException]]:
+def dcp_failures(e: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) of each rank's failure that a torch CheckpointException ``e`` carries; [] for any other exception."""
     failures = e.failures if isinstance(e, CheckpointException) else {}
     return [(rank, pair[0] if isinstance(pair, tuple) else pair) for rank, pair in sorted(failures.items())]
 
 
 def _reraise_interrupts(e: BaseException) -> None:
     """DCP wraps every failure, Ctrl-C and SystemExit included; those must stay what they are."""
-    for _, inner in _failures(e):
+    for _, inner in dcp_failures(e):
         if not isinstance(inner, Exception):
             raise inner
 
 
 def _short(e: BaseException) -> str:
     """The innermost message of a (possibly multi-rank) DCP failure, on one line."""
-    failures = _failures(e)
+    failures = dcp_failures(e)
     if failures:
         rank, inner = failures[0]
         text = str(inner).strip().splitlines()

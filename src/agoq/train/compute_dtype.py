@@ -242,9 +242,18 @@ def checkpoint_compute_dtype(cfg: "TrainConfig") -> tuple[str, Path] | None:
 
     try:
         latest = latest_checkpoint(Path(cfg.train.out_dir) / "checkpoints", trust_unverified=cfg.checkpoint.trust_unverified)
-        manifest = json.loads((latest / MANIFEST).read_text()) if latest is not None else None
+        manifest = json.loads((latest / MANIFEST).read_text()) if latest is not None and (latest / MANIFEST).exists() else None
     except (CheckpointError, OSError, ValueError):
         return None
+    if latest is None:
+        return None
+    if manifest is None:
+        # No manifest: latest_checkpoint returned it only with the user's consent (trust_unverified),
+        # which covers reading DCP's index; the weights' dtype there is the run's.
+        from agoq.train.checkpoint import saved_weights_dtype
+
+        saved = _DTYPE_NAMES.get(str(saved_weights_dtype(latest)))
+        return (saved, latest) if saved else None
     if not isinstance(manifest, dict):
         return None
     saved = ((manifest.get("run_config") or {}).get("precision") or {}).get("compute_dtype")

@@ -8,7 +8,8 @@ file records who holds it (pid, host, start time) for the message a second run p
 A run claims the folder with an exclusive lock, then holds it shared, and each of its workers
 takes it shared too (:func:`join_run_lock`): another run's exclusive claim fails as long as any
 process of this one lives, the launcher or a worker it left. The file is opened without following
-a symbolic link: ``.lock`` pointing elsewhere would have that file truncated and overwritten.
+a symbolic link, and refused if it is a hard link: ``.lock`` naming another file would have that
+file truncated and overwritten.
 """
 
 from __future__ import annotations
@@ -46,9 +47,16 @@ def _open(out_dir: str | os.PathLike[str]) -> tuple[Path, int]:
                 f"delete the link (rm {path}) or write this run elsewhere with --train.out_dir=runs/NAME"
             ) from None
         raise ConfigError(f"train.out_dir={str(out_dir)!r} cannot be written ({e.strerror}); choose a folder you can write") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise ConfigError(f"{path} is not a regular file; delete it or write this run elsewhere with --train.out_dir=runs/NAME")
+    if info.st_nlink > 1:  # a hard link: the other names of this file would be truncated and overwritten
+        os.close(fd)
+        raise ConfigError(
+            f"{path} has {info.st_nlink} names (a hard link to another file, which the lock would overwrite); "
+            f"delete it (rm {path}) or write this run elsewhere with --train.out_dir=runs/NAME"
+        )
     return folder, fd
 
 

@@ -458,7 +458,9 @@ class _RankLog:
             pass  # written where it can be, at the failure
 
     def write(self, traceback_text: str, line: str) -> None:
-        for i, text in enumerate((traceback_text, f"{time.time()} {line}\n")):
+        # The log ends with the line too: what the terminal said (e.g. the full disk's path) stands
+        # beside the traceback it summarizes.
+        for i, text in enumerate((f"{traceback_text}\n{line}\n", f"{time.time()} {line}\n")):
             data = text.encode(errors="replace")
             try:
                 if i < len(self.fds):
@@ -495,28 +497,45 @@ def _reserve(fd: int, size: int) -> None:
         pass
 
 
+def _linked_exceptions(e: BaseException) -> list[BaseException]:
+    """``e`` and every exception linked to it: raised from or while handling (``from None``
+    included), and the per-rank failures a torch CheckpointException carries."""
+    from agoq.train.checkpoint import dcp_failures
+
+    seen: dict[int, BaseException] = {}
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen[id(x)] = x
+        todo += [x.__cause__, x.__context__]
+        todo += [inner for _, inner in dcp_failures(x)]
+    return list(seen.values())
+
+
 def _disk_full(e: BaseException) -> OSError | None:
-    """The ENOSPC error behind ``e``: itself, one it was raised from or while handling, one of the
-    per-rank failures it carries (torch's CheckpointException), or one only its message quotes."""
+    """The ENOSPC error behind ``e``: one of :func:`_linked_exceptions`, or one only its message quotes."""
     import errno
 
-    seen, todo = set(), [e]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return e
-        if f"[Errno {errno.ENOSPC}]" in str(e) or os.strerror(errno.ENOSPC) in str(e):
+    linked = _linked_exceptions(e)
+    for x in linked:  # the error itself first: it names the file
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return x
+    for x in linked:
+        if f"[Errno {errno.ENOSPC}]" in str(x) or os.strerror(errno.ENOSPC) in str(x):
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        failures = getattr(e, "failures", None)
-        todo += (
-            [e.__cause__, e.__context__, *(v for v in failures.values() if isinstance(v, BaseException))]
-            if isinstance(failures, dict)
-            else [e.__cause__, e.__context__]
-        )
     return None
+
+
+def _full_traceback(e: BaseException) -> str:
+    """``e``'s traceback with what ``raise ... from None`` hid shown: an error made one clean line
+    for the terminal (a CheckpointError) keeps its cause, such as an ENOSPC, in the rank's log."""
+    import traceback
+
+    for x in _linked_exceptions(e):
+        x.__suppress_context__ = False
+    return "".join(traceback.format_exception(e))
 
 
 def _full_folder(cfg: TrainConfig) -> str:
@@ -565,15 +584,13 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
             join_run_lock(cfg.train.out_dir)
         result = train_worker(cfg, choices)
     except BaseException as e:
-        import traceback
-
         interrupted = isinstance(e, KeyboardInterrupt)
         if interrupted:
             # The launcher signals its workers again while they exit; a second interrupt inside
             # Python's exit handlers would print a traceback of its own.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        log.write("".join(traceback.format_exception(e)), error_line(e, cfg))
+        log.write(_full_traceback(e), error_line(e, cfg))
         if interrupted:
             sys.stderr.flush()
             os._exit(130)  # skip exit handlers: nothing of this run needs them, and they can be interrupted again
