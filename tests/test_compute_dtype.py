@@ -63,19 +63,21 @@ def test_the_probe_is_sub_second_and_restores_threads():
     assert torch.get_num_threads() == threads
 
 
-def test_auto_quantizes_eagerly_on_cpus_and_the_config_or_environment_decides_otherwise(monkeypatch):
+def test_auto_compiles_on_cpus_with_a_compiler_and_the_config_or_environment_decides_otherwise(monkeypatch):
     from agoq.quant import backend
 
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     monkeypatch.setattr(backend, "compiler_available", lambda: True)
-    for steps in (5, 200, 10_000):  # eager on CPUs whatever the length: compiling does not pay there
-        chose = cd.choose_quant_backend("auto", "cpu", steps)
-        assert chose.name == "torch" and "precision.quant_backend=compiled" in chose.reason
+    chose = cd.choose_quant_backend("auto", "cpu")
+    assert chose.name == "compiled" and "precision.quant_backend=torch" in chose.reason
     cfg = load_config(None, ["--train.out_dir=runs/x"])
-    assert cd.quant_backend_for(cfg, "cpu", "fp32").name == "torch"
-    assert cd.choose_quant_backend("compiled", "cpu", 5).name == "compiled"  # the config decides when set
+    assert cd.quant_backend_for(cfg, "cpu", "fp32").name == "compiled"
+    monkeypatch.setattr(backend, "compiler_available", lambda: False)
+    chose = cd.choose_quant_backend("auto", "cpu")
+    assert chose.name == "torch" and "no C++ compiler" in chose.reason
+    assert cd.choose_quant_backend("compiled", "cpu").name == "compiled"  # the config decides when set
     monkeypatch.setenv(backend.ENV_VAR, "torch")
-    assert cd.choose_quant_backend("auto", "cpu", 10_000).reason == f"set by {backend.ENV_VAR}"
+    assert cd.choose_quant_backend("auto", "cpu").reason == f"set by {backend.ENV_VAR}"
 
 
 def test_a_bad_quant_backend_is_refused_before_launch():

@@ -148,8 +148,8 @@ def test_nonfinite_blocks_get_nan_scales_and_the_torch_path_raises() -> None:
 def test_backend_choice_env_api_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     assert backend.get_backend() == "auto"
-    # auto: the torch reference on CPUs (the compiled formulas are opt-in), Triton on CUDA
-    assert backend.resolve("cpu") == "torch"
+    # auto: the compiled formulas on CPUs where a C++ compiler is found, Triton on CUDA
+    assert backend.resolve("cpu") == ("compiled" if backend.compiler_available() else "torch")
     with backend.use_backend("compiled"):
         assert backend.resolve("cpu") == ("compiled" if backend.compiler_available() else "torch")
     with backend.use_backend("torch"):

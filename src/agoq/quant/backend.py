@@ -1,8 +1,9 @@
 """Which implementation runs quantization: the torch reference, compiled CPU code, or Triton.
 
-- ``auto`` (default): Triton for CUDA tensors when triton is importable; torch everywhere else;
+- ``auto`` (default): Triton for CUDA tensors when triton is importable; on CPUs the compiled
+  formulas where a C++ compiler is found (else torch, with one warning); torch on other devices;
 - ``torch``: always the torch reference (eager, the definition the others must equal);
-- ``compiled`` (CPUs, opt-in): :mod:`agoq.quant.compiled`, the reference's formulas under torch.compile
+- ``compiled`` (CPUs): :mod:`agoq.quant.compiled`, the reference's formulas under torch.compile
   (inductor's C++/OpenMP code) for quantize, dequantize, the gradient fold and the all-reduce's
   local sum; the activation ops also compile their recompute formulas (RMSNorm, SwiGLU);
 - ``triton``: the kernels wherever they apply. On CPU tensors Triton runs only under its
@@ -122,9 +123,7 @@ def resolve(device: torch.device | str) -> str:
     if choice == "auto":
         if device.type == "cuda":
             return "triton" if triton_available() else "torch"
-        # CPUs: eager, since the compiled formulas measured slower on a training step
-        # (benchmarks/results/train_ratio.json); "compiled" stays for whoever asks for it.
-        return "torch"
+        return _compiled_cpu() if device.type == "cpu" else "torch"
     if choice == "compiled":
         return _compiled_cpu() if device.type == "cpu" else "torch"
     if not triton_available():

@@ -3,15 +3,19 @@
 The same API as :mod:`agoq.quant.triton` (quantize, dequantize, accumulate_, reduce_rows, ...),
 chosen through :mod:`agoq.quant.backend`. Each graph below is a small function that calls the
 formulas of :mod:`agoq.quant.qtensor` (``block_codes``, ``code_values``, ``block_scales``) on whole
-blocks, compiled by plain ``torch.compile(fn, dynamic=True)``: inductor fuses the reference's
-passes into a few loops, and the arithmetic is the reference's, op for op, so codes and scales are
-its bits (tests/test_compiled.py checks them). Packing and unpacking of sub-byte codes stay on the
+blocks, compiled by plain ``torch.compile(fn)``: inductor fuses the reference's passes into a few
+loops, and the arithmetic is the reference's, op for op, so codes and scales are its bits
+(tests/test_compiled.py checks them). Packing and unpacking of sub-byte codes stay on the
 reference's SWAR path (:mod:`agoq.quant.packing`), outside the graphs.
 
-Shapes are dynamic, and a format's integers (block size, bits) reach a graph as symbols: a graph
-serves every size and every int width; kinds and dtypes get graphs of their own. A graph that
-inductor cannot build (e.g. no working C++ compiler) runs eagerly from then on, with one warning:
-the same formulas, the same results.
+Shapes follow torch.compile's default: a graph is first built for the sizes it meets, and rebuilt
+once with the block count symbolic when another size comes. A format's integers (block size,
+bits) stay constants: with them symbolic (``dynamic=True``) inductor indexed every value through a
+division by the block size and left the encoding loop scalar, several times slower than eager
+torch. Each graph keeps values in the blocks' own shape, [blocks, block], for the same reason, and
+codes are made from fp32 values by one conversion (no int8 dtype view). A graph that inductor
+cannot build (e.g. no working C++ compiler) runs eagerly from then on, with one warning: the same
+formulas, the same results.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class _Graph:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=True)
+        self.compiled = torch.compile(fn)
         self.eager = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +68,7 @@ def _graph(fn: Callable[..., Any]) -> _Graph:
 
 
 def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
-    """``fn`` with keyword ``constants`` fixed, torch.compile'd once (dynamic shapes) and reused."""
+    """``fn`` with keyword ``constants`` fixed, torch.compile'd once and reused."""
     return functools.partial(_graph(fn), **constants)
 
 
@@ -115,7 +119,7 @@ def _reduce_graph(
         acc = acc + _block_values(codes[i], scales[i], fmt, tables)
     if average:
         acc = acc / rows
-    out: tuple[torch.Tensor, ...] = (acc.view(-1),) if keep_sum else ()
+    out: tuple[torch.Tensor, ...] = (acc,) if keep_sum else ()  # flattened outside the graph
     if requantize:
         out += block_codes(acc.view(-1, fmt.block_size).clone(), fmt, tables)
     return out
@@ -131,7 +135,7 @@ def _swiglu_graph(
     # The product is computed in fp32 and rounded once (eagerly SiLU is rounded to the dtype first).
     g = gate.to(torch.float32, copy=True).view(-1, fmt.block_size)
     u = up.to(torch.float32, copy=True).view(-1, fmt.block_size)
-    act = (F.silu(g) * u).to(act_dtype).view(-1)
+    act = (F.silu(g) * u).to(act_dtype)  # in the blocks' shape, flattened outside the graph
     return (act, *block_codes(g, fmt, tables), *block_codes(u, fmt, tables))
 
 
@@ -160,6 +164,7 @@ def _codes(payload: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 
 def _packed(codes: torch.Tensor, fmt: QuantFormat, out: torch.Tensor | None = None) -> torch.Tensor:
     """The payload of one-byte codes of whole packing groups (written into ``out`` when given)."""
+    codes = codes.reshape(-1)  # graphs return codes in their blocks' shape
     if out is None:
         if fmt.bits == 8:
             return codes
@@ -179,6 +184,7 @@ def _qtensor(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: Qu
     if not bool(torch.isfinite(scales).all()):
         return reference_quantize(x, fmt, nonfinite="propagate")
     n = x.numel()
+    codes = codes.view(-1)
     if codes.numel() != n:
         codes[n:] = 0  # the reference stores code 0 for the padding of the last block
     payload = _packed(codes, fmt)
@@ -216,7 +222,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph)(
         flat_gate, flat_up, fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
     )
-    return act[: gate.numel()].view(gate.shape), _qtensor(gate, gate_codes, gate_scales, fmt), _qtensor(up, up_codes, up_scales, fmt)
+    return act.view(-1)[: gate.numel()].view(gate.shape), _qtensor(gate, gate_codes, gate_scales, fmt), _qtensor(up, up_codes, up_scales, fmt)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,7 +331,7 @@ def reduce_rows(
     tables = _tables(fmt, payload_rows.device)
     reduce = _graph(_reduce_graph)
     outputs = reduce(codes, scale_rows, fmt, tables, average, keep_sum, requantize)
-    acc = outputs[0] if keep_sum else None
+    acc = outputs[0].view(-1) if keep_sum else None
     if not requantize:
         return acc, None
     new_codes, new_scales = outputs[-2:]
@@ -333,7 +339,7 @@ def reduce_rows(
         q = QTensor(_packed(new_codes, fmt), new_scales, torch.Size([n]), torch.float32, fmt)
     else:
         # A non-finite block: the reference requantizes the sum (rare; the sum is computed again if it was not kept).
-        summed = acc if acc is not None else reduce(codes, scale_rows, fmt, tables, average, True, False)[0]
+        summed = acc if acc is not None else reduce(codes, scale_rows, fmt, tables, average, True, False)[0].view(-1)
         q = reference_quantize(summed, fmt, nonfinite="propagate")
     if out is not None:
         q = QTensor(out[0].copy_(q.payload), out[1].copy_(q.scales), q.shape, q.dtype, fmt)

@@ -228,7 +228,9 @@ def block_codes(yb: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | Non
     in because compiled code does not trace a cache)."""
     scale = block_scales(block_absmax(yb), fmt.max_value)
     _divide_by_scales(yb, scale)
-    return _encode(yb.view(-1), fmt, None, tables), scale
+    # Codes in the blocks' own shape: flattening a dynamic [blocks, block] tensor inside a compiled
+    # graph loses the static block length, and inductor's loops with it.
+    return _encode(yb, fmt, None, tables), scale
 
 
 def code_values(codes: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None = None) -> torch.Tensor:
@@ -251,8 +253,9 @@ def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None, table
             # is not safe: in fp32, 127 + 0.99999994 rounds to 128, past the top code.)
             q = torch.floor(y)
             y = q.add_(noise.lt_(y.sub_(q)))
-        # q + 2**(b-1) in uint8 arithmetic: the two's-complement byte of q wraps to the code.
-        return y.to(torch.int8).view(torch.uint8).add_(1 << (fmt.bits - 1))
+        # q + 2**(b-1) lies in 1..2**b - 1: exact in fp32, then one conversion to the code byte
+        # (no int8 detour through a dtype view, which compiled graphs cannot fuse).
+        return y.add_(1 << (fmt.bits - 1)).to(torch.uint8)
     if fmt.kind == "fp8" and noise is None:
         return y.to(torch.float8_e4m3fn).view(torch.uint8)
     t = codebook_tables(fmt.kind, y.device) if tables is None else tables
@@ -266,7 +269,7 @@ def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None, table
         idx.sub_(1)
         lo = t.values.index_select(0, idx)
         idx.add_(noise.mul_(hi.sub_(lo)) < y.sub_(lo))
-    return t.codes.index_select(0, idx)
+    return t.codes.index_select(0, idx.reshape(-1)).view(idx.shape)
 
 
 def _decode_into(payload: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:

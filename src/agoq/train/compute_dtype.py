@@ -287,7 +287,7 @@ def check_resume_dtype(cfg: "TrainConfig") -> None:
 # embedded default (benchmarks/results/train_ratio.json, mode "compiled"), so compiling is opt-in.
 
 
-def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeChoice:
+def choose_quant_backend(requested: str, device_type: str) -> DtypeChoice:
     """The quantization backend for ``requested`` ('auto' or a name of agoq.quant.backend.BACKENDS), with the reason."""
     from agoq.quant import backend
 
@@ -299,15 +299,18 @@ def choose_quant_backend(requested: str, device_type: str, steps: int) -> DtypeC
         return (
             DtypeChoice("auto", "Triton kernels where installed") if backend.triton_available() else DtypeChoice("torch", "triton is not installed")
         )
+    if not backend.compiler_available():
+        return DtypeChoice("torch", "eager: no C++ compiler for torch.compile here (g++, c++ or clang++); install one for the compiled formulas")
     return DtypeChoice(
-        "torch",
-        "eager: on CPUs the compiled formulas do not pay (benchmarks/results/train_ratio.json); precision.quant_backend=compiled compiles anyway",
+        "compiled",
+        "the reference formulas under torch.compile; the first run on a machine compiles them, later runs read inductor's cache; "
+        "precision.quant_backend=torch runs them eagerly",
     )
 
 
 def quant_backend_for(cfg: "TrainConfig", device_type: str, compute_dtype: str) -> DtypeChoice:
     """choose_quant_backend for a training config (``compute_dtype`` does not change the rule)."""
-    return choose_quant_backend(cfg.precision.quant_backend, device_type, cfg.train.steps)
+    return choose_quant_backend(cfg.precision.quant_backend, device_type)
 
 
 @dataclass(frozen=True)
