@@ -690,7 +690,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
         local_addr="127.0.0.1",
         max_restarts=max_restarts,
         start_method="spawn",  # decided below, once the workers' environment is set
-        monitor_interval=0.5,
+        monitor_interval=0.1,  # how soon a finished or failed worker is noticed (torchrun's default)
     )
     raise_deferred_interrupt()  # one pressed while torch was imported or the data prepared
     # Earlier failures' logs would be mistaken for this run's.
