@@ -37,7 +37,7 @@ COMPARED = {"agoq": "plain", "agoq_sft": "plain", "plain_sft": "plain"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Run length, seeds and where the result goes."""
-    parser.add_argument("--steps", type=int, default=40, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per run")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per process and step")
     parser.add_argument("--eval-windows", type=int, default=16)
@@ -82,7 +82,14 @@ def run(args: argparse.Namespace) -> int:
             "val_loss_worst_seed": max(abs(x["val_loss"] / y["val_loss"] - 1) for x, y in zip(a["runs"], b["runs"])),
             "step_time": statistics.median(x["step_s_median_after_3"] / y["step_s_median_after_3"] for x, y in zip(a["runs"], b["runs"])),
         }
-    results = {"world_size": WORLD, "steps": args.steps, "seeds": args.seeds, "batch_size_per_process": args.batch_size, "rows": rows, "ratios": ratios}
+    results = {
+        "world_size": WORLD,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "batch_size_per_process": args.batch_size,
+        "rows": rows,
+        "ratios": ratios,
+    }
     path = write_result("lora_trainers", results, out_dir=args.out_dir)
     print(readme_markdown(results))
     print(f"\nwritten: {path}")
