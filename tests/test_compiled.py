@@ -246,6 +246,21 @@ def test_fp4_codes_at_every_boundary_and_beside_it_are_the_references() -> None:
     _assert_same(C.quantize(x, fmt), _reference(quantize, x, fmt), "fp4 boundaries")
 
 
+def test_each_format_compiles_on_a_code_object_and_name_of_its_own() -> None:
+    # Dynamo would make a graph's block size and bit width symbolic once one code object (or one
+    # file, line and name) had met two formats, and inductor's loops for symbolic sizes index every
+    # value through a division by the block size: every format after the first would get them.
+    a, b = parse_format("int4/128"), parse_format("int8/256")
+    ga, gb = C._graph(C._quantize_graph, a), C._graph(C._quantize_graph, b)
+    assert ga is C._graph(C._quantize_graph, a)  # one copy per format, reused
+    assert ga.fn.__code__ is not gb.fn.__code__ and ga.fn.__code__ is not C._quantize_graph.__code__
+    assert len({ga.fn.__name__, gb.fn.__name__, C._quantize_graph.__name__}) == 3
+    assert ga.name == gb.name == "_quantize_graph"
+    x = _data(4 * 128 * 3 + 77, torch.bfloat16)
+    for fmt in (a, b):
+        _assert_same(C.quantize(x, fmt), _reference(quantize, x, fmt), fmt.name)
+
+
 def test_a_dispatch_mode_sends_work_to_the_reference_path() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 

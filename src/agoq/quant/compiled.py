@@ -21,6 +21,7 @@ formulas, the same results.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from typing import Any, Callable
 
@@ -37,8 +38,9 @@ class _Graph:
     """``fn`` under torch.compile, called with grad mode off (the formulas compute no gradients);
     eager from the first call whose compile fails, with one warning."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
         self.fn = fn
+        self.name = name or fn.__name__  # the formula's own name, for messages (fn may be a renamed copy)
         self.compiled = torch.compile(fn)
         self.eager = False
 
@@ -54,7 +56,7 @@ class _Graph:
             self.eager = True
             first_line = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
             warnings.warn(
-                f"agoq: torch.compile could not build {self.fn.__name__} ({first_line[:200]}); it runs on the eager "
+                f"agoq: torch.compile could not build {self.name} ({first_line[:200]}); it runs on the eager "
                 "torch path (same results, slower); set AGOQ_QUANT_BACKEND=torch to skip compiling",
                 RuntimeWarning,
                 stacklevel=3,
@@ -63,13 +65,34 @@ class _Graph:
 
 
 @functools.lru_cache(maxsize=None)
-def _graph(fn: Callable[..., Any]) -> _Graph:
-    return _Graph(fn)
+def _graph(fn: Callable[..., Any], *key: Any) -> _Graph:
+    """``fn`` compiled for one ``key`` (its format and other non-tensor arguments), on a code
+    object of its own.
+
+    Dynamo keeps a function's graphs per code object and makes an integer symbolic once it has
+    seen two values of it: a graph that met a second format would index every value through a
+    symbolic block size, the slow code described above, for every format after. Each key
+    compiles its own copy of the code (``CodeType.replace()`` copies it; nothing is generated),
+    where the format never changes.
+    """
+    name = fn.__name__
+    if key:
+        # A name of its own too: Dynamo's record of which sizes turned out dynamic is keyed by
+        # file, line and name, so a copy under the same name would inherit the symbolic sizes.
+        numbered = f"{name}_{len(_copies)}"
+        _copies.append(key)
+        copy = types.FunctionType(fn.__code__.replace(co_name=numbered), fn.__globals__, numbered, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        fn = copy
+    return _Graph(fn, name)
+
+
+_copies: list[tuple[Any, ...]] = []  # the key of each code copy, in the order made (its name's number)
 
 
 def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
-    """``fn`` with keyword ``constants`` fixed, torch.compile'd once and reused."""
-    return functools.partial(_graph(fn), **constants)
+    """``fn`` with keyword ``constants`` fixed, torch.compile'd once per set of constants and reused."""
+    return functools.partial(_graph(fn, *sorted(constants.items())), **constants)
 
 
 def supports(fmt: QuantFormat) -> bool:
@@ -199,7 +222,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     if x.numel() == 0:
         return reference_quantize(x, fmt, nonfinite="propagate")
     flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
-    codes, scales = _graph(_quantize_graph)(flat, fmt, _tables(fmt, x.device))
+    codes, scales = _graph(_quantize_graph, fmt)(flat, fmt, _tables(fmt, x.device))
     return _qtensor(x, codes, scales, fmt)
 
 
@@ -219,7 +242,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     if not gate.numel():
         return torch.empty_like(gate), quantize(gate, fmt), quantize(up, fmt)
     flat_gate, flat_up = (_whole_blocks(t.detach().reshape(-1), fmt.block_size) for t in (gate, up))
-    act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph)(
+    act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype)(
         flat_gate, flat_up, fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
     )
     return act.view(-1)[: gate.numel()].view(gate.shape), _qtensor(gate, gate_codes, gate_scales, fmt), _qtensor(up, up_codes, up_scales, fmt)
@@ -238,7 +261,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         payload = F.pad(payload, (0, fmt.payload_bytes(whole) - payload.numel()))
     direct = out is not None and out.is_contiguous() and out.numel() == whole  # the graph stores into out itself
     values = out.view(blocks, fmt.block_size) if direct else torch.empty(blocks, fmt.block_size, dtype=dtype, device=q.device)
-    _graph(_dequantize_graph)(_codes(payload, fmt).view(blocks, fmt.block_size), q.scales, values, fmt, _tables(fmt, q.device))
+    _graph(_dequantize_graph, fmt)(_codes(payload, fmt).view(blocks, fmt.block_size), q.scales, values, fmt, _tables(fmt, q.device))
     if direct:
         return out
     flat = values.view(-1)[:n]
@@ -253,7 +276,7 @@ def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Q
     rows, nblocks = scale_rows.shape
     if fmt.bits == 8:
         codes = payload_rows.unflatten(1, (nblocks, fmt.block_size))
-        _graph(_dequantize_graph)(codes, scale_rows, out.view(rows, nblocks, fmt.block_size), fmt, _tables(fmt, out.device))
+        _graph(_dequantize_graph, fmt)(codes, scale_rows, out.view(rows, nblocks, fmt.block_size), fmt, _tables(fmt, out.device))
         return
     dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
 
@@ -269,7 +292,7 @@ def _fold_region(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
     codes = payload if first else _codes(payload, fmt)  # a first fold reads no codes
-    new_codes, new_scales, *rest = _graph(_fold_graph)(codes, scales, g, fmt, _tables(fmt, payload.device), first, zero_bad)
+    new_codes, new_scales, *rest = _graph(_fold_graph, fmt, first, zero_bad)(codes, scales, g, fmt, _tables(fmt, payload.device), first, zero_bad)
     _packed(new_codes, fmt, payload)
     scales.copy_(new_scales)
     return tuple(rest)
@@ -304,7 +327,7 @@ def sum_of_squares(q: QTensor) -> torch.Tensor:
     if q.numel == 0:
         return torch.zeros((), dtype=torch.float64, device=q.device)
     codes = _codes(q.payload, fmt).view(-1, fmt.block_size)
-    return _graph(_sum_of_squares_graph)(codes, q.scales, fmt, _tables(fmt, q.device))
+    return _graph(_sum_of_squares_graph, fmt)(codes, q.scales, fmt, _tables(fmt, q.device))
 
 
 def reduce_rows(
@@ -329,7 +352,7 @@ def reduce_rows(
     code_rows = payload_rows if fmt.bits == 8 and payload_rows.stride(1) == 1 else payload_rows.contiguous()
     codes = _codes(code_rows, fmt).view(w, nblocks, fmt.block_size)
     tables = _tables(fmt, payload_rows.device)
-    reduce = _graph(_reduce_graph)
+    reduce = _graph(_reduce_graph, fmt)
     outputs = reduce(codes, scale_rows, fmt, tables, average, keep_sum, requantize)
     acc = outputs[0].view(-1) if keep_sum else None
     if not requantize:
@@ -364,7 +387,7 @@ def reading_codes(fn: Callable[..., Any], fmt: QuantFormat, positions: tuple[int
                 items.append((_codes(a.payload, fmt).view(-1, fmt.block_size), a.scales))
             else:
                 items.append(a.view(-1, fmt.block_size))
-        out = _graph(_reading_codes_graph)(fn, tuple(items), fmt, _tables(fmt, args[0].device), **constants)
+        out = _graph(_reading_codes_graph, fmt, fn, *sorted(constants.items()))(fn, tuple(items), fmt, _tables(fmt, args[0].device), **constants)
         if isinstance(out, torch.Tensor):
             return out.view(shape)
         return tuple(None if o is None else o.view(shape) for o in out)
