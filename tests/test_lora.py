@@ -323,25 +323,26 @@ def test_compiled_saved_input_linear_with_an_adapter_equals_eager():
 # ---- 2-process fine-tunes: AgoqTrainer and SFTTrainer ---------------------------------------------
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lora_finetune.py"
+RUN_EXAMPLES = Path(__file__).resolve().parent / "run_examples.py"
 
 
-def _finetune(tmp: Path, name: str, *extra: str) -> dict:
-    summary = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE)]
-    cmd += ["--steps", "8", "--batch-size", "2", "--eval-windows", "4", "--cache-dir", str(tmp / "cache")]
-    cmd += ["--out-dir", str(tmp / name), "--summary", str(summary), *extra]
+def _finetunes(tmp: Path, runs: dict[str, list[str]]) -> dict[str, dict]:
+    """The example's summary of each fine-tune (name -> extra arguments), all in one torchrun's processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(RUN_EXAMPLES), str(EXAMPLE)]
+    for name, extra in runs.items():
+        cmd += ["--", "--steps", "8", "--batch-size", "2", "--eval-windows", "4", "--cache-dir", str(tmp / "cache")]
+        cmd += ["--out-dir", str(tmp / name), "--summary", str(tmp / f"{name}.json"), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(summary.read_text())
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}
 
 
 @pytest.mark.slow
 def test_lora_finetunes_with_agoq_trainer_and_sft_trainer_match_plain_lora(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    plain = _finetune(tmp_path, "plain", "--plain")
-    agoq = _finetune(tmp_path, "agoq")
-    sft = _finetune(tmp_path, "sft", "--trainer", "sft")
+    runs = _finetunes(tmp_path, {"plain": ["--plain"], "agoq": [], "sft": ["--trainer", "sft"]})
+    plain, agoq, sft = runs["plain"], runs["agoq"], runs["sft"]
     assert plain["wire_bytes_per_step"] == 0 and agoq["wire_bytes_per_step"] > 0 and sft["wire_bytes_per_step"] > 0
     for run in (agoq, sft):
         assert math.isfinite(run["val_loss"]) and abs(run["val_loss"] - plain["val_loss"]) <= 0.01 * plain["val_loss"], (run, plain)
