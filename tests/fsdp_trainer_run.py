@@ -73,11 +73,16 @@ def _fsdp_on_cpu() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--gradients", choices=("int8", "fp32"), required=True)
+    p.add_argument("--gradients", required=True, help="comma-separated: int8 and/or fp32, one run each in these processes")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a folder: each run writes GRADIENTS.json there")
     args = p.parse_args()
     _fsdp_on_cpu()
+    for gradients in args.gradients.split(","):
+        _run(gradients, args.steps, os.path.join(args.out, f"{gradients}.json"))
+
+
+def _run(gradients: str, steps: int, out: str) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -91,8 +96,8 @@ def main() -> None:
     )
     model = LlamaForCausalLM(config)
     training = TrainingArguments(
-        output_dir=os.path.join(os.path.dirname(args.out), f"trainer_{args.gradients}"),
-        max_steps=args.steps,
+        output_dir=os.path.join(os.path.dirname(out), f"trainer_{gradients}"),
+        max_steps=steps,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
@@ -111,9 +116,9 @@ def main() -> None:
     trainer = AgoqTrainer(
         model=model,
         args=training,
-        train_dataset=Sequences(args.steps * 4 * 2),
+        train_dataset=Sequences(steps * 4 * 2),
         agoq_policy=None,  # the saved activations as they are: only the reduction differs between the two runs
-        agoq_gradients=args.gradients,
+        agoq_gradients=gradients,
         callbacks=[losses],
     )
     trainer.train()
@@ -131,12 +136,12 @@ def main() -> None:
         "fsdp_units": len(units),
         "groups": len(groups),
         "multi_module_groups": sum(sum(m._get_fsdp_state()._fsdp_param_group is g for m in units) > 1 for g in groups.values()),
-        "expected_wire_bytes": args.steps * sum(r + 4 * r // 256 for r in rows),
+        "expected_wire_bytes": steps * sum(r + 4 * r // 256 for r in rows),
         "wire_bytes": trainer.agoq_comm.bytes(),
         "parameters": sum(p.numel() for p in wrapped.parameters()),
     }
     if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(summary, f)
 
 

@@ -255,20 +255,20 @@ def test_a_parameter_without_a_gradient_is_a_clear_error_and_the_named_fix_works
 TRAINER_RUN = Path(__file__).resolve().parent / "fsdp_trainer_run.py"
 
 
-def _trainer(tmp: Path, gradients: str) -> dict:
-    out = tmp / f"{gradients}.json"
+def _trainers(tmp: Path, *gradients: str) -> dict[str, dict]:
+    """One 2-process Trainer run per gradient path, all in one torchrun's processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER_RUN)]
-    cmd += ["--gradients", gradients, "--out", str(out)]
+    cmd += ["--gradients", ",".join(gradients), "--out", str(tmp)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return {g: json.loads((tmp / f"{g}.json").read_text()) for g in gradients}
 
 
 @pytest.mark.slow
 def test_hf_trainer_under_fsdp2_with_8bit_reduce_scatter_reaches_the_fp32_loss(tmp_path):
-    int8 = _trainer(tmp_path, "int8")
-    fp32 = _trainer(tmp_path, "fp32")
+    runs = _trainers(tmp_path, "int8", "fp32")
+    int8, fp32 = runs["int8"], runs["fp32"]
     for run in (int8, fp32):
         # Accelerate's FSDP2 (not DDP): the decoder layers, the embedding, the tail and the root.
         assert run["fsdp_units"] >= 3 and run["multi_module_groups"] == 1, run
