@@ -4,10 +4,9 @@ but a dropout mask packed at 1 bit per element.
 The fused ops (:mod:`agoq.activation.ops`) never keep the GEMM input x: they recompute it (norm +
 linear, SwiGLU + linear) or keep it at 4 bits (saved-input linear). An adapter on such a GEMM reads
 the same x, so its backward reads the recomputed or dequantized x too; A x ([tokens, r]) is
-recomputed as well. The dropout mask is drawn by ``F.dropout`` on a tensor of ones shaped and typed
-like PEFT's dropout input, so the same RNG state gives PEFT's mask (``nn.Dropout`` draws
-``bernoulli_(1 - p)`` over the input's shape and dtype and scales by ``1 / (1 - p)``: the ones'
-dropout is that scaled mask, bit for bit), and the adapter's output equals PEFT's.
+recomputed as well. The dropout mask is drawn as ``nn.Dropout`` draws it on a CPU (``bernoulli_(1 -
+p)`` over the input's shape and dtype, then divided by ``1 - p``), so the same RNG state gives PEFT's
+mask bit for bit, and the adapter's output equals PEFT's.
 
 A base weight may be a bitsandbytes 4-bit parameter (QLoRA): :func:`dense_weight` dequantizes it
 for one GEMM, in forward and again in backward; the dense copy is never saved.
@@ -51,8 +50,9 @@ def out_features(w: torch.Tensor) -> int:
 
 def pack_mask(keep: torch.Tensor) -> torch.Tensor:
     """A bool tensor as uint8 bytes, 8 elements per byte (element i is bit i % 8 of byte i // 8)."""
-    flat = keep.reshape(-1)
-    flat = F.pad(flat.to(torch.uint8), (0, -flat.numel() % 8))
+    flat = keep.reshape(-1).view(torch.uint8)  # a bool is one byte, 0 or 1: read in place
+    if flat.numel() % 8:
+        flat = F.pad(flat, (0, -flat.numel() % 8))
     weights = torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=keep.device)
     return (flat.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
 
@@ -77,7 +77,9 @@ def lora_forward(x: torch.Tensor, adapter: LoraAdapter) -> tuple[torch.Tensor, t
     xa = x if x.dtype == adapter.a.dtype else x.to(adapter.a.dtype)
     packed = x.new_empty(0, dtype=torch.uint8)
     if adapter.dropout > 0:
-        noise = F.dropout(torch.ones_like(xa), adapter.dropout, training=True)
+        # What F.dropout does on a CPU (and nn.Dropout in PEFT): draw bernoulli(1 - p) over x's
+        # shape and dtype, divide by 1 - p, multiply. The same draws from the same RNG state.
+        noise = torch.empty_like(xa).bernoulli_(1 - adapter.dropout).div_(1 - adapter.dropout)
         packed = pack_mask(noise != 0)
         xa = xa * noise
         del noise
