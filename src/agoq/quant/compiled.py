@@ -21,6 +21,7 @@ formulas, the same results.
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 import warnings
 from typing import Any, Callable
@@ -79,15 +80,14 @@ def _graph(fn: Callable[..., Any], *key: Any) -> _Graph:
     if key:
         # A name of its own too: Dynamo's record of which sizes turned out dynamic is keyed by
         # file, line and name, so a copy under the same name would inherit the symbolic sizes.
-        numbered = f"{name}_{len(_copies)}"
-        _copies.append(key)
+        numbered = f"{name}_{next(_copy_numbers)}"
         copy = types.FunctionType(fn.__code__.replace(co_name=numbered), fn.__globals__, numbered, fn.__defaults__, fn.__closure__)
         copy.__kwdefaults__ = fn.__kwdefaults__
         fn = copy
     return _Graph(fn, name)
 
 
-_copies: list[tuple[Any, ...]] = []  # the key of each code copy, in the order made (its name's number)
+_copy_numbers = itertools.count()  # each code copy's name gets the next number
 
 
 def compiled(fn: Callable[..., Any], **constants: Any) -> Callable[..., Any]:
