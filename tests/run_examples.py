@@ -8,9 +8,26 @@ imports torch, transformers and the example once instead of once per run.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
+
+WORLD = 2
+
+
+def run_examples(example: Path, tmp: Path, common: list[str], runs: dict[str, list[str]], timeout: float) -> dict[str, dict]:
+    """The summary of each run of ``example`` (name -> its arguments after ``common``), all in one
+    ``torchrun --nproc-per-node=2``; each run writes to ``tmp/NAME`` and its summary to ``tmp/NAME.json``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__, str(example)]
+    for name, extra in runs.items():
+        cmd += ["--", *common, "--out-dir", str(tmp / name), "--summary", str(tmp / f"{name}.json"), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}
 
 
 def main() -> None:

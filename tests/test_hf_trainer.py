@@ -2,38 +2,36 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.run_examples import WORLD, run_examples
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
-RUN_EXAMPLES = Path(__file__).resolve().parent / "run_examples.py"
-WORLD = 2
-
-
-def _runs(tmp: Path, runs: dict[str, list[str]]) -> dict[str, dict]:
-    """The example's summary of each run (name -> extra arguments), all in one torchrun's processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(RUN_EXAMPLES), str(EXAMPLE)]
-    for name, extra in runs.items():
-        cmd += ["--", "--steps", "3", "--batch-size", "2", "--seq-len", "64", "--vocab-size", "512", "--eval-windows", "4"]
-        cmd += ["--cache-dir", str(tmp / "cache"), "--out-dir", str(tmp / name), "--summary", str(tmp / f"{name}.json"), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}
 
 
 @pytest.mark.slow
 def test_the_trainer_example_trains_with_8bit_gradients_and_matches_the_plain_run(tmp_path):
-    runs = _runs(tmp_path, {"agoq": [], "plain": ["--plain"]})
+    common = [
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--vocab-size",
+        "512",
+        "--eval-windows",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    runs = run_examples(EXAMPLE, tmp_path, common, {"agoq": [], "plain": ["--plain"]}, timeout=300)
     agoq, plain = runs["agoq"], runs["plain"]
     # The 8-bit reduction sends each parameter's 1/W share to W-1 peers twice (all-to-all, then
     # all-gather): 2 (W-1)/W bytes per parameter, plus one fp32 scale per 256 values (int8/256) and

@@ -5,11 +5,7 @@ the int4 bounds of the fused ops, and saving, merging and the Trainer / SFTTrain
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +22,7 @@ from agoq.activation.meter import SavedBytesMeter  # noqa: E402
 from agoq.activation.ops import SILU_MAX_SLOPE  # noqa: E402
 from agoq.integrations.hf import apply_agoq  # noqa: E402
 from agoq.quant import parse_format, quantization_error_bound, quantize  # noqa: E402
+from tests.run_examples import run_examples  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -323,25 +320,14 @@ def test_compiled_saved_input_linear_with_an_adapter_equals_eager():
 # ---- 2-process fine-tunes: AgoqTrainer and SFTTrainer ---------------------------------------------
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lora_finetune.py"
-RUN_EXAMPLES = Path(__file__).resolve().parent / "run_examples.py"
-
-
-def _finetunes(tmp: Path, runs: dict[str, list[str]]) -> dict[str, dict]:
-    """The example's summary of each fine-tune (name -> extra arguments), all in one torchrun's processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(RUN_EXAMPLES), str(EXAMPLE)]
-    for name, extra in runs.items():
-        cmd += ["--", "--steps", "8", "--batch-size", "2", "--eval-windows", "4", "--cache-dir", str(tmp / "cache")]
-        cmd += ["--out-dir", str(tmp / name), "--summary", str(tmp / f"{name}.json"), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}
 
 
 @pytest.mark.slow
 def test_lora_finetunes_with_agoq_trainer_and_sft_trainer_match_plain_lora(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    runs = _finetunes(tmp_path, {"plain": ["--plain"], "agoq": [], "sft": ["--trainer", "sft"]})
+    common = ["--steps", "8", "--batch-size", "2", "--eval-windows", "4", "--cache-dir", str(tmp_path / "cache")]
+    runs = run_examples(EXAMPLE, tmp_path, common, {"plain": ["--plain"], "agoq": [], "sft": ["--trainer", "sft"]}, timeout=400)
     plain, agoq, sft = runs["plain"], runs["agoq"], runs["sft"]
     assert plain["wire_bytes_per_step"] == 0 and agoq["wire_bytes_per_step"] > 0 and sft["wire_bytes_per_step"] > 0
     for run in (agoq, sft):

@@ -283,8 +283,8 @@ def check_resume_dtype(cfg: "TrainConfig") -> None:
     )
 
 
-# On CPUs `auto` quantizes eagerly: the compiled formulas measured slower than eager torch on the
-# embedded default (benchmarks/results/train_ratio.json, mode "compiled"), so compiling is opt-in.
+# On CPUs `auto` compiles the formulas where a C++ compiler is found: on the embedded default they
+# beat eager torch (benchmarks/results/train_ratio.json, mode "eager" against "default").
 
 
 def choose_quant_backend(requested: str, device_type: str) -> DtypeChoice:
