@@ -134,8 +134,9 @@ def render(name: str, results_dir: Path) -> str:
     if extra is None:
         from importlib import import_module
 
-        # convergence_<preset> and step_profile_<preset>_<dtype> come from one module each
-        module = "convergence" if name.startswith("convergence_") else "step_profile" if name.startswith("step_profile_") else name
+        # convergence_<preset>, step_profile_<preset>_<dtype> and lora_hidden<H> come from one module each
+        prefixes = {"convergence_": "convergence", "step_profile_": "step_profile", "lora_hidden": "lora"}
+        module = next((m for prefix, m in prefixes.items() if name.startswith(prefix)), name)
         extra = getattr(import_module(f"benchmarks.{module}"), "readme_markdown")
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 

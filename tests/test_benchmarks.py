@@ -202,7 +202,9 @@ def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path):
     before = _committed()
     assert lora.main(argv) == 0
     assert _committed() == before
-    written = json.loads((tmp_path / "lora.json").read_text())["results"]
+    payload = json.loads((tmp_path / "lora_hidden64.json").read_text())  # another width: a file of its own
+    assert payload["benchmark"] == "lora_hidden64" and payload["command"].startswith("python -m benchmarks.lora ")
+    written = payload["results"]
     rows = written["rows"]
     assert set(rows) == {"lora", "agoq_lora"} and set(written["ratios"]) == {"agoq_lora/lora"}
     for r in rows.values():

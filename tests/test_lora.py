@@ -17,11 +17,11 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from agoq.activation import rms_norm, rms_norm_linear, saved_input_linear, swiglu_linear  # noqa: E402
-from agoq.activation.lora import LoraAdapter, pack_mask, unpack_mask  # noqa: E402
+from agoq.activation.lora import LoraAdapter, mask_bytes, pack_rows, unpack_rows  # noqa: E402
 from agoq.activation.meter import SavedBytesMeter  # noqa: E402
 from agoq.activation.ops import SILU_MAX_SLOPE  # noqa: E402
 from agoq.integrations.hf import apply_agoq  # noqa: E402
-from agoq.quant import parse_format, quantization_error_bound, quantize  # noqa: E402
+from agoq.quant import backend, parse_format, quantization_error_bound, quantize  # noqa: E402
 from tests.run_examples import run_examples  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -297,12 +297,71 @@ def test_norm_linear_adapter_grads_within_int4_bound(dropout):
         _assert_adapter_grads(h, dh, ad, g, got_a, got_b, mask)
 
 
-def test_a_packed_mask_reads_back_any_span():
-    keep = torch.rand(1001, generator=torch.Generator().manual_seed(0)) > 0.3
-    packed = pack_mask(keep)
-    assert packed.numel() == 126  # 1 bit per element
-    for start, count in ((0, 1001), (3, 17), (500, 501), (1000, 1)):
-        assert torch.equal(unpack_mask(packed, start, count), keep[start : start + count])
+@pytest.mark.parametrize("width", [96, 100, 3])
+def test_a_packed_mask_reads_back_any_span_of_rows(width):
+    keep = torch.rand(37, width, generator=torch.Generator().manual_seed(0)) > 0.3
+    packed = pack_rows(keep)
+    assert packed.shape == (37, -(-width // 8)) and packed.numel() == mask_bytes(37, width)  # 1 bit per element, rows whole bytes
+    for r0, r1 in ((0, 37), (3, 20), (36, 37)):
+        assert torch.equal(unpack_rows(packed[r0:r1], width), keep[r0:r1])
+
+
+@pytest.mark.skipif(not backend.compiler_available(), reason="no C++ compiler for torch.compile")
+@pytest.mark.filterwarnings("error:agoq. torch.compile could not build:RuntimeWarning")
+def test_compiled_dropout_formulas_are_the_eager_ones_bit_for_bit():
+    """The compiled path applies and packs the mask as the eager formulas do (which tests above
+    check against nn.Dropout), for each dtype and for widths that are not whole bytes."""
+    from agoq.activation import lora as L
+    from agoq.quant import compiled as C
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        scale = L.dropout_multiplier(0.1, dtype)
+        for rows, width in ((64, 96), (40, 100), (8, 3)):
+            x = torch.randn(rows, width, generator=g).to(dtype)
+            keep = (torch.rand(rows, width, generator=g) > 0.1).to(torch.uint8)
+            xb, kb = L._in_bytes(x), L._in_bytes(keep)
+            want = L._dropout_graph(xb, kb, scale=scale)
+            got = C.compiled(L._dropout_graph, scale=scale)(xb, kb)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert torch.equal(L._from_bytes(want[0], rows, width), x * (keep.to(dtype) * scale))  # dropout's own product
+            packed, grad = want[1], torch.randn(rows, width, generator=g)
+            gb = L._in_bytes(grad)
+            ref = L._undrop_pair_graph(gb, xb, packed, scale=scale, dtype=torch.float32, x_dtype=dtype)
+            out = C.compiled(L._undrop_pair_graph, scale=scale, dtype=torch.float32, x_dtype=dtype)(gb, xb, packed)
+            assert all(torch.equal(a, b) for a, b in zip(out, ref))
+            single = C.compiled(L._undrop_graph, scale=scale, dtype=dtype)(xb, packed)
+            assert torch.equal(single, ref[1]) and torch.equal(L._from_bytes(single, rows, width), L._from_bytes(want[0], rows, width))
+
+
+@pytest.mark.skipif(not backend.compiler_available(), reason="no C++ compiler for torch.compile")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_compiled_backend_gives_the_torch_backends_loss_and_adapter_gradients(dropout):
+    plain, patched = _pair(dropout)
+    ids = _ids()
+    with backend.use_backend("torch"):
+        lt, gt = _loss_and_grads(patched, ids)
+    with backend.use_backend("compiled"):
+        lc, gc = _loss_and_grads(patched, ids)
+    lp, _ = _loss_and_grads(plain, ids)
+    # The same masks (same seed); the compiled norm and SwiGLU recomputes sum in another order.
+    assert abs(lc - lt) <= FP32_LOSS_RTOL * abs(lt) and abs(lc - lp) <= FP32_LOSS_RTOL * abs(lp)
+    assert gt.keys() == gc.keys()
+    worst = max(float((gc[n] - gt[n]).norm() / gt[n].norm()) for n in gt)
+    assert worst < 1e-4, worst
+
+
+def test_a_bf16_model_with_fp32_adapters_gives_plain_loras_loss():
+    """PEFT keeps adapters in fp32 on a bf16 model and adds their output in fp32: so does agoq."""
+    base = _base().to(torch.bfloat16)
+    plain, patched = _lora(copy.deepcopy(base), 0.1), _lora(copy.deepcopy(base), 0.1)
+    assert patched.get_base_model().model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    apply_agoq(patched)
+    ids = _ids()
+    (lp, gp), (lq, gq) = _loss_and_grads(plain, ids), _loss_and_grads(patched, ids)
+    # bf16 forward: the fused norm and loss round in another order than HF's.
+    assert abs(lq - lp) <= 5e-3 * abs(lp), (lq, lp)
+    assert gp.keys() == gq.keys() and all(g.dtype == torch.float32 for g in gq.values())
 
 
 def test_compiled_saved_input_linear_with_an_adapter_equals_eager():

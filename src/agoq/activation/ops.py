@@ -31,7 +31,17 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from agoq.activation.lora import LoraAdapter, dense_weight, lora_forward, lora_grad_a_input, lora_input_grad, lora_weight_grads, out_features
+from agoq.activation.lora import (
+    ChunkedLoraBackward,
+    LoraAdapter,
+    dense_weight,
+    lora_backward_rows,
+    lora_forward,
+    lora_grad_a_input,
+    lora_weight_grads,
+    mask_bytes,
+    out_features,
+)
 from agoq.activation.meter import meter_scope
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 
@@ -141,37 +151,18 @@ def _norm_linear_forward(
     masks = []
     # Adapters in PEFT's order (projection by projection), so dropout draws PEFT's masks.
     for target, adapter in adapters:
-        delta, mask = lora_forward(h, adapter)
-        outs[target] = outs[target] + delta
+        outs[target], mask = lora_forward(h, outs[target], adapter)
         masks.append(mask)
     return tuple(outs), q, masks
 
 
-def _norm_output_grad(
-    outputs: Sequence[torch.Tensor | None],
-    dense: Sequence[torch.Tensor],
-    adapters: Sequence[tuple[LoraAdapter, torch.Tensor]],
-    a_inputs: Sequence[torch.Tensor],
-    r0: int,
-    r1: int,
-    width: int,
-) -> torch.Tensor:
-    """Rows r0 .. r1 of the gradient of the norm output, fp32: every GEMM's and every adapter's share."""
+def _norm_output_grad(outputs: Sequence[torch.Tensor | None], dense: Sequence[torch.Tensor], r0: int, r1: int, width: int) -> torch.Tensor:
+    """Rows r0 .. r1 of the gradient of the norm output, fp32: every GEMM's share (adapters add theirs after)."""
     grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=dense[0].device)
     for g, w in zip(outputs, dense):
         if g is not None:
             grad_h += F.linear(g[r0:r1], w.t())
-    for (ad, mask), ga_in in zip(adapters, a_inputs):
-        grad_h += lora_input_grad(ga_in, ad, mask, r0, r1, width)
     return grad_h
-
-
-def _adapter_grads(
-    adapters: Sequence[tuple], live: Sequence[tuple], a_inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor | None], h: torch.Tensor | None
-) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """(grad of A, of B) of every adapter, (None, None) for those whose projection got no gradient."""
-    grads = iter([lora_weight_grads(g, ga_in, h, ad, mask, na, nb) for (g, ad, mask, na, nb), ga_in in zip(live, a_inputs)])
-    return [next(grads) if outputs[t] is not None else (None, None) for t, *_ in adapters]
 
 
 def _norm_linear_backward(
@@ -196,14 +187,12 @@ def _norm_linear_backward(
     grad_rows = _tokens(grad_x)
     outputs = [None if g is None else _tokens(g) for g in grads]
     need_weight_grads = [g is not None and need for g, need in zip(outputs, need_weights)]
-    live = [(outputs[t], ad, mask, na, nb) for t, ad, mask, na, nb in adapters if outputs[t] is not None]
-    a_inputs = [lora_grad_a_input(g, ad) for g, ad, *_ in live]  # [tokens, r] each: small, whole
+    lora = ChunkedLoraBackward([(outputs[t], ad, mask, na, nb) for t, ad, mask, na, nb in adapters if outputs[t] is not None])
     # A dequantized 4-bit base weight lives for this backward only, never saved.
     dense = [dense_weight(w, dtype) for w in weights]
     # The recomputed norm output of every token in the compute dtype (what the bf16 policy saves):
     # weight gradients are then whole GEMMs, with no fp32 accumulator of a weight's size.
-    keep_h = any(need_weight_grads) or any(na or nb for *_, na, nb in live)
-    h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if keep_h else None
+    h_all = torch.empty(grad_rows.shape, dtype=dtype, device=payload.device) if any(need_weight_grads) else None
     grad_norm_weight: torch.Tensor | None = None
     # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
     # then hold a chunk's rows, not every token's.
@@ -219,8 +208,9 @@ def _norm_linear_backward(
             h, rstd = recompute(x, norm_weight)
         if h_all is not None:
             h_all[r0:r1].copy_(h)
+        grad_h = _norm_output_grad(outputs, dense, r0, r1, width)
+        lora.add_rows(grad_h, h, r0)  # the adapters' shares of grad_h, and their gradients from h's rows
         del h
-        grad_h = _norm_output_grad(outputs, dense, [(ad, mask) for _, ad, mask, _, _ in live], a_inputs, r0, r1, width)
         if x is None:
             gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
         else:
@@ -230,7 +220,8 @@ def _norm_linear_backward(
             grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
         del gx, gw, grad_h, x
     weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
-    lora_grads = _adapter_grads(adapters, live, a_inputs, outputs, h_all)
+    live_grads = iter(lora.grads())
+    lora_grads = [next(live_grads) if outputs[t] is not None else (None, None) for t, *_ in adapters]
     if grad_norm_weight is not None:
         grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
     return grad_x, grad_norm_weight, weight_grads, lora_grads
@@ -245,7 +236,8 @@ def _adapters(
 
 def _fake_masks(x: torch.Tensor, lora_p: Sequence[float]) -> list[torch.Tensor]:
     """Empty packed dropout masks over x (1 bit per element), or empty tensors where p is 0."""
-    return [x.new_empty(-(-x.numel() // 8) if p > 0 else 0, dtype=torch.uint8) for p in lora_p]
+    width = x.shape[-1]
+    return [x.new_empty(mask_bytes(x.numel() // width, width) if p > 0 else 0, dtype=torch.uint8) for p in lora_p]
 
 
 def _no_grad(values: Sequence[Any]) -> list | None:
@@ -453,8 +445,7 @@ def _swiglu_linear_forward(
         qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
     masks = []
     for adapter in adapters:
-        delta, mask = lora_forward(act, adapter)
-        out = out + delta
+        out, mask = lora_forward(act, out, adapter)
         masks.append(mask)
     return out, qg, qu, masks
 
@@ -492,7 +483,7 @@ def _swiglu_linear_backward(
     grad_act = F.linear(go, dense_weight(down_weight, go.dtype).t())
     a_inputs = [lora_grad_a_input(go, ad) for ad, *_ in adapters]
     for (ad, mask, _, _), ga_in in zip(adapters, a_inputs):
-        grad_act += lora_input_grad(ga_in, ad, mask, 0, go.shape[0], width).to(grad_act.dtype)
+        lora_backward_rows(ad, mask, ga_in, 0, grad=grad_act)
     for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
         grad_act_rows = grad_act[r0:r1]
         g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
@@ -745,8 +736,7 @@ def _saved_input_linear_op(
     out = F.linear(x, dense_weight(weight, x.dtype))
     masks = []
     for adapter in _adapters(lora_a, lora_b, lora_scale, lora_p):
-        delta, mask = lora_forward(x, adapter)
-        out = out + delta
+        out, mask = lora_forward(x, out, adapter)
         masks.append(mask)
     q = _quantize_saved(x, parse_format(fmt))
     return [out, q.payload, q.scales, *masks]
@@ -822,9 +812,7 @@ def _saved_input_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
         # The input gradient needs no saved activation: it is traced as plain GEMMs (and mask reads).
         grad_x = F.linear(grad_out, dense_weight(weight, grad_out.dtype).t())
         for ad, mask in zip(adapters, masks):
-            grad_x = grad_x + lora_input_grad(lora_grad_a_input(grad_out, ad), ad, mask, 0, grad_x.numel() // shape[-1], shape[-1]).view(
-                grad_x.shape
-            ).to(grad_x.dtype)
+            lora_backward_rows(ad, mask, lora_grad_a_input(grad_out, ad), 0, grad=_tokens(grad_x))
     grad_w = _saved_input_weight_grad_op(grad_out, payload, scales, shape, dtype, fmt) if ctx.needs_input_grad[1] else None
     gas: list = [None] * m
     gbs: list = [None] * m
