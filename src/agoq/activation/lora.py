@@ -9,8 +9,8 @@ p)`` over the input's shape, one draw per element whatever the dtype, then 1 / (
 the input's dtype where kept), so the same RNG state gives PEFT's mask bit for bit, and the
 adapter's output equals PEFT's.
 
-The mask is drawn as bools and packed 8 to a byte along each row ([tokens, ceil(width / 8)]
-bytes), so any span of rows is whole bytes. Applying it is one formula (:func:`_masked`), run
+The mask is drawn as bytes (0 or 1) and packed 8 to a byte along each row ([tokens, ceil(width /
+8)] bytes), so any span of rows is whole bytes. Applying it is one formula (:func:`_masked`), run
 through :func:`agoq.quant.backend.formula`: under the compiled backend the forward's product and
 packing are one pass over x, and each backward use unpacks the bits inside the product's own loop.
 
