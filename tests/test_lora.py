@@ -351,6 +351,34 @@ def test_the_compiled_backend_gives_the_torch_backends_loss_and_adapter_gradient
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], TARGETS], ids=["peft-default", "all-seven"])
+def test_under_bf16_autocast_the_patched_model_trains_as_plain_lora(targets):
+    """Trainers (TRL's SFTTrainer with bf16=True) run the forward under autocast: the fused ops'
+    GEMMs then run in bf16, their outputs keep the dtype they declare, and the backward works for
+    projections with and without adapters."""
+    base = _base()
+    config = dict(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=targets)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config)).train())
+    plain, patched = models
+    apply_agoq(patched)
+    ids = _ids()
+    results = []
+    for model in (plain, patched):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (lp, gp), (lq, gq) = results
+    assert abs(lq - lp) <= 1e-2 * abs(lp), (lq, lp)  # bf16 GEMMs on both sides, rounded in another order
+    assert gp.keys() == gq.keys() and len(gq) == 2 * len(targets) * CONFIG["num_hidden_layers"]
+    assert all(torch.isfinite(g).all() for g in gq.values())
+
+
 def test_a_bf16_model_with_fp32_adapters_gives_plain_loras_loss():
     """PEFT keeps adapters in fp32 on a bf16 model and adds their output in fp32: so does agoq."""
     base = _base().to(torch.bfloat16)

@@ -96,6 +96,13 @@ def _fake_codes(x: torch.Tensor, fmt: QuantFormat) -> list[torch.Tensor]:
     return [x.new_empty(fmt.payload_bytes(n), dtype=torch.uint8), x.new_empty(fmt.num_blocks(n), dtype=torch.float32)]
 
 
+def _declared(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An op's GEMM output in the dtype its fake kernel declares. Under autocast the GEMMs inside
+    the op run in autocast's dtype; the output keeps the declared one, so a compiled graph's
+    shapes and dtypes hold, and the backward reads gradients in the dtype of its weights."""
+    return out if out.dtype == dtype else out.to(dtype)
+
+
 def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """t, or an empty tensor where a custom op's output is not wanted (an op cannot return None)."""
     return like.new_empty(0, dtype=torch.float32) if t is None else t
@@ -265,7 +272,7 @@ def _norm_linear_op(
     """[RMSNorm(x) times each weight plus its adapters..., x's packed codes, x's block scales, each adapter's packed dropout mask...]."""
     adapters = list(zip(lora_target, _adapters(lora_a, lora_b, lora_scale, lora_p)))
     outs, q, masks = _norm_linear_forward(x, norm_weight, weights, eps, parse_format(fmt), adapters)
-    return [*outs, q.payload, q.scales, *masks]
+    return [*(_declared(o, x.dtype) for o in outs), q.payload, q.scales, *masks]
 
 
 @_norm_linear_op.register_fake
@@ -520,7 +527,7 @@ def _swiglu_linear_op(
 ) -> list[torch.Tensor]:
     """[(SiLU(gate) * up) times down_weight plus its adapters, gate's codes, gate's scales, up's codes, up's scales, each adapter's packed dropout mask...]."""
     out, qg, qu, masks = _swiglu_linear_forward(gate, up, down_weight, parse_format(fmt), _adapters(lora_a, lora_b, lora_scale, lora_p))
-    return [out, qg.payload, qg.scales, qu.payload, qu.scales, *masks]
+    return [_declared(out, torch.promote_types(gate.dtype, up.dtype)), qg.payload, qg.scales, qu.payload, qu.scales, *masks]
 
 
 @_swiglu_linear_op.register_fake
@@ -739,7 +746,7 @@ def _saved_input_linear_op(
         out, mask = lora_forward(x, out, adapter)
         masks.append(mask)
     q = _quantize_saved(x, parse_format(fmt))
-    return [out, q.payload, q.scales, *masks]
+    return [_declared(out, x.dtype), q.payload, q.scales, *masks]
 
 
 @_saved_input_linear_op.register_fake
