@@ -297,6 +297,22 @@ def test_norm_linear_adapter_grads_within_int4_bound(dropout):
         _assert_adapter_grads(h, dh, ad, g, got_a, got_b, mask)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_an_empty_batch_runs_the_three_ops_and_gives_zero_adapter_gradients(dropout):
+    x, g, u = (torch.randn(2, 0, n, requires_grad=True) for n in (96, 64, 64))
+    w = torch.randn(40, 96) * 0.1
+    ads = [_adapter(96, 40, seed=1, dropout=dropout), _adapter(96, 40, seed=3, dropout=dropout), _adapter(64, 40, seed=5, dropout=dropout)]
+    outs = [
+        rms_norm_linear(x, torch.ones(96), 1e-5, [w], parse_format(INT4), adapters=[[ads[0]]])[0],
+        saved_input_linear(x, w, parse_format(INT4), adapters=[ads[1]]),
+        swiglu_linear(g, u, torch.randn(40, 64) * 0.1, parse_format(INT4), adapters=[ads[2]]),
+    ]
+    assert all(o.shape == (2, 0, 40) for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert x.grad.shape == x.shape and g.grad.shape == g.shape
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for ad in ads for t in (ad.a, ad.b))
+
+
 @pytest.mark.parametrize("width", [96, 100, 3])
 def test_a_packed_mask_reads_back_any_span_of_rows(width):
     keep = torch.rand(37, width, generator=torch.Generator().manual_seed(0)) > 0.3

@@ -60,7 +60,7 @@ def out_features(w: torch.Tensor) -> int:
 
 def mask_bytes(tokens: int, width: int) -> int:
     """Bytes of the packed dropout mask of a [tokens, width] input."""
-    return tokens * -(-width // 8)
+    return tokens * _row_bytes(width)
 
 
 def _in_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,12 @@ def _in_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _from_bytes(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """:func:`_in_bytes` undone: [rows * ceil(width / 8), 8] as [rows, width]."""
-    return t.view(rows, -1)[:, :width]
+    return t.view(rows, _row_bytes(width) * 8)[:, :width]
+
+
+def _row_bytes(width: int) -> int:
+    """Bytes of one packed row of ``width`` mask bits (sizes are spelled out: a view cannot infer one of 0 elements)."""
+    return -(-width // 8)
 
 
 # The formulas below see [n, 8] tensors: n is the only size that varies, and 8 a constant, so
@@ -99,7 +104,7 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
 def pack_rows(keep: torch.Tensor) -> torch.Tensor:
     """A [rows, width] tensor of zeros and ones (bool or uint8) as [rows, ceil(width / 8)] bytes:
     element (i, j) is bit j % 8 of byte (i, j // 8), so any span of rows is whole bytes."""
-    return _pack(_in_bytes(keep)).view(keep.shape[0], -1)
+    return _pack(_in_bytes(keep)).view(keep.shape[0], _row_bytes(keep.shape[1]))
 
 
 def unpack_rows(packed: torch.Tensor, width: int) -> torch.Tensor:
@@ -204,8 +209,8 @@ def lora_backward_rows(
     need_x = x is not None and (need_a or need_b)
     xd = None
     if adapter.dropout > 0:
-        wb = -(-(grad if grad is not None else x).shape[1] // 8)
-        mine = packed.view(-1, wb)[r0 : r0 + rows].reshape(-1)
+        wb = _row_bytes((grad if grad is not None else x).shape[1])
+        mine = packed.view(packed.numel() // wb, wb)[r0 : r0 + rows].reshape(-1)
         scale = dropout_multiplier(adapter.dropout, adapter.a.dtype)
         if grad is not None:
             g = ga.mm(adapter.a)

@@ -665,8 +665,10 @@ def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets:
 def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets: dict[str, int]) -> list[tuple[int, int]]:
     # Compiled or Triton code runs a chunk in one fused pass, with no fp32 temporaries of its rows,
     # but pays a fixed dispatch cost a call on a CPU: it takes the larger chunks.
+    if rows == 0:  # an empty batch: one empty chunk, so the backward still returns its empty gradients
+        return [(0, 0)]
     chunk = chunk_rows(rows, width, block, device, budgets, fused=backend.resolve(device) != "torch")
-    return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)] or [(0, 0)]
+    return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)]
 
 
 def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:
