@@ -71,7 +71,7 @@ def test_auto_compiles_on_cpus_with_a_compiler_and_the_config_or_environment_dec
     chose = cd.choose_quant_backend("auto", "cpu")
     assert chose.name == "compiled" and "precision.quant_backend=torch" in chose.reason
     cfg = load_config(None, ["--train.out_dir=runs/x"])
-    assert cd.quant_backend_for(cfg, "cpu", "fp32").name == "compiled"
+    assert cd.quant_backend_for(cfg, "cpu").name == "compiled"
     monkeypatch.setattr(backend, "compiler_available", lambda: False)
     chose = cd.choose_quant_backend("auto", "cpu")
     assert chose.name == "torch" and "no C++ compiler" in chose.reason

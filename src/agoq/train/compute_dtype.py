@@ -308,8 +308,8 @@ def choose_quant_backend(requested: str, device_type: str) -> DtypeChoice:
     )
 
 
-def quant_backend_for(cfg: "TrainConfig", device_type: str, compute_dtype: str) -> DtypeChoice:
-    """choose_quant_backend for a training config (``compute_dtype`` does not change the rule)."""
+def quant_backend_for(cfg: "TrainConfig", device_type: str) -> DtypeChoice:
+    """choose_quant_backend for a training config (the compute dtype does not change the rule)."""
     return choose_quant_backend(cfg.precision.quant_backend, device_type)
 
 
@@ -351,7 +351,7 @@ def resolve_choices(cfg: "TrainConfig", device_type: str, threads: int) -> Resol
         dtype = compute_dtype_for(cfg, device_type, threads)
     if pr.compute_dtype == "auto":
         print(f"agoq train: compute dtype {dtype.name} ({dtype.reason})", flush=True)
-    quant = quant_backend_for(cfg, device_type, dtype.name)
+    quant = quant_backend_for(cfg, device_type)
     if pr.quant_backend == "auto":
         print(f"agoq train: quantization {quant.name} ({quant.reason})", flush=True)
     return ResolvedChoices(dtype.name, quant.name)
