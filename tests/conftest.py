@@ -5,9 +5,15 @@ import os
 import shutil
 import tempfile
 
-import torch
+from agoq.inductor_cache import use_layout_cache_tag
 
-from tests._data import ENV_VAR as DATA_CACHE_ENV
+# As agoq's launcher does, before torch is imported: graphs compiled by an earlier revision of
+# agoq's ops (inductor's cache outlives a checkout) are not handed to this one.
+use_layout_cache_tag()
+
+import torch  # noqa: E402
+
+from tests._data import ENV_VAR as DATA_CACHE_ENV  # noqa: E402
 
 # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen before
 # anything imports triton (torch.compile in the 8-bit AdamW tests does): kernels bind to the

@@ -68,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
     if command == "train" and not {"-h", "--help", "--print-config"} & set(argv):
-        from agoq.inductor_cache import use_capability_cache
+        from agoq.inductor_cache import use_capability_cache, use_layout_cache_tag
         from agoq.train.forkserver import start_early
 
         use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
+        use_layout_cache_tag()
         start_early()  # its imports overlap the launcher's own (see agoq.train.forkserver)
     if command == "bench":
         print(BENCH_MOVED, file=sys.stderr)
