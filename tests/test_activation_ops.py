@@ -231,16 +231,18 @@ def test_swiglu_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(monke
     if quant_backend == "compiled" and not backend.compiler_available():
         pytest.skip("no C++ compiler for torch.compile")
     fmt = parse_format("int4/128")
-    inter, hidden = 200, 48  # a chunk must start on a block boundary: multiples of 16 rows of 200
+    inter, hidden = 200, 48  # rows of 200 are stored as two blocks of 128, the second one padded
     gate, up = _rand(3, 37, inter, dtype=dtype, seed=1, scale=2.0), _rand(3, 37, inter, dtype=dtype, seed=2)
     wd = _rand(hidden, inter, dtype=dtype, seed=3, scale=0.1)
     g = _rand(3, 37, hidden, dtype=dtype, seed=4).detach()
     assert ops.chunk_rows(111, inter, 128, torch.device("cpu"), ops.SWIGLU_CHUNK_VALUES, fused=True) == 111  # one chunk by default
     with backend.use_backend(quant_backend):
         whole = _grads(swiglu_linear(gate, up, wd, fmt), [gate, up, wd], g)
-        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
+        # Every row starts on a block, so a chunk may hold any number of rows: here 16.
+        monkeypatch.setattr(ops, "SWIGLU_CHUNK_VALUES", dict.fromkeys(("cpu", "cpu_fused", "device"), 16 * inter))
         monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 1)
         assert ops._row_chunks(111, inter, 128, torch.device("cpu"), ops.SWIGLU_CHUNK_VALUES)[-2:] == [(80, 96), (96, 111)]
+        assert ops.chunk_rows(111, inter, 128, torch.device("cpu"), {"cpu": 1}) == 1
         # Eagerly the forward's SiLU(gate) * up is also formed a chunk at a time: still the
         # baseline's bits. Compiled code forms it in one pass, rounding the product once
         # (agoq.quant.compiled.swiglu_quantize): bf16 within a rounding of the GEMM's inputs.
@@ -266,7 +268,7 @@ def test_norm_linear_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(
     if quant_backend == "compiled" and not backend.compiler_available():
         pytest.skip("no C++ compiler for torch.compile")
     fmt = parse_format("int4/128")
-    hidden = 72  # chunks start on block boundaries: multiples of 16 rows of 72
+    hidden = 72  # rows of 72 are stored as one padded block of 128
     x = _rand(3, 37, hidden, dtype=dtype, seed=1, scale=2.0)
     nw = (1 + 0.1 * _rand(hidden, dtype=torch.float32, seed=2).detach()).to(dtype).requires_grad_()
     wq, wk = _rand(40, hidden, dtype=dtype, seed=3, scale=0.1), _rand(24, hidden, dtype=dtype, seed=4, scale=0.1)
@@ -274,7 +276,7 @@ def test_norm_linear_backward_a_chunk_of_rows_at_a_time_equals_all_rows_at_once(
     leaves = [x, nw, wq, wk]
     with backend.use_backend(quant_backend):
         whole = _grads(rms_norm_linear(x, nw, EPS, (wq, wk), fmt), leaves, (gq, gk))
-        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", {"cpu": 1, "cpu_fused": 1, "device": 1})
+        monkeypatch.setattr(ops, "NORM_CHUNK_VALUES", dict.fromkeys(("cpu", "cpu_fused", "device"), 16 * hidden))
         monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 1)
         assert len(ops._row_chunks(111, hidden, 128, torch.device("cpu"), ops.NORM_CHUNK_VALUES)) == 7
         chunked = _grads(rms_norm_linear(x, nw, EPS, (wq, wk), fmt), leaves, (gq, gk))

@@ -336,7 +336,7 @@ def test_bad_specs_give_clear_errors():
             parse_format(spec)
     with pytest.raises(ValueError, match="fp4 is a 4-bit format"):
         QuantFormat("fp4", 8)
-    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+    with pytest.raises(ValueError, match="block_size must be an integer in 1..1048576"):
         QuantFormat("int", 4, 0)
     with pytest.raises(ValueError, match="rounding must be one of"):
         quantize(torch.ones(4), "int4", rounding="up")
@@ -370,8 +370,14 @@ def test_blocks_is_a_zero_copy_slice_that_dequantizes_to_the_same_values(fmt):
         assert part.payload.untyped_storage().data_ptr() == q.payload.untyped_storage().data_ptr()
         got = dequantize(part)
         assert torch.equal(got[: min(n, 1000 - start)], full[start : start + n])
-    with pytest.raises(ValueError, match="multiple of the block size"):
+    with pytest.raises(ValueError, match=rf"start must be a block boundary \(a multiple of {block}\) in 0..1000"):
         q.blocks(block // 2, 10)
+    past = 1000 // block * block + block  # the first block boundary past the end
+    with pytest.raises(ValueError, match=rf"blocks\({past}, 10\): start must be a block boundary"):
+        q.blocks(past, 10)
+    with pytest.raises(ValueError, match="the number of values must be at least 0"):
+        q.blocks(0, -1)
+    assert q.blocks(1000 // block * block, 10_000).numel == 1000 % block or block  # clipped at the last value stored
 
 
 @pytest.mark.parametrize("which", ["torch", "compiled"])

@@ -19,6 +19,8 @@ Unit: U = batch * seq * hidden * 2 bytes (METHOD.md).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from agoq.activation.meter import METER_KINDS
@@ -34,9 +36,9 @@ def U_bytes(batch: int, seq: int, hidden: int) -> int:
     return batch * seq * hidden * 2
 
 
-def _kept(numel: int, itemsize: int, fmt: QuantFormat | None) -> int:
-    """Bytes of one saved tensor of numel values: plain, or packed codes + scales."""
-    return numel * itemsize if fmt is None else fmt.nbytes(numel)
+def _kept(shape: tuple[int, ...], itemsize: int, fmt: QuantFormat | None) -> int:
+    """Bytes of one saved tensor of ``shape``: plain, or packed codes (rows in whole blocks) + scales."""
+    return math.prod(shape) * itemsize if fmt is None else fmt.stored_nbytes(shape)
 
 
 def layer_saved_bytes(
@@ -74,24 +76,23 @@ def layer_saved_bytes(
         out["norm_input"] = 2 * (tokens * hidden * es + tokens * RSTD_BYTES)
         out["gemm_input"] += 2 * tokens * hidden * es
     else:
-        out["norm_input"] = 2 * p.norm_input.nbytes(tokens * hidden)
+        out["norm_input"] = 2 * _kept((tokens, hidden), es, p.norm_input)
 
-    q_numel = tokens * n_heads * head_dim
-    kv_numel = tokens * n_kv_heads * head_dim
+    # Attention keeps [batch, heads, seq, head_dim] tensors: rows of one head of one token.
     out["attention"] = (
-        2 * _kept(q_numel, es, p.attention)  # q and the output
-        + 2 * _kept(kv_numel, es, p.attention)
+        2 * _kept((tokens * n_heads, head_dim), es, p.attention)  # q and the output
+        + 2 * _kept((tokens * n_kv_heads, head_dim), es, p.attention)
         + batch * n_heads * seq * LSE_BYTES
     )
 
     if p.attention is None and out_proj_input_shared:
         out["out_proj_input"] = 0
     else:
-        out["out_proj_input"] = _kept(q_numel, es, p.out_proj_input)
+        out["out_proj_input"] = _kept((tokens, n_heads * head_dim), es, p.out_proj_input)
 
     if p.act_input is None:
         out["act_input"] = 3 * tokens * intermediate * es
         out["gemm_input"] += tokens * intermediate * es
     else:
-        out["act_input"] = 2 * p.act_input.nbytes(tokens * intermediate)
+        out["act_input"] = 2 * _kept((tokens, intermediate), es, p.act_input)
     return out

@@ -44,6 +44,7 @@ from agoq.activation.lora import (
 )
 from agoq.activation.meter import meter_scope
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
+from agoq.quant.formats import stored_row
 
 # Set on an attention output whose storage the attention core itself keeps unquantized for
 # backward; saved_input_linear then saves a view of it instead of a quantized copy.
@@ -92,7 +93,7 @@ def _quantize_saved(t: torch.Tensor, fmt: QuantFormat) -> QTensor:
 
 def _fake_codes(x: torch.Tensor, fmt: QuantFormat) -> list[torch.Tensor]:
     """Empty [packed codes, block scales] of x in fmt: what a fake kernel returns for a quantized x."""
-    n = x.numel()
+    n = fmt.stored_numel(x.shape)
     return [x.new_empty(fmt.payload_bytes(n), dtype=torch.uint8), x.new_empty(fmt.num_blocks(n), dtype=torch.float32)]
 
 
@@ -204,7 +205,7 @@ def _norm_linear_backward(
     # A chunk of rows at a time, as the SwiGLU backward: the norm's fp32 recompute and backward
     # then hold a chunk's rows, not every token's.
     for r0, r1 in _row_chunks(grad_rows.shape[0], width, fmt.block_size, payload.device, NORM_CHUNK_VALUES):
-        q_rows = _rows(q, r0, r1, width)
+        q_rows = q.rows(r0, r1)
         if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
             x = None
             h, rstd = kernels.rms_norm_recompute(q_rows, norm_weight, eps, dtype)
@@ -493,7 +494,7 @@ def _swiglu_linear_backward(
         lora_backward_rows(ad, mask, ga_in, 0, grad=grad_act)
     for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
         grad_act_rows = grad_act[r0:r1]
-        g_chunk, u_chunk = _rows(qg, r0, r1, width), _rows(qu, r0, r1, width)
+        g_chunk, u_chunk = qg.rows(r0, r1), qu.rows(r0, r1)
         if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
             act, gg, gu = kernels.swiglu_backward(grad_act_rows, g_chunk, u_chunk, gdtype, act_dtype)
         elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
@@ -657,7 +658,9 @@ def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets:
     ``budgets``): whole quantization blocks, about the device's budget of values (on a CPU, the
     eager one, or with ``fused`` kernels or compiled formulas the fused one)."""
     budget = budgets["device" if device.type != "cpu" else "cpu_fused" if fused else "cpu"]
-    align = block // math.gcd(width, block)  # a chunk must start on a block boundary of the flat codes
+    # A chunk starts on a block boundary (rows are stored in whole blocks) and on a byte boundary.
+    unit = math.lcm(block, 8)
+    align = unit // math.gcd(stored_row(width, block), unit)
     chunk = max(MIN_CHUNK_ROWS, budget // width) // align * align
     return min(rows, max(align, chunk))
 
@@ -669,12 +672,6 @@ def _row_chunks(rows: int, width: int, block: int, device: torch.device, budgets
         return [(0, 0)]
     chunk = chunk_rows(rows, width, block, device, budgets, fused=backend.resolve(device) != "torch")
     return [(r0, min(rows, r0 + chunk)) for r0 in range(0, rows, chunk)]
-
-
-def _rows(q: QTensor, r0: int, r1: int, width: int) -> QTensor:
-    """Rows r0..r1 of a quantized [..., width] tensor, as a [r1 - r0, width] QTensor sharing its memory."""
-    part = q.blocks(r0 * width, (r1 - r0) * width)
-    return QTensor(part.payload, part.scales, torch.Size([r1 - r0, width]), q.dtype, q.fmt)
 
 
 def _swiglu_backward(

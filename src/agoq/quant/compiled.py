@@ -31,7 +31,16 @@ import torch.nn.functional as F
 
 from agoq.quant.formats import CodebookTables, QuantFormat, codebook_tables
 from agoq.quant.packing import pack_into, packing_group, unpack_into
-from agoq.quant.qtensor import QTensor, block_codes, code_values, dequantize_each_row, quantize_each_row_into
+from agoq.quant.qtensor import (
+    QTensor,
+    block_codes,
+    code_values,
+    dequantize_each_row,
+    dequantize_padded_rows,
+    quantize_each_row_into,
+    stored_values,
+    unpadded_rows,
+)
 from agoq.quant.qtensor import quantize as reference_quantize
 
 
@@ -221,9 +230,10 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
     if x.numel() == 0:
         return reference_quantize(x, fmt, nonfinite="propagate")
-    flat = _whole_blocks(x.detach().reshape(-1), fmt.block_size)
-    codes, scales = _graph(_quantize_graph, fmt)(flat, fmt, _tables(fmt, x.device))
-    return _qtensor(x, codes, scales, fmt)
+    stored = stored_values(x, fmt)
+    codes, scales = _graph(_quantize_graph, fmt)(_whole_blocks(stored, fmt.block_size), fmt, _tables(fmt, x.device))
+    q = _qtensor(stored, codes, scales, fmt)
+    return QTensor(q.payload, q.scales, x.shape, x.dtype, fmt)
 
 
 def quantize_rows_into(x: torch.Tensor, payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat) -> None:
@@ -241,15 +251,22 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
         raise ValueError(f"gate and up must match in shape and dtype, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
     if not gate.numel():
         return torch.empty_like(gate), quantize(gate, fmt), quantize(up, fmt)
-    flat_gate, flat_up = (_whole_blocks(t.detach().reshape(-1), fmt.block_size) for t in (gate, up))
+    stored_gate, stored_up = stored_values(gate, fmt), stored_values(up, fmt)
     act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype)(
-        flat_gate, flat_up, fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
+        _whole_blocks(stored_gate, fmt.block_size), _whole_blocks(stored_up, fmt.block_size), fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
     )
-    return act.view(-1)[: gate.numel()].view(gate.shape), _qtensor(gate, gate_codes, gate_scales, fmt), _qtensor(up, up_codes, up_scales, fmt)
+    qg, qu = _qtensor(stored_gate, gate_codes, gate_scales, fmt), _qtensor(stored_up, up_codes, up_scales, fmt)
+    return (
+        unpadded_rows(act.view(-1)[: stored_gate.numel()], gate.shape, fmt),
+        QTensor(qg.payload, qg.scales, gate.shape, gate.dtype, fmt),
+        QTensor(qu.payload, qu.scales, up.shape, up.dtype, fmt),
+    )
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); written into ``out`` when given."""
+    if q.padded_rows:
+        return dequantize_padded_rows(q, dtype, out, dequantize)
     n, fmt = q.numel, q.fmt
     dtype = out.dtype if out is not None else dtype or q.dtype
     if n == 0:

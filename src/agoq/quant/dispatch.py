@@ -13,7 +13,7 @@ import torch
 
 from agoq.quant import backend, qtensor
 from agoq.quant.formats import QuantFormat
-from agoq.quant.qtensor import QTensor, check_dequantize_out, check_quantize_args
+from agoq.quant.qtensor import QTensor, check_dequantize_args, check_quantize_args
 
 
 # The reference's public signature, repeated: this is the entry point that routes to it or to a backend.
@@ -26,7 +26,7 @@ def quantize(
     nonfinite: str = "raise",
 ) -> QTensor:
     """Quantize ``x`` (any shape; fp32/bf16/fp16) block-wise into a packed :class:`QTensor` (see agoq.quant.qtensor)."""
-    fmt = check_quantize_args(x, fmt, rounding, nonfinite)
+    fmt = check_quantize_args(x, fmt, rounding, nonfinite, generator)
     kernels = backend.kernels(x.device, fmt) if rounding == "nearest" else None
     if kernels is not None:
         q = kernels.quantize(x, fmt)
@@ -49,7 +49,7 @@ def quantize_rows_into(x: torch.Tensor, payload_rows: torch.Tensor, scale_rows: 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); with ``out``, written there (one pass)."""
-    check_dequantize_out(q, out)
+    check_dequantize_args(q, dtype, out)
     kernels = backend.kernels(q.device, q.fmt)
     if kernels is not None:
         return kernels.dequantize(q, dtype if out is None else out.dtype, out=out)

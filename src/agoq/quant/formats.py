@@ -15,6 +15,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -27,6 +28,9 @@ FP8_E4M3_MAX = 448.0
 # 256 is within 0.02 bit of the best (512) with 3% less error; at 1024 the error grows 31%.
 DEFAULT_ACTIVATION_BLOCK = 128
 DEFAULT_GRADIENT_BLOCK = 256
+# One scale per 2**20 values is already coarser than any measured use; the bound keeps block
+# arithmetic (block * rows, slab sizes) far from int64 overflow.
+MAX_BLOCK_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class QuantFormat:
         fixed = {"fp4": 4, "nf4": 4, "fp8": 8}
         if self.kind in fixed and self.bits != fixed[self.kind]:
             raise ValueError(f"{self.kind} is a {fixed[self.kind]}-bit format, got bits={self.bits}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be an integer in 1..{MAX_BLOCK_SIZE}, got {self.block_size!r}")
 
     @property
     def name(self) -> str:
@@ -82,6 +86,16 @@ class QuantFormat:
         """Bytes stored for ``numel`` values: packed codes plus one fp32 scale per block."""
         return self.payload_bytes(numel) + SCALE_BYTES * self.num_blocks(numel)
 
+    def stored_numel(self, shape: Sequence[int]) -> int:
+        """Values stored for a tensor of ``shape``, padding included: see :func:`stored_row`."""
+        if len(shape) < 2:
+            return math.prod(shape)
+        return math.prod(shape[:-1]) * stored_row(shape[-1], self.block_size)
+
+    def stored_nbytes(self, shape: Sequence[int]) -> int:
+        """Bytes stored for a tensor of ``shape``: packed codes (rows padded to whole blocks) plus scales."""
+        return self.nbytes(self.stored_numel(shape))
+
     def __str__(self) -> str:
         return self.name
 
@@ -99,6 +113,8 @@ def parse_format(spec: str | QuantFormat, block_size: int | None = None) -> Quan
     """Parse 'int4', 'int4/64', 'nf4', 'fp4', 'fp8', 'int8/256' into a QuantFormat."""
     if isinstance(spec, QuantFormat):
         return spec if block_size is None else QuantFormat(spec.kind, spec.bits, block_size)
+    if not isinstance(spec, str):
+        raise TypeError(f"a quantization format is a string such as 'int4/128' or a QuantFormat, got {type(spec).__name__} {spec!r}")
     m = _SPEC.match(spec.strip().lower())
     if not m:
         raise ValueError(
@@ -256,6 +272,19 @@ def _tables_on(kind: str, device: str) -> CodebookTables:
 def codebook_tables(kind: str, device: torch.device | str = "cpu") -> CodebookTables:
     """The lookup tables of a codebook format (fp4, nf4 or fp8) on ``device``."""
     return _tables_on(kind, str(torch.device(device)))
+
+
+def stored_row(width: int, block: int) -> int:
+    """Values stored per row (last dimension) of a tensor of two or more dimensions: ``width``
+    rounded up to whole blocks, the tail zero-padded.
+
+    A block never spans two rows. Rows are tokens, and token norms can differ 50x or more: a block
+    shared by a large and a small token gets the large one's scale, the small one's codes round to
+    zero, and a norm recomputed from them divides by about sqrt(eps). The cost is at most one
+    block's tail per row, and nothing where the width is whole blocks (1-D tensors, such as
+    gradient buffers, are one run of blocks as before).
+    """
+    return round_up(width, block)
 
 
 def round_up(n: int, multiple: int) -> int:

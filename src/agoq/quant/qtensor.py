@@ -2,8 +2,11 @@
 agoq calls (through :mod:`agoq.quant.dispatch`, which uses a backend's kernels where they apply;
 this module imports no backend, so the kernels can fall back to it without an import cycle).
 
-The input is flattened in memory order and cut into blocks of ``block_size`` consecutive values
-(the last block is zero-padded for the arithmetic only; padding is never stored). Each block keeps
+A 1-D input is cut into blocks of ``block_size`` consecutive values (the last block is
+zero-padded for the arithmetic only; that padding is never stored). A tensor of two or more
+dimensions is quantized row by row (rows: the last dimension, e.g. one token's hidden vector): each
+row is zero-padded to whole blocks (:func:`agoq.quant.formats.stored_row`), so no block spans two
+rows; where the width is whole blocks this is the same as flattening. Each block keeps
 one fp32 scale s = absmax / max_value, rounded up by one ulp when needed so that |x| / s <= max_value
 holds exactly: the largest magnitude of the block is representable and nothing clips.
 
@@ -33,8 +36,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from agoq.quant.formats import SCALE_DTYPE, CodebookTables, QuantFormat, codebook_tables, count_below, parse_format
+from agoq.quant.formats import SCALE_DTYPE, CodebookTables, QuantFormat, codebook_tables, count_below, parse_format, stored_row
 from agoq.quant.packing import group_shape, pack_into, unpack_into
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -65,10 +69,36 @@ class QTensor:
         return math.prod(self.shape)
 
     @property
+    def stored_numel(self) -> int:
+        """Number of values stored: ``numel`` plus the zero padding that ends each row on a block."""
+        return self.fmt.stored_numel(self.shape)
+
+    @property
+    def padded_rows(self) -> bool:
+        """Whether rows are stored padded (two or more dimensions, a width not of whole blocks)."""
+        return self.stored_numel != self.numel
+
+    @property
     def whole_blocks(self) -> bool:
-        """Whether the values fill every block (no padding in the last one), as kernels that read
-        codes in the blocks' own shape need."""
+        """Whether the values are stored as they are and fill every block (no padding anywhere), as
+        kernels that read codes in the blocks' own shape need."""
         return self.numel == self.scales.numel() * self.fmt.block_size
+
+    def stored(self) -> "QTensor":
+        """The stored values, padding included, as a 1-D QTensor sharing this one's memory."""
+        return QTensor(self.payload, self.scales, torch.Size([self.stored_numel]), self.dtype, self.fmt)
+
+    def rows(self, start: int, end: int) -> "QTensor":
+        """Rows start..end of a quantized [..., width] tensor, as a [end - start, width] QTensor sharing its memory."""
+        if len(self.shape) < 2:
+            raise ValueError(f"rows() needs a tensor of two or more dimensions, this one has shape {tuple(self.shape)}")
+        width = self.shape[-1]
+        total = self.numel // width if width else 0
+        if not 0 <= start <= end <= total:
+            raise ValueError(f"rows {start}..{end} are outside the {total} rows of this quantized tensor")
+        stride = stored_row(width, self.fmt.block_size)
+        part = self.stored().blocks(start * stride, (end - start) * stride)
+        return QTensor(part.payload, part.scales, torch.Size([end - start, width]), self.dtype, self.fmt)
 
     @property
     def nbytes(self) -> int:
@@ -90,14 +120,21 @@ class QTensor:
         return QTensor(self.payload.to(device), self.scales.to(device), self.shape, self.dtype, self.fmt)
 
     def blocks(self, start: int, numel: int, dtype: torch.dtype | None = None) -> "QTensor":
-        """Flat elements start..start+numel (rounded up to whole blocks) as a QTensor sharing this one's memory.
+        """Stored values start..start+numel (rounded up to whole blocks, and ending at the last value
+        stored) as a 1-D QTensor sharing this one's memory.
 
         ``start`` must fall on a block boundary; e.g. to dequantize a large tensor a piece at a time.
         """
-        block = self.fmt.block_size
-        if start % block or start < 0:
-            raise ValueError(f"start={start} is not a multiple of the block size {block}; slice at a block boundary")
-        n = min(-(-numel // block) * block, self.numel - start)
+        block, total = self.fmt.block_size, self.stored_numel
+        if start % block or not 0 <= start <= total:
+            raise ValueError(f"blocks({start}, {numel}): start must be a block boundary (a multiple of {block}) in 0..{total}, the values stored")
+        if numel < 0:
+            raise ValueError(f"blocks({start}, {numel}): the number of values must be at least 0")
+        if start * self.fmt.bits % 8:
+            raise ValueError(
+                f"start={start} of {self.fmt.name} codes is not on a byte boundary; slice at a multiple of {8 // math.gcd(self.fmt.bits, 8)} values"
+            )
+        n = min(-(-numel // block) * block, total - start)
         pay = self.payload[self.fmt.payload_bytes(start) : self.fmt.payload_bytes(start + n)]
         first = start // block
         return QTensor(pay, self.scales[first : first + self.fmt.num_blocks(n)], torch.Size([n]), dtype or self.dtype, self.fmt)
@@ -126,9 +163,11 @@ def block_scales(absmax: torch.Tensor, max_value: float) -> torch.Tensor:
     return torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s)
 
 
-def _nonfinite_message(x: torch.Tensor, flat: torch.Tensor, index: int) -> str:
-    """Where the first non-finite value is, and how many there are."""
-    count = int((~torch.isfinite(flat.float())).sum())  # in fp32: fp64 values beyond its range count
+def _nonfinite_message(x: torch.Tensor) -> str:
+    """Where the first non-finite value of ``x`` is, and how many there are."""
+    flat = x.detach().reshape(-1)
+    bad = ~torch.isfinite(flat.float())  # in fp32: fp64 values beyond its range count
+    count, index = int(bad.sum()), int(bad.nonzero()[0])
     where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), x.shape)) if x.dim() else ()
     return (
         f"cannot quantize a tensor of shape {tuple(x.shape)} holding {count} value(s) that are not finite "
@@ -137,24 +176,69 @@ def _nonfinite_message(x: torch.Tensor, flat: torch.Tensor, index: int) -> str:
     )
 
 
-def check_quantize_args(x: torch.Tensor, fmt: QuantFormat | str, rounding: str, nonfinite: str) -> QuantFormat:
-    """The parsed format, after refusing a bad rounding, nonfinite mode or input type (one message each)."""
+def check_quantize_args(
+    x: torch.Tensor, fmt: QuantFormat | str, rounding: str, nonfinite: str, generator: torch.Generator | None = None
+) -> QuantFormat:
+    """The parsed format, after refusing a bad input, format, rounding, nonfinite mode or generator (one message each)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"quantize expects a floating-point torch.Tensor (fp32/bf16/fp16/fp64), got {got}")
     fmt = parse_format(fmt)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"quantize expects a floating-point torch.Tensor (fp32/bf16/fp16), got {got}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     return fmt
 
 
-def check_dequantize_out(q: "QTensor", out: torch.Tensor | None) -> None:
-    """Refuse an ``out`` of the wrong size for ``q``."""
+def check_dequantize_args(q: "QTensor", dtype: torch.dtype | None, out: torch.Tensor | None) -> None:
+    """Refuse a ``q`` that is not a consistent QTensor, a non-floating output dtype, or a bad ``out``."""
+    if not isinstance(q, QTensor):
+        raise TypeError(f"dequantize expects a QTensor (what quantize returns), got {type(q).__name__}")
     _check(q)
-    if out is not None and out.numel() != q.numel:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES):
+        raise ValueError(f"dequantize returns floating-point values; dtype must be one of fp32/bf16/fp16/fp64, got {dtype!r}")
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or out.dtype not in FLOAT_DTYPES:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a floating-point tensor (fp32/bf16/fp16/fp64), got {got}")
+    if out.numel() != q.numel:
         raise ValueError(f"dequantize into a tensor of {out.numel()} values, but the quantized tensor holds {q.numel}")
+    if out.device != q.device:
+        raise ValueError(f"out is on {out.device}, the quantized tensor on {q.device}; pass an out on {q.device}")
+
+
+def stored_values(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """The values of ``x`` as they are stored in ``fmt``, 1-D: rows zero-padded to whole blocks
+    (a copy only where the width is not whole blocks)."""
+    flat = x.detach().reshape(-1)
+    if x.dim() < 2 or not flat.numel():
+        return flat
+    width = x.shape[-1]
+    pad = stored_row(width, fmt.block_size) - width
+    return F.pad(x.detach().reshape(-1, width), (0, pad)).view(-1) if pad else flat
+
+
+def unpadded_rows(stored: torch.Tensor, shape: torch.Size, fmt: QuantFormat) -> torch.Tensor:
+    """Values laid out as ``fmt`` stores a tensor of ``shape`` (1-D, rows padded to whole blocks),
+    back in ``shape`` without the padding (a view where there is none)."""
+    if fmt.stored_numel(shape) == math.prod(shape):
+        return stored.view(shape)
+    width = shape[-1]
+    return stored.view(-1, stored_row(width, fmt.block_size))[:, :width].reshape(shape)
+
+
+def dequantize_padded_rows(
+    q: "QTensor", dtype: torch.dtype | None, out: torch.Tensor | None, dequantize_fn: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """What ``q`` (stored with padded rows) represents, by ``dequantize_fn`` (a path's dequantize
+    of 1-D QTensors) over the stored values, with each row's padding dropped."""
+    dtype = out.dtype if out is not None else dtype or q.dtype
+    values = unpadded_rows(dequantize_fn(q.stored(), dtype), q.shape, q.fmt)
+    return values if out is None else out.copy_(values.view(out.shape))
 
 
 def quantize(
@@ -166,8 +250,8 @@ def quantize(
     nonfinite: str = "raise",
 ) -> QTensor:
     """Quantize ``x`` (any shape; fp32/bf16/fp16) block-wise into a packed :class:`QTensor`."""
-    fmt = check_quantize_args(x, fmt, rounding, nonfinite)
-    flat = x.detach().reshape(-1)
+    fmt = check_quantize_args(x, fmt, rounding, nonfinite, generator)
+    flat = stored_values(x, fmt)
     n = flat.numel()
     block, bits = fmt.block_size, fmt.bits
     payload = torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=x.device)
@@ -184,8 +268,7 @@ def quantize(
         bad = None
         if not bool(finite.all()):
             if nonfinite == "raise":
-                first = int((~torch.isfinite(y[:m])).nonzero()[0])
-                raise NonFiniteError(_nonfinite_message(x, flat, start + first))
+                raise NonFiniteError(_nonfinite_message(x))
             bad = ~finite
             yb.masked_fill_(bad[:, None], 0.0)
             absmax.masked_fill_(bad, 0.0)
@@ -289,7 +372,7 @@ def _decode_into(payload: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> 
 
 def _check(q: QTensor) -> None:
     """Raise if the payload or scales do not match the shape and format."""
-    fmt, n = q.fmt, q.numel
+    fmt, n = q.fmt, q.stored_numel
     if q.payload.dtype != torch.uint8 or q.payload.numel() != fmt.payload_bytes(n):
         raise ValueError(
             f"quantized tensor has {q.payload.numel()} {q.payload.dtype} payload values but shape "
@@ -322,7 +405,9 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
     With ``out`` (q.numel values, its dtype is the output dtype) the values are written there and
     ``out`` is returned: one pass, where dequantizing and then copying would make two.
     """
-    check_dequantize_out(q, out)
+    check_dequantize_args(q, dtype, out)
+    if q.padded_rows:
+        return dequantize_padded_rows(q, dtype, out, dequantize)
     if out is not None:
         dtype = out.dtype
     if out is not None and not out.is_contiguous():
@@ -393,6 +478,10 @@ def quantization_error_bound(q: QTensor) -> torch.Tensor:
     formats that is exactly scale / 2.
     """
     _check(q)
+    if q.padded_rows:
+        width = q.shape[-1]
+        stored = quantization_error_bound(q.stored()).view(-1, stored_row(width, q.fmt.block_size))
+        return stored[:, :width].reshape(q.shape)
     fmt, n = q.fmt, q.numel
     nb = q.scales.numel()
     if fmt.kind == "int":

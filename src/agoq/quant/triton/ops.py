@@ -17,7 +17,15 @@ import triton
 
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
 from agoq.quant.packing import group_shape
-from agoq.quant.qtensor import FLOAT_DTYPES, QTensor, dequantize_each_row, quantize_each_row_into
+from agoq.quant.qtensor import (
+    FLOAT_DTYPES,
+    QTensor,
+    dequantize_each_row,
+    dequantize_padded_rows,
+    quantize_each_row_into,
+    stored_values,
+    unpadded_rows,
+)
 from agoq.quant.triton import kernels as K
 
 
@@ -153,7 +161,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
     _check_device(x)
     spec = _spec(fmt, str(x.device))
-    flat, bf16 = _as_kernel_float(x)
+    flat, bf16 = _as_kernel_float(stored_values(x, fmt))
     n = flat.numel()
     nblocks, nbytes = fmt.num_blocks(n), fmt.payload_bytes(n)
     payload = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
@@ -179,6 +187,8 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); written into ``out`` when given."""
+    if q.padded_rows:
+        return dequantize_padded_rows(q, dtype, out, dequantize)
     if out is not None:
         return out.copy_(dequantize(q, out.dtype).view(out.shape))
     _check_device(q.payload)
@@ -357,8 +367,9 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate and up must match in shape and dtype, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
     spec = _spec(fmt, str(gate.device))
-    g, bf16 = _as_kernel_float(gate)
-    u, _ = _as_kernel_float(up)
+    # Rows that are not whole blocks are read padded, as quantize reads them.
+    g, bf16 = _as_kernel_float(stored_values(gate, fmt))
+    u, _ = _as_kernel_float(stored_values(up, fmt))
     n = g.numel()
     act, target, _ = _out(n, gate.dtype, gate.device)
     nblocks, nbytes = fmt.num_blocks(n), fmt.payload_bytes(n)
@@ -385,7 +396,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
         )
     qg = QTensor(parts[0], parts[1], gate.shape, gate.dtype, fmt)
     qu = QTensor(parts[2], parts[3], up.shape, up.dtype, fmt)
-    return act.view(gate.shape), qg, qu
+    return unpadded_rows(act, gate.shape, fmt), qg, qu
 
 
 def swiglu_backward(
@@ -398,8 +409,9 @@ def swiglu_backward(
     if act_dtype is not None and act_dtype != grad_dtype:
         raise ValueError(f"the recomputed product and the gradients share one dtype here, got {act_dtype} and {grad_dtype}")
     spec = _spec(qg.fmt, str(qg.device))
-    ga, gabf16 = _as_kernel_float(grad_act)
-    n = qg.numel
+    # Rows that are not whole blocks run padded, as their codes are stored; the padding is dropped after.
+    ga, gabf16 = _as_kernel_float(stored_values(grad_act, qg.fmt))
+    n = qg.stored_numel
     gg, gg_t, bf16 = _out(n, grad_dtype, qg.device)
     gu, gu_t, _ = _out(n, grad_dtype, qg.device)
     act, act_t = (None, gg_t) if act_dtype is None else _out(n, act_dtype, qg.device)[:2]
@@ -426,7 +438,7 @@ def swiglu_backward(
             OUT_BF16=bf16,
             NEED_ACT=act is not None,
         )
-    return (None if act is None else act.view(qg.shape)), gg.view(qg.shape), gu.view(qg.shape)
+    return (None if act is None else unpadded_rows(act, qg.shape, qg.fmt)), unpadded_rows(gg, qg.shape, qg.fmt), unpadded_rows(gu, qg.shape, qg.fmt)
 
 
 # ---- QuanGrad ------------------------------------------------------------------------------------------
