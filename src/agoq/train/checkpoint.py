@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from agoq.train.nofollow import ensure_folder, refuse_link, write_atomic
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -179,11 +181,11 @@ def remove_checkpoints(root: str | os.PathLike) -> int:
         return 0
     count = len(step_folders(root))
     aside = root.with_name(f".{root.name}.removed.{os.getpid()}")
-    if aside.exists():
-        shutil.rmtree(aside)
+    if os.path.lexists(aside):
+        _remove_tree(aside)
     os.rename(root, aside)
     _fsync_dir(root.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove_tree(aside, ignore_errors=True)
     return count
 
 
@@ -315,12 +317,15 @@ def _prepare_save(
         )
     if rank == 0 and error is None:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            ensure_folder(root)
+            refuse_link(tmp)
             if tmp.exists():  # left by a save of this step that crashed
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except OSError as e:
             error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
+        except ValueError as e:  # a symbolic link where the save would write (agoq.train.nofollow)
+            error = str(e)
     _agree(error, process_group)
     assert parts is not None  # _agree raised otherwise
     return parts, blob
@@ -634,11 +639,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def _remove_tree(path: Path, ignore_errors: bool = False) -> None:
+    """Delete a folder of a checkpoint root; a link standing there goes, never what it points to."""
+    try:
+        if os.path.islink(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def _publish(
@@ -676,22 +686,20 @@ def _publish(
         "master_weights": any(r["master_weights"] for r in ranks),
         "run_config": config,
     }
-    _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
     _fsync_dir(tmp)
     old = None
-    if final.exists():  # the same step saved again (e.g. after resuming from it)
+    if os.path.lexists(final):  # the same step saved again (e.g. after resuming from it)
         old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
+        if os.path.lexists(old):
+            _remove_tree(old)
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
-    pointer_tmp = root / f".{LATEST}.{os.getpid()}.tmp"
-    _write_durably(pointer_tmp, final.name + "\n")
-    os.replace(pointer_tmp, root / LATEST)
+    write_atomic(root / LATEST, final.name + "\n")
     _fsync_dir(root)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_tree(old, ignore_errors=True)
     _prune(root, final, keep)
 
 
@@ -707,11 +715,11 @@ def _finished_steps(root: Path) -> list[tuple[int, Path]]:
 def _prune(root: Path, current: Path, keep: int) -> None:
     others = [p for _, p in _finished_steps(root) if p != current]
     for p in others[: max(0, len(others) - (keep - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
+        _remove_tree(p, ignore_errors=True)
     for p in root.iterdir():
         # Leftovers of crashed saves; every rank has finished the current one, so none is live.
         if p.is_dir() and p.name.startswith("step_") and p.name.endswith((".tmp", ".old")):
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_tree(p, ignore_errors=True)
 
 
 def _resolve(path: Path, trust_unverified: bool = False) -> Path:

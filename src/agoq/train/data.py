@@ -26,17 +26,16 @@ import numpy as np
 import torch
 
 from agoq.train.config import ConfigError
+from agoq.train.nofollow import temp_file_beside, write_atomic
 from agoq.train.tokenizer import (
     CACHE_ENV,
     DEFAULT_VOCAB_SIZE,
     Tokenizer,
-    atomic_write_text,
     cache_dir,
     file_lock,
     load_or_train_bpe,
     load_tokenizer,
     notify,
-    temp_file_beside,
 )
 
 KJV = "kjv"
@@ -363,7 +362,7 @@ def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
         "tokenizer_fingerprint": tokenizer.fingerprint,
     }
     # The metadata goes last: a .bin without its .json is never opened.
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
+    write_atomic(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[np.ndarray, np.ndarray]:

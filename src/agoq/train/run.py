@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.train.compute_dtype import ResolvedChoices
-from agoq.train.config import TrainConfig
+from agoq.train.config import ConfigError, TrainConfig
 from agoq.train.forkserver import (
     die_with_launcher,
     inherited_gloo_interface,
@@ -26,8 +26,9 @@ from agoq.train.forkserver import (
     under_torchrun,
     workers_environment,
 )
-from agoq.train.lock import join_run_lock, run_lock
+from agoq.train.lock import LOCK_NAME, join_run_lock, run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
+from agoq.train.nofollow import ensure_folder, open_in_place, refuse_link, write_atomic
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -292,8 +293,8 @@ def summarize(
 def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
     """summary.json, summary.md and loss.png in out_dir, and the summary on the terminal."""
     out = Path(cfg.train.out_dir)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_markdown(summary) + "\n")
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "summary.md", summary_markdown(summary) + "\n")
     title = f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients"
     drawn = plot_run(summary, out / "loss.png", title)
     print("\n" + summary_text(summary), flush=True)
@@ -310,8 +311,6 @@ def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
 def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int, tokenizer_vocab: int | None = None) -> None:
     """ConfigError unless the corpus holds at least one step's batch for training and one for
     validation, and the model has an embedding row for every id of the tokenizer (``tokenizer_vocab``)."""
-    from agoq.train.config import ConfigError
-
     d = cfg.data
     if tokenizer_vocab is not None and tokenizer_vocab > cfg.model_config().vocab_size:
         raise ConfigError(
@@ -382,7 +381,6 @@ def finished_run(cfg: TrainConfig) -> int | None:
     a fresh run's checkpoints with an earlier run's in the same folder.
     """
     from agoq.train.checkpoint import UnverifiedCheckpoint, checkpoint_step, latest_checkpoint, step_folders, unverified_problem
-    from agoq.train.config import ConfigError
 
     ck, root = cfg.checkpoint, checkpoint_root(cfg)
     if not ck.resume:
@@ -449,13 +447,13 @@ class _RankLog:
         self.paths = (logs / f"rank{rank}.log", logs / f"rank{rank}.error")
         self.fds: list[int] = []
         try:
-            logs.mkdir(parents=True, exist_ok=True)
+            ensure_folder(logs)
             for path in self.paths:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                fd = open_in_place(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
                 self.fds.append(fd)
                 _reserve(fd, self.RESERVE)
-        except OSError:
-            pass  # written where it can be, at the failure
+        except (OSError, ConfigError):
+            pass  # written where it can be, at the failure; a link there is never written through
 
     def write(self, traceback_text: str, line: str) -> None:
         # The log ends with the line too: what the terminal said (e.g. the full disk's path) stands
@@ -471,8 +469,8 @@ class _RankLog:
                         os.pwrite(self.fds[i], data, 0)
                     os.ftruncate(self.fds[i], len(data))
                 else:
-                    self.paths[i].write_bytes(data)
-            except OSError:
+                    write_atomic(ensure_folder(self.paths[i].parent) / self.paths[i].name, data, durable=False)
+            except (OSError, ConfigError):
                 pass
 
     def remove(self) -> None:
@@ -647,6 +645,7 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     """Run the training: in place under torchrun, else spawn pp x dp x tp local processes with torch's launcher."""
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
+    check_run_folder(cfg.train.out_dir)
     done = finished_run(cfg)
     if done is not None:
         return report_finished(cfg, done) if first else None
@@ -659,6 +658,30 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
             return train_worker(cfg)
     with run_lock(cfg.train.out_dir):
         return _launch_local(cfg, max_restarts)
+
+
+# What a run writes in its folder: these files, and anything in these folders.
+RUN_FILES = (LOCK_NAME, "summary.json", "summary.md", "loss.png")
+RUN_FOLDERS = ("logs", "metrics", "checkpoints")
+
+
+def check_run_folder(out_dir: str | os.PathLike[str]) -> None:
+    """ConfigError (one line naming it and the fix) for a link among what a run writes in ``out_dir``.
+
+    Checked before anything is written; the writes themselves never follow a link either
+    (agoq.train.nofollow), so one made after this check is replaced or refused, never written through.
+    """
+    out = Path(out_dir)
+    for name in RUN_FILES + RUN_FOLDERS:
+        refuse_link(out / name, in_place=name == LOCK_NAME)
+    for name in RUN_FOLDERS:
+        try:
+            entries = sorted(os.scandir(out / name), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            # Logs and metrics are written in place: a hard link would change its other name's file too.
+            refuse_link(entry.path, in_place=name != "checkpoints")
 
 
 def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
