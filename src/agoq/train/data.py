@@ -93,6 +93,7 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
         return (p,)
     found = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
     files = sorted((f for f in found if f.suffix.lower() in CORPUS_SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
+    _refuse_links_out_of(p, files)
     if not files:
         others = sorted({f.suffix or "(none)" for f in found})
         raise ValueError(
@@ -101,6 +102,22 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
             + "; add some or point to another folder"
         )
     return tuple(files)
+
+
+def _refuse_links_out_of(folder: Path, files: list[Path]) -> None:
+    """ValueError naming the first of ``files`` that is a symbolic link to a file outside ``folder``.
+
+    A corpus folder is what the run trains on: a link out of it would add a file from elsewhere
+    that no listing of the folder shows.
+    """
+    inside = folder.resolve()
+    for f in files:
+        if f.is_symlink():
+            target = f.resolve()
+            if not target.is_relative_to(inside):
+                raise ValueError(
+                    f"{str(f)!r} is a symbolic link to {str(target)!r}, outside the corpus folder; copy that file into the folder, or delete the link"
+                )
 
 
 @dataclass
