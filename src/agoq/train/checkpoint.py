@@ -160,11 +160,40 @@ def unverified_files(step_dir: str | os.PathLike) -> list[str]:
     return sorted((set(present) | set(listed)) - set(recorded))
 
 
+def read_manifest(step_dir: str | os.PathLike) -> dict | None:
+    """A checkpoint folder's manifest, or None when it has none; CheckpointError when it cannot be read or is not a JSON object."""
+    path = Path(step_dir) / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is unreadable ({e}); restore it from a good copy, or delete {step_dir} and load an earlier checkpoint"
+        ) from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(_not_json(e)) from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{MANIFEST} is valid JSON but not an object (a {type(manifest).__name__})")
+    return manifest
+
+
+def _not_json(e: ValueError) -> str:
+    # A truncated copy or an edit that broke the file: said as such, not as files lacking digests.
+    return f"{MANIFEST} is not valid JSON ({e})"
+
+
 def unverified_problem(step_dir: str | os.PathLike) -> str | None:
     """Why a checkpoint folder cannot be verified, in words ("has no manifest.json ..."), or None when it can."""
     step_dir = Path(step_dir)
     if not (step_dir / MANIFEST).is_file():
         return _NO_MANIFEST
+    try:
+        read_manifest(step_dir)
+    except CheckpointError as e:
+        return f"is damaged: {e}"
     missing = unverified_files(step_dir)
     if not missing:
         return None
@@ -742,18 +771,19 @@ def _resolve(path: Path, trust_unverified: bool = False) -> Path:
 
 
 def _read_manifest(step_dir: Path, trust_unverified: bool = False, world: int = 1) -> dict:
-    path = step_dir / MANIFEST
-    if not path.is_file():
-        if not trust_unverified:
-            raise UnverifiedCheckpoint(step_dir, _NO_MANIFEST)
-        return _stand_in_manifest(step_dir, world)
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({e}); delete {step_dir} and load an earlier checkpoint") from None
+        manifest, problem = read_manifest(step_dir), _NO_MANIFEST
+    except CheckpointError as e:
+        manifest, problem = None, f"is damaged: {e}"
+    if manifest is None:
+        if not trust_unverified:
+            raise UnverifiedCheckpoint(step_dir, problem)
+        return _stand_in_manifest(step_dir, world)  # a damaged manifest verifies nothing, as a missing one does
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; load it with the agoq version that wrote it")
+        raise CheckpointError(
+            f"{step_dir / MANIFEST} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; load it with the agoq version that wrote it"
+        )
     return manifest
 
 
