@@ -6,6 +6,9 @@ checkpoint pins the tokenizer and data it was trained on.
   unchanged;
 - the writers themselves never follow a link, so one made after that check is replaced or refused,
   and never written through;
+- a resume with another tokenizer (ids permuted, valid JSON) is refused before launch, naming both
+  fingerprints; the same tokenizer saved again matches; a checkpoint that records no fingerprint
+  resumes with one line saying the tokenizer cannot be verified.
 """
 
 from __future__ import annotations
@@ -256,3 +259,106 @@ def test_the_data_cache_never_writes_through_a_link(tmp_path, capsys):
         f"delete the link (rm {lock}) or use another cache folder with --data.cache_dir=PATH"
     )
     assert _listing(elsewhere) == targets
+
+
+# ------------------------------------------------------------------------- what a resume pins
+
+
+def _permuted(tokenizer: Path, dst: Path) -> Path:
+    """The tokenizer file with the ids of its merged tokens rotated: valid, same tokens, other ids."""
+    spec = json.loads(tokenizer.read_text())
+    vocab = spec["model"]["vocab"]
+    merged = sorted((i for i in vocab.values() if i >= 257), key=int)
+    moved = dict(zip(merged, merged[1:] + merged[:1]))
+    spec["model"]["vocab"] = {token: moved.get(i, i) for token, i in vocab.items()}
+    dst.write_text(json.dumps(spec, ensure_ascii=False, indent=2))
+    return dst
+
+
+def test_a_resume_with_a_permuted_tokenizer_is_refused_before_launch_and_changes_nothing(trained, tmp_path, capfd):
+    from agoq.train.tokenizer import load_tokenizer
+
+    run, tokenizer = trained
+    out = _copy(run, tmp_path)
+    permuted = _permuted(tokenizer, tmp_path / "tok.json")
+    old, new = load_tokenizer(tokenizer).vocab_fingerprint, load_tokenizer(permuted).vocab_fingerprint
+    assert old != new and load_tokenizer(permuted).vocab_size == load_tokenizer(tokenizer).vocab_size
+    step2 = out / "checkpoints" / "step_000002"
+    assert json.loads((step2 / "manifest.json").read_text())["data"]["tokenizer_fingerprint"] == old
+    before = _listing(out)
+    capfd.readouterr()
+    assert _train(out, permuted, "--train.steps=4") == 2
+    printed = capfd.readouterr()
+    assert _one_line(printed.err) == (
+        f"agoq train: data.tokenizer='{permuted}' is not the tokenizer checkpoint {step2} was trained with "
+        f"(vocabulary fingerprint {new[:12]} here, {old[:12]} in the checkpoint); resume with the original tokenizer file, "
+        "or start a new run with --train.out_dir=runs/NAME"
+    )
+    assert "resuming" not in printed.out and "local process" not in printed.out  # no worker started
+    assert _listing(out) == before
+
+
+def test_the_same_tokenizer_saved_again_matches_its_checkpoint(trained, tmp_path, capsys):
+    """Reformatted, its keys in another order, its merges in the older "a b" form: the same tokenizer."""
+    from agoq.train.data import prepare_data
+    from agoq.train.run import check_resume_data
+
+    run, tokenizer = trained
+    spec = json.loads(tokenizer.read_text())
+    spec["model"]["merges"] = [" ".join(m) for m in spec["model"]["merges"]]
+    again = tmp_path / "tok.json"
+    again.write_text(json.dumps(dict(reversed(spec.items())), indent=4))
+    assert again.read_bytes() != tokenizer.read_bytes()
+    cfg = load_config(None, [f"--train.out_dir={run}", f"--data.tokenizer={again}", "--data.vocab_size=512"])
+    check_resume_data(cfg, prepare_data(None, again, 512, data_cache()))
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "key, line",
+    [
+        (
+            "corpus_fingerprint",
+            "data.corpus='kjv' is not the corpus checkpoint {step} was trained on (fingerprint {here} here, {saved} in the checkpoint); resume with the original corpus",
+        ),
+        (
+            "tokens_sha256",
+            "data.tokenizer='{tok}' splits the corpus into other tokens than checkpoint {step} was trained on (token file SHA-256 {here} here, {saved} in the checkpoint); resume with the original tokenizer file",
+        ),
+    ],
+)
+def test_a_resume_on_other_data_is_refused_before_launch(trained, tmp_path, capsys, key, line):
+    run, tokenizer = trained
+    out = _copy(run, tmp_path)
+    step2 = out / "checkpoints" / "step_000002"
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    here, manifest["data"][key] = manifest["data"][key], "0123456789ab" * 5  # what another corpus or tokenization would have left
+    (step2 / "manifest.json").write_text(json.dumps(manifest))
+    before = _listing(out)
+    assert _train(out, tokenizer, "--train.steps=4") == 2
+    expected = line.format(step=step2, here=here[:12], saved="0123456789ab", tok=tokenizer)
+    assert _one_line(capsys.readouterr().err) == f"agoq train: {expected}, or start a new run with --train.out_dir=runs/NAME"
+    assert _listing(out) == before
+
+
+def test_a_checkpoint_without_fingerprints_resumes_with_one_line_of_notice(trained, tmp_path, capfd):
+    run, tokenizer = trained
+    out = _copy(run, tmp_path)
+    step2 = out / "checkpoints" / "step_000002"
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    del manifest["data"]  # as an earlier agoq wrote it
+    (step2 / "manifest.json").write_text(json.dumps(manifest))
+    capfd.readouterr()
+    assert _train(out, tokenizer, "--train.steps=3") == 0
+    printed = capfd.readouterr().out
+    notice = (
+        f"agoq train: checkpoint {step2} records no tokenizer or corpus fingerprint (saved by an earlier agoq, or without its manifest): "
+        "the tokenizer and corpus of this run cannot be verified against the ones it was trained on"
+    )
+    assert printed.count(notice) == 1, printed[-3000:]
+    assert f"resuming from {step2} (step 2 of 3; every file's checksum verified)" in printed
+    saved = json.loads((out / "checkpoints" / "step_000003" / "manifest.json").read_text())["data"]
+    assert (
+        saved["tokenizer_fingerprint"]
+        == json.loads((run / "checkpoints" / "step_000002" / "manifest.json").read_text())["data"]["tokenizer_fingerprint"]
+    )

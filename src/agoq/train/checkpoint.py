@@ -185,6 +185,16 @@ def _not_json(e: ValueError) -> str:
     return f"{MANIFEST} is not valid JSON ({e})"
 
 
+def trained_on(step_dir: str | os.PathLike) -> dict | None:
+    """What a checkpoint records its model was trained on (``save_checkpoint``'s ``data``), or None where it does not say."""
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointError:
+        return None
+    data = manifest.get("data") if manifest is not None else None
+    return data if isinstance(data, dict) else None
+
+
 def unverified_problem(step_dir: str | os.PathLike) -> str | None:
     """Why a checkpoint folder cannot be verified, in words ("has no manifest.json ..."), or None when it can."""
     step_dir = Path(step_dir)
@@ -259,6 +269,7 @@ def save_checkpoint(
     keep: int = 2,
     layout: dict | None = None,
     config: dict | None = None,
+    data: dict | None = None,
 ) -> Path:
     """Write this rank's part of the step's checkpoint atomically; return the finished folder.
 
@@ -267,7 +278,9 @@ def save_checkpoint(
     ``torch.optim.Optimizer`` over those parameters, any object with ``state_dict`` /
     ``load_state_dict`` keyed by global names, or None; ``extra`` is this rank's own picklable
     state; ``layout`` (e.g. ``{"pp": 2, "dp": 2}``) is checked on load; ``config`` (the run's
-    configuration, JSON-able) is recorded. Keeps the newest ``keep`` checkpoints.
+    configuration, JSON-able) and ``data`` (what the model was trained on, e.g. fingerprints of
+    its corpus and tokenizer, JSON-able: :func:`trained_on` reads it back) are recorded. Keeps the
+    newest ``keep`` checkpoints.
     """
     _check_save_arguments(step, keep, extra)
     root = Path(root)
@@ -294,7 +307,7 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
-            _publish(root, tmp, final, step, world, ranks, parts, layout, config, keep)
+            _publish(root, tmp, final, step, world, ranks, parts, layout, config, data, keep)
         except OSError as e:
             error = f"publishing checkpoint {final} failed ({e}); the previous checkpoint is still the latest"
     # Nobody returns before the checkpoint is published: a crash right after save_checkpoint
@@ -690,6 +703,7 @@ def _publish(
     parts: _Parts,
     layout: dict | None,
     config: dict | None,
+    data: dict | None,
     keep: int,
 ) -> None:
     """Manifest, rename, pointer, prune: run by one rank after every rank has written its files."""
@@ -714,6 +728,7 @@ def _publish(
         "weights_dtype": "+".join(sorted({d for r in ranks for d in r["dtypes"]})) or None,
         "master_weights": any(r["master_weights"] for r in ranks),
         "run_config": config,
+        "data": data,
     }
     write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
     _fsync_dir(tmp)

@@ -565,6 +565,16 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
 
+    def fingerprints(self) -> dict[str, str]:
+        """What a model trained on this data is pinned to: corpus, tokenizer (vocabulary) and token file digests, with their sources."""
+        return {
+            "corpus": self.corpus.name,
+            "corpus_fingerprint": self.corpus.fingerprint,
+            "tokenizer": self.tokenizer.source,
+            "tokenizer_fingerprint": self.tokenizer.vocab_fingerprint,
+            "tokens_sha256": str(self.packed.meta["sha256"]),
+        }
+
 
 def prepare_data(
     corpus: str | os.PathLike[str] | None = None,

@@ -123,7 +123,7 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> di
 
     trainer = Trainer(cfg, choices)
     ctx = trainer.ctx
-    _resume(trainer, cfg)
+    _resume(trainer, cfg, data_checked=choices is not None)
     records = _train_loop(trainer, cfg)
     # After training, so torch's one-off first-step shape inference is behind both measurements.
     baseline = trainer.measure_baseline() if cfg.train.baseline and cfg.precision.activations != "bf16" else None
@@ -141,14 +141,17 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> di
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
 
 
-def _resume(trainer: Any, cfg: TrainConfig) -> None:
+def _resume(trainer: Any, cfg: TrainConfig, data_checked: bool = False) -> None:
     """Continue from the newest checkpoint when resuming (or, with checkpoint.overwrite, delete the old
-    ones first), and drop metrics rows of the steps this run will (re)do."""
+    ones first), and drop metrics rows of the steps this run will (re)do. ``data_checked``: the
+    local launcher found the checkpoint trained on this run's data (:func:`check_resume_data`)."""
     ck = cfg.checkpoint
     if ck.resume:
         from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, unverified_problem
 
         latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=ck.trust_unverified)
+        if latest is not None and not data_checked:  # under torchrun, no launcher of agoq's looked before the workers started
+            check_resume_data(cfg, trainer.data, notice=trainer.ctx.rank == 0)
         if latest is not None:
             state = trainer.checkpoint_state()
             step, extra = load_checkpoint(latest, state["model"], state["optimizer"], layout=trainer.layout(), trust_unverified=ck.trust_unverified)
@@ -222,6 +225,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
                 keep=cfg.checkpoint.keep,
                 layout=trainer.layout(),
                 config=trainer.choices.config_dict(cfg),
+                data=trainer.data.fingerprints(),
             )
     progress.close()
     return records
@@ -656,6 +660,14 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
         with run_lock(cfg.train.out_dir):  # rank 0 holds the folder for the job
             announce(cfg, f"{os.environ.get('WORLD_SIZE', '?')} processes under torchrun")
             return train_worker(cfg)
+    # Build the tokenizer and token file once, here: a bad corpus, or one other than a resumed
+    # checkpoint's, is refused before the run folder is touched, and the workers only read the cache.
+    from agoq.train.data import prepare_data
+
+    d = cfg.data
+    data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+    check_data(cfg, len(data.train), len(data.val), data.tokenizer.vocab_size)
+    check_resume_data(cfg, data)
     with run_lock(cfg.train.out_dir):
         return _launch_local(cfg, max_restarts)
 
@@ -684,17 +696,61 @@ def check_run_folder(out_dir: str | os.PathLike[str]) -> None:
             refuse_link(entry.path, in_place=name != "checkpoints")
 
 
+def check_resume_data(cfg: TrainConfig, data: Any, notice: bool = True) -> None:
+    """ConfigError when the checkpoint a run resumes was trained on another corpus or tokenizer than
+    ``data`` (agoq.train.data.TokenData); one line of ``notice`` when the checkpoint does not say."""
+    from agoq.train.checkpoint import CheckpointError, latest_checkpoint, trained_on
+
+    if not cfg.checkpoint.resume:
+        return
+    try:
+        latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=cfg.checkpoint.trust_unverified)
+    except CheckpointError:
+        return  # refused by finished_run, with its own line
+    if latest is None:
+        return
+    saved, here = trained_on(latest), data.fingerprints()
+    if saved is None:
+        if not notice:
+            return
+        print(
+            f"agoq train: checkpoint {latest} records no tokenizer or corpus fingerprint (saved by an earlier agoq, or without its manifest): "
+            "the tokenizer and corpus of this run cannot be verified against the ones it was trained on",
+            flush=True,
+        )
+        return
+    d = cfg.data
+    tokenizer = f"data.tokenizer={d.tokenizer!r}" if d.tokenizer else f"the tokenizer (a BPE of data.vocab_size={d.vocab_size} trained on the corpus)"
+    source = "tokenizer file" if d.tokenizer else "data.vocab_size"
+    checks = (
+        ("corpus_fingerprint", f"data.corpus={d.corpus!r} is not the corpus checkpoint {latest} was trained on", "fingerprint", "corpus"),
+        (
+            "tokenizer_fingerprint",
+            f"{tokenizer} is not the tokenizer checkpoint {latest} was trained with",
+            "vocabulary fingerprint",
+            source,
+        ),
+        # The same corpus and vocabulary giving other ids: the normalizer, the pre-tokenizer or the
+        # end-of-document token changed.
+        (
+            "tokens_sha256",
+            f"{tokenizer} splits the corpus into other tokens than checkpoint {latest} was trained on",
+            "token file SHA-256",
+            source,
+        ),
+    )
+    for key, what, digest, original in checks:
+        if key in saved and saved[key] != here[key]:
+            raise ConfigError(
+                f"{what} ({digest} {here[key][:12]} here, {str(saved[key])[:12]} in the checkpoint); "
+                f"resume with the original {original}, or start a new run with --train.out_dir=runs/NAME"
+            )
+
+
 def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     """Spawn pp x dp x tp local worker processes with torch's elastic launcher and return rank 0's summary."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,
-    # and the workers only read the cache.
-    from agoq.train.data import prepare_data
-
-    d = cfg.data
-    data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
-    check_data(cfg, len(data.train), len(data.val), data.tokenizer.vocab_size)
     choices = resolve_auto_choices(cfg)
     announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}", choices)
     # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store

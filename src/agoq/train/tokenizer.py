@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -54,7 +56,9 @@ class Tokenizer:
         self.eos_id: int = eos_id
         self.source = source
         serialized = backend.to_str()
+        # Names the token cache: everything that makes ids from text (normalizer, pre-tokenizer, ...).
         self.fingerprint: str = hashlib.sha256((serialized + "\0" + eos_token).encode("utf-8")).hexdigest()
+        self.vocab_fingerprint: str = vocab_fingerprint(backend, eos_id, serialized)
         # Ids run 0..vocab_size-1; an embedding table needs this many rows.
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
@@ -78,6 +82,22 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}->{self.eos_id}, source={self.source!r})"
+
+
+def vocab_fingerprint(backend: tokenizers.Tokenizer, eos_id: int, serialized: str | None = None) -> str:
+    """SHA-256 of what a token id means: the vocabulary (token of each id), the merges and the end-of-document id.
+
+    What a checkpoint pins (agoq.train.run.check_resume_data). Taken from the tokenizer's content,
+    not its file: a file saved again, reformatted or with its keys in another order, matches, and
+    so does one written by another ``tokenizers`` version (merges "a b" or ["a", "b"]).
+    """
+    model = json.loads(serialized if serialized is not None else backend.to_str()).get("model", {})
+    vocab = sorted(backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
+    content: dict[str, Any] = {"type": model.get("type"), "vocab": vocab, "merges": merges, "eos_id": eos_id}
+    if isinstance(model.get("vocab"), list):  # Unigram: the pieces' scores decide the segmentation
+        content["scores"] = [piece[1] for piece in model["vocab"]]
+    return hashlib.sha256(json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
