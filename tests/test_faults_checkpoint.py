@@ -3,8 +3,9 @@
 
 - a resumed run keeps its checkpoint's compute dtype (``auto`` never changes it; an explicit other
   dtype is refused naming the saved one), and the ``auto`` probe is measured once per machine;
-- a checkpoint without its manifest, or with files lacking digests, loads only with
-  checkpoint.trust_unverified=true, and is never replaced by an older step;
+- a checkpoint without its manifest, with one that is not valid JSON (said as such), or with files
+  lacking digests, loads only with checkpoint.trust_unverified=true, and is never replaced by an
+  older step;
 - a fresh run into a folder with checkpoints is refused unless checkpoint.overwrite=true, which
   deletes them first: two runs' checkpoints never mix.
 """
@@ -303,6 +304,38 @@ def test_a_manifest_without_digests_and_a_damaged_shard_is_refused(fp32_run, tmp
     assert f"checkpoint {step2} has 2 files without a SHA-256 digest in its manifest.json" in line
     assert "--checkpoint.trust_unverified=true" in line
     assert _folder_digest(out) == before
+
+
+def test_a_manifest_that_is_not_valid_json_is_refused_as_exactly_that(fp32_run, tmp_path, capsys):
+    out = _copy(fp32_run, tmp_path)
+    step2 = out / "checkpoints" / "step_000002"
+    text = (step2 / "manifest.json").read_text()
+    (step2 / "manifest.json").write_text(text[: len(text) // 2])  # a copy cut short
+    with pytest.raises(json.JSONDecodeError) as parse:
+        json.loads(text[: len(text) // 2])
+    before = _folder_digest(out)
+    assert _train(out, "--precision.compute_dtype=fp32", "--train.steps=3", "--checkpoint.every=0") == 2
+    assert _one_line(capsys.readouterr().err) == (
+        f"agoq train: checkpoint {step2} is damaged: manifest.json is not valid JSON ({parse.value}), so its files cannot be verified; "
+        "restore the folder from a good copy, delete it to resume from an earlier checkpoint, or load it anyway with --checkpoint.trust_unverified=true"
+    )
+    assert _folder_digest(out) == before
+
+
+def test_the_library_reads_a_manifest_that_is_not_valid_json_as_none_at_all(tmp_path):
+    """Refused naming the parser's message; with consent it loads as a folder without its manifest does."""
+    from agoq.train.checkpoint import UnverifiedCheckpoint, load_checkpoint
+
+    step_dir, model, opt, fresh = _tiny_saved(tmp_path / "ck")
+    (step_dir / "manifest.json").write_text('{"format_version": 1, "step": 2,')
+    m, o = fresh()
+    with pytest.raises(UnverifiedCheckpoint) as info:
+        load_checkpoint(tmp_path / "ck", m, o)
+    assert f"checkpoint {step_dir} is damaged: manifest.json is not valid JSON (Expecting property name enclosed in double quotes: " in str(
+        info.value
+    )
+    assert load_checkpoint(tmp_path / "ck", m, o, trust_unverified=True) == (2, {"at": 2})
+    _assert_same_model_and_optimizer(model, opt, m, o)
 
 
 def _tiny_saved(root: Path):

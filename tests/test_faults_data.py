@@ -355,6 +355,30 @@ def test_every_bad_corpus_is_refused_before_launch_with_one_line(tmp_path, capsy
     assert not (cache / "tokens").exists() and not (cache / "tokenizers").exists()  # nothing was built from it
 
 
+def test_a_txt_link_out_of_a_corpus_folder_is_refused_and_one_within_it_is_read(tmp_path, capsys, launches):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _corpus(folder)
+    outside = tmp_path / "private.txt"
+    outside.write_text("not meant for training\n")
+    (folder / "notes.txt").symlink_to(outside)
+    cache = tmp_path / "cache"
+    args = [*SMALL, f"--data.corpus={folder}", f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"]
+    err = _refused(capsys, args, launches)
+    assert err == (
+        f"agoq train: data.corpus='{folder}': '{folder / 'notes.txt'}' is a symbolic link to '{outside}', outside the corpus folder; "
+        "copy that file into the folder, or delete the link"
+    )
+    assert not (cache / "tokens").exists()  # nothing was built from it
+    # A link to a file of the folder itself adds nothing from elsewhere: read as any file is.
+    (folder / "notes.txt").unlink()
+    (folder / "notes.txt").symlink_to("corpus.txt")
+    from agoq.cli import main
+
+    assert main(["train", *args]) == 0 and len(launches) == 1
+    assert capsys.readouterr().err == ""
+
+
 def test_a_corpus_that_does_not_exist_is_refused_naming_it(tmp_path, capsys, launches):
     missing = tmp_path / "nowhere.txt"
     err = _refused(capsys, [f"--data.corpus={missing}"], launches)

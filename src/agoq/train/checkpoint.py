@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from agoq.train.nofollow import ensure_folder, refuse_link, write_atomic
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -158,11 +160,50 @@ def unverified_files(step_dir: str | os.PathLike) -> list[str]:
     return sorted((set(present) | set(listed)) - set(recorded))
 
 
+def read_manifest(step_dir: str | os.PathLike) -> dict | None:
+    """A checkpoint folder's manifest, or None when it has none; CheckpointError when it cannot be read or is not a JSON object."""
+    path = Path(step_dir) / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is unreadable ({e}); restore it from a good copy, or delete {step_dir} and load an earlier checkpoint"
+        ) from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(_not_json(e)) from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{MANIFEST} is valid JSON but not an object (a {type(manifest).__name__})")
+    return manifest
+
+
+def _not_json(e: ValueError) -> str:
+    # A truncated copy or an edit that broke the file: said as such, not as files lacking digests.
+    return f"{MANIFEST} is not valid JSON ({e})"
+
+
+def trained_on(step_dir: str | os.PathLike) -> dict | None:
+    """What a checkpoint records its model was trained on (``save_checkpoint``'s ``data``), or None where it does not say."""
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointError:
+        return None
+    data = manifest.get("data") if manifest is not None else None
+    return data if isinstance(data, dict) else None
+
+
 def unverified_problem(step_dir: str | os.PathLike) -> str | None:
     """Why a checkpoint folder cannot be verified, in words ("has no manifest.json ..."), or None when it can."""
     step_dir = Path(step_dir)
     if not (step_dir / MANIFEST).is_file():
         return _NO_MANIFEST
+    try:
+        read_manifest(step_dir)
+    except CheckpointError as e:
+        return f"is damaged: {e}"
     missing = unverified_files(step_dir)
     if not missing:
         return None
@@ -179,11 +220,11 @@ def remove_checkpoints(root: str | os.PathLike) -> int:
         return 0
     count = len(step_folders(root))
     aside = root.with_name(f".{root.name}.removed.{os.getpid()}")
-    if aside.exists():
-        shutil.rmtree(aside)
+    if os.path.lexists(aside):
+        _remove_tree(aside)
     os.rename(root, aside)
     _fsync_dir(root.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove_tree(aside, ignore_errors=True)
     return count
 
 
@@ -228,6 +269,7 @@ def save_checkpoint(
     keep: int = 2,
     layout: dict | None = None,
     config: dict | None = None,
+    data: dict | None = None,
 ) -> Path:
     """Write this rank's part of the step's checkpoint atomically; return the finished folder.
 
@@ -236,7 +278,9 @@ def save_checkpoint(
     ``torch.optim.Optimizer`` over those parameters, any object with ``state_dict`` /
     ``load_state_dict`` keyed by global names, or None; ``extra`` is this rank's own picklable
     state; ``layout`` (e.g. ``{"pp": 2, "dp": 2}``) is checked on load; ``config`` (the run's
-    configuration, JSON-able) is recorded. Keeps the newest ``keep`` checkpoints.
+    configuration, JSON-able) and ``data`` (what the model was trained on, e.g. fingerprints of
+    its corpus and tokenizer, JSON-able: :func:`trained_on` reads it back) are recorded. Keeps the
+    newest ``keep`` checkpoints.
     """
     _check_save_arguments(step, keep, extra)
     root = Path(root)
@@ -263,7 +307,7 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
-            _publish(root, tmp, final, step, world, ranks, parts, layout, config, keep)
+            _publish(root, tmp, final, step, world, ranks, parts, layout, config, data, keep)
         except OSError as e:
             error = f"publishing checkpoint {final} failed ({e}); the previous checkpoint is still the latest"
     # Nobody returns before the checkpoint is published: a crash right after save_checkpoint
@@ -315,12 +359,15 @@ def _prepare_save(
         )
     if rank == 0 and error is None:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            ensure_folder(root)
+            refuse_link(tmp)
             if tmp.exists():  # left by a save of this step that crashed
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except OSError as e:
             error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
+        except ValueError as e:  # a symbolic link where the save would write (agoq.train.nofollow)
+            error = str(e)
     _agree(error, process_group)
     assert parts is not None  # _agree raised otherwise
     return parts, blob
@@ -634,11 +681,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def _remove_tree(path: Path, ignore_errors: bool = False) -> None:
+    """Delete a folder of a checkpoint root; a link standing there goes, never what it points to."""
+    try:
+        if os.path.islink(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def _publish(
@@ -651,6 +703,7 @@ def _publish(
     parts: _Parts,
     layout: dict | None,
     config: dict | None,
+    data: dict | None,
     keep: int,
 ) -> None:
     """Manifest, rename, pointer, prune: run by one rank after every rank has written its files."""
@@ -675,23 +728,22 @@ def _publish(
         "weights_dtype": "+".join(sorted({d for r in ranks for d in r["dtypes"]})) or None,
         "master_weights": any(r["master_weights"] for r in ranks),
         "run_config": config,
+        "data": data,
     }
-    _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
     _fsync_dir(tmp)
     old = None
-    if final.exists():  # the same step saved again (e.g. after resuming from it)
+    if os.path.lexists(final):  # the same step saved again (e.g. after resuming from it)
         old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
+        if os.path.lexists(old):
+            _remove_tree(old)
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
-    pointer_tmp = root / f".{LATEST}.{os.getpid()}.tmp"
-    _write_durably(pointer_tmp, final.name + "\n")
-    os.replace(pointer_tmp, root / LATEST)
+    write_atomic(root / LATEST, final.name + "\n")
     _fsync_dir(root)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_tree(old, ignore_errors=True)
     _prune(root, final, keep)
 
 
@@ -707,11 +759,11 @@ def _finished_steps(root: Path) -> list[tuple[int, Path]]:
 def _prune(root: Path, current: Path, keep: int) -> None:
     others = [p for _, p in _finished_steps(root) if p != current]
     for p in others[: max(0, len(others) - (keep - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
+        _remove_tree(p, ignore_errors=True)
     for p in root.iterdir():
         # Leftovers of crashed saves; every rank has finished the current one, so none is live.
         if p.is_dir() and p.name.startswith("step_") and p.name.endswith((".tmp", ".old")):
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_tree(p, ignore_errors=True)
 
 
 def _resolve(path: Path, trust_unverified: bool = False) -> Path:
@@ -734,18 +786,19 @@ def _resolve(path: Path, trust_unverified: bool = False) -> Path:
 
 
 def _read_manifest(step_dir: Path, trust_unverified: bool = False, world: int = 1) -> dict:
-    path = step_dir / MANIFEST
-    if not path.is_file():
-        if not trust_unverified:
-            raise UnverifiedCheckpoint(step_dir, _NO_MANIFEST)
-        return _stand_in_manifest(step_dir, world)
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({e}); delete {step_dir} and load an earlier checkpoint") from None
+        manifest, problem = read_manifest(step_dir), _NO_MANIFEST
+    except CheckpointError as e:
+        manifest, problem = None, f"is damaged: {e}"
+    if manifest is None:
+        if not trust_unverified:
+            raise UnverifiedCheckpoint(step_dir, problem)
+        return _stand_in_manifest(step_dir, world)  # a damaged manifest verifies nothing, as a missing one does
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; load it with the agoq version that wrote it")
+        raise CheckpointError(
+            f"{step_dir / MANIFEST} has format_version {version!r}, this agoq reads {FORMAT_VERSION}; load it with the agoq version that wrote it"
+        )
     return manifest
 
 

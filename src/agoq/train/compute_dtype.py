@@ -166,11 +166,11 @@ def recorded_speedup(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 def record_speedup(path: Path, key: dict[str, Any], speedup: float, t32: float, t16: float) -> dict[str, Any]:
     """Add (or replace) the probe result of ``key`` in ``path``, written atomically; return the entry."""
-    from agoq.train.tokenizer import atomic_write_text
+    from agoq.train.nofollow import write_atomic
 
     entry = {"key": key, "speedup": speedup, "fp32_s": t32, "bf16_s": t16, "measured": datetime.date.today().isoformat()}
     entries = [e for e in _read_records(path) if e["key"] != key] + [entry]
-    atomic_write_text(path, json.dumps({"format": 1, "entries": entries}, indent=1) + "\n")
+    write_atomic(path, json.dumps({"format": 1, "entries": entries}, indent=1) + "\n")
     return entry
 
 

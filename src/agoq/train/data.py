@@ -26,17 +26,16 @@ import numpy as np
 import torch
 
 from agoq.train.config import ConfigError
+from agoq.train.nofollow import temp_file_beside, write_atomic
 from agoq.train.tokenizer import (
     CACHE_ENV,
     DEFAULT_VOCAB_SIZE,
     Tokenizer,
-    atomic_write_text,
     cache_dir,
     file_lock,
     load_or_train_bpe,
     load_tokenizer,
     notify,
-    temp_file_beside,
 )
 
 KJV = "kjv"
@@ -94,6 +93,7 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
         return (p,)
     found = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
     files = sorted((f for f in found if f.suffix.lower() in CORPUS_SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
+    _refuse_links_out_of(p, files)
     if not files:
         others = sorted({f.suffix or "(none)" for f in found})
         raise ValueError(
@@ -102,6 +102,22 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
             + "; add some or point to another folder"
         )
     return tuple(files)
+
+
+def _refuse_links_out_of(folder: Path, files: list[Path]) -> None:
+    """ValueError naming the first of ``files`` that is a symbolic link to a file outside ``folder``.
+
+    A corpus folder is what the run trains on: a link out of it would add a file from elsewhere
+    that no listing of the folder shows.
+    """
+    inside = folder.resolve()
+    for f in files:
+        if f.is_symlink():
+            target = f.resolve()
+            if not target.is_relative_to(inside):
+                raise ValueError(
+                    f"{str(f)!r} is a symbolic link to {str(target)!r}, outside the corpus folder; copy that file into the folder, or delete the link"
+                )
 
 
 @dataclass
@@ -363,7 +379,7 @@ def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
         "tokenizer_fingerprint": tokenizer.fingerprint,
     }
     # The metadata goes last: a .bin without its .json is never opened.
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
+    write_atomic(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[np.ndarray, np.ndarray]:
@@ -548,6 +564,16 @@ class TokenData:
     packed: PackedTokens
     train: np.ndarray
     val: np.ndarray
+
+    def fingerprints(self) -> dict[str, str]:
+        """What a model trained on this data is pinned to: corpus, tokenizer (vocabulary) and token file digests, with their sources."""
+        return {
+            "corpus": self.corpus.name,
+            "corpus_fingerprint": self.corpus.fingerprint,
+            "tokenizer": self.tokenizer.source,
+            "tokenizer_fingerprint": self.tokenizer.vocab_fingerprint,
+            "tokens_sha256": str(self.packed.meta["sha256"]),
+        }
 
 
 def prepare_data(

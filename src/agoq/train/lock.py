@@ -7,22 +7,23 @@ file records who holds it (pid, host, start time) for the message a second run p
 
 A run claims the folder with an exclusive lock, then holds it shared, and each of its workers
 takes it shared too (:func:`join_run_lock`): another run's exclusive claim fails as long as any
-process of this one lives, the launcher or a worker it left. The file is opened without following
-a symbolic link, and refused if it is a hard link: ``.lock`` naming another file would have that
-file truncated and overwritten.
+process of this one lives, the launcher or a worker it left. The file is opened as every file
+written in place in the run folder is (agoq.train.nofollow.open_in_place): never through a
+symbolic link, and refused if it is a hard link, since ``.lock`` naming another file would have
+that file truncated and overwritten.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import socket
-import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from agoq.train.nofollow import open_in_place
 
 LOCK_NAME = ".lock"
 
@@ -36,27 +37,11 @@ def _open(out_dir: str | os.PathLike[str]) -> tuple[Path, int]:
     from agoq.train.config import ConfigError
 
     folder = Path(out_dir)
-    path = folder / LOCK_NAME
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = open_in_place(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a symbolic link (EMLINK on FreeBSD)
-            raise ConfigError(
-                f"{path} is a symbolic link, which agoq does not follow (the file it points to would be overwritten); "
-                f"delete the link (rm {path}) or write this run elsewhere with --train.out_dir=runs/NAME"
-            ) from None
         raise ConfigError(f"train.out_dir={str(out_dir)!r} cannot be written ({e.strerror}); choose a folder you can write") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise ConfigError(f"{path} is not a regular file; delete it or write this run elsewhere with --train.out_dir=runs/NAME")
-    if info.st_nlink > 1:  # a hard link: the other names of this file would be truncated and overwritten
-        os.close(fd)
-        raise ConfigError(
-            f"{path} has {info.st_nlink} names (a hard link to another file, which the lock would overwrite); "
-            f"delete it (rm {path}) or write this run elsewhere with --train.out_dir=runs/NAME"
-        )
     return folder, fd
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from agoq.train.nofollow import ensure_folder, open_in_place, write_atomic
 
 
 def peak_rss_bytes() -> int:
@@ -40,28 +44,28 @@ def fmt_bytes(n: float | None) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line to a rank's metrics file."""
+    """Appends one JSON object per line to a rank's metrics file (never through a link: agoq.train.nofollow)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._f = path.open("a")
+        self.path = ensure_folder(path.parent) / path.name
+        self._f = self._open(os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a")
+
+    def _open(self, flags: int, mode: str) -> IO[str]:
+        return os.fdopen(open_in_place(self.path, flags), mode)
 
     def keep_until(self, step: int) -> None:
         """Drop the rows of steps after ``step`` (a resumed run redoes them; its rows must not appear twice)."""
         self._f.close()
         kept = []
-        with self.path.open() as f:
+        with self._open(os.O_RDONLY, "r") as f:
             for line in f:
                 try:
                     if json.loads(line).get("step", 0) <= step:
                         kept.append(line if line.endswith("\n") else line + "\n")
                 except ValueError:  # a line cut short by a crash
                     continue
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
-        self._f = self.path.open("a")
+        write_atomic(self.path, "".join(kept), durable=False)
+        self._f = self._open(os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a")
 
     def write(self, record: dict[str, Any]) -> None:
         """Write one record and flush (a crash loses nothing already logged)."""
@@ -293,7 +297,8 @@ def plot_run(summary: dict[str, Any], path: Path, title: str) -> Path | None:
     mem.legend(fontsize=8)
     mem.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_atomic(path, png.getvalue())
     return path

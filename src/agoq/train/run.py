@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.train.compute_dtype import ResolvedChoices
-from agoq.train.config import TrainConfig
+from agoq.train.config import ConfigError, TrainConfig
 from agoq.train.forkserver import (
     die_with_launcher,
     inherited_gloo_interface,
@@ -26,8 +26,9 @@ from agoq.train.forkserver import (
     under_torchrun,
     workers_environment,
 )
-from agoq.train.lock import join_run_lock, run_lock
+from agoq.train.lock import LOCK_NAME, join_run_lock, run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
+from agoq.train.nofollow import ensure_folder, open_in_place, refuse_link, write_atomic
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -122,7 +123,7 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> di
 
     trainer = Trainer(cfg, choices)
     ctx = trainer.ctx
-    _resume(trainer, cfg)
+    _resume(trainer, cfg, data_checked=choices is not None)
     records = _train_loop(trainer, cfg)
     # After training, so torch's one-off first-step shape inference is behind both measurements.
     baseline = trainer.measure_baseline() if cfg.train.baseline and cfg.precision.activations != "bf16" else None
@@ -140,14 +141,17 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> di
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
 
 
-def _resume(trainer: Any, cfg: TrainConfig) -> None:
+def _resume(trainer: Any, cfg: TrainConfig, data_checked: bool = False) -> None:
     """Continue from the newest checkpoint when resuming (or, with checkpoint.overwrite, delete the old
-    ones first), and drop metrics rows of the steps this run will (re)do."""
+    ones first), and drop metrics rows of the steps this run will (re)do. ``data_checked``: the
+    local launcher found the checkpoint trained on this run's data (:func:`check_resume_data`)."""
     ck = cfg.checkpoint
     if ck.resume:
         from agoq.train.checkpoint import latest_checkpoint, load_checkpoint, unverified_problem
 
         latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=ck.trust_unverified)
+        if latest is not None and not data_checked:  # under torchrun, no launcher of agoq's looked before the workers started
+            check_resume_data(cfg, trainer.data, notice=trainer.ctx.rank == 0)
         if latest is not None:
             state = trainer.checkpoint_state()
             step, extra = load_checkpoint(latest, state["model"], state["optimizer"], layout=trainer.layout(), trust_unverified=ck.trust_unverified)
@@ -221,6 +225,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
                 keep=cfg.checkpoint.keep,
                 layout=trainer.layout(),
                 config=trainer.choices.config_dict(cfg),
+                data=trainer.data.fingerprints(),
             )
     progress.close()
     return records
@@ -292,8 +297,8 @@ def summarize(
 def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
     """summary.json, summary.md and loss.png in out_dir, and the summary on the terminal."""
     out = Path(cfg.train.out_dir)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_markdown(summary) + "\n")
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "summary.md", summary_markdown(summary) + "\n")
     title = f"agoq train: {cfg.model.preset}, {cfg.precision.activations} activations, {cfg.precision.gradients} gradients"
     drawn = plot_run(summary, out / "loss.png", title)
     print("\n" + summary_text(summary), flush=True)
@@ -310,8 +315,6 @@ def _write_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
 def check_data(cfg: TrainConfig, train_tokens: int, val_tokens: int, tokenizer_vocab: int | None = None) -> None:
     """ConfigError unless the corpus holds at least one step's batch for training and one for
     validation, and the model has an embedding row for every id of the tokenizer (``tokenizer_vocab``)."""
-    from agoq.train.config import ConfigError
-
     d = cfg.data
     if tokenizer_vocab is not None and tokenizer_vocab > cfg.model_config().vocab_size:
         raise ConfigError(
@@ -382,7 +385,6 @@ def finished_run(cfg: TrainConfig) -> int | None:
     a fresh run's checkpoints with an earlier run's in the same folder.
     """
     from agoq.train.checkpoint import UnverifiedCheckpoint, checkpoint_step, latest_checkpoint, step_folders, unverified_problem
-    from agoq.train.config import ConfigError
 
     ck, root = cfg.checkpoint, checkpoint_root(cfg)
     if not ck.resume:
@@ -449,13 +451,13 @@ class _RankLog:
         self.paths = (logs / f"rank{rank}.log", logs / f"rank{rank}.error")
         self.fds: list[int] = []
         try:
-            logs.mkdir(parents=True, exist_ok=True)
+            ensure_folder(logs)
             for path in self.paths:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                fd = open_in_place(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
                 self.fds.append(fd)
                 _reserve(fd, self.RESERVE)
-        except OSError:
-            pass  # written where it can be, at the failure
+        except (OSError, ConfigError):
+            pass  # written where it can be, at the failure; a link there is never written through
 
     def write(self, traceback_text: str, line: str) -> None:
         # The log ends with the line too: what the terminal said (e.g. the full disk's path) stands
@@ -471,8 +473,8 @@ class _RankLog:
                         os.pwrite(self.fds[i], data, 0)
                     os.ftruncate(self.fds[i], len(data))
                 else:
-                    self.paths[i].write_bytes(data)
-            except OSError:
+                    write_atomic(ensure_folder(self.paths[i].parent) / self.paths[i].name, data, durable=False)
+            except (OSError, ConfigError):
                 pass
 
     def remove(self) -> None:
@@ -647,6 +649,7 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     """Run the training: in place under torchrun, else spawn pp x dp x tp local processes with torch's launcher."""
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
+    check_run_folder(cfg.train.out_dir)
     done = finished_run(cfg)
     if done is not None:
         return report_finished(cfg, done) if first else None
@@ -657,21 +660,97 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
         with run_lock(cfg.train.out_dir):  # rank 0 holds the folder for the job
             announce(cfg, f"{os.environ.get('WORLD_SIZE', '?')} processes under torchrun")
             return train_worker(cfg)
+    # Build the tokenizer and token file once, here: a bad corpus, or one other than a resumed
+    # checkpoint's, is refused before the run folder is touched, and the workers only read the cache.
+    from agoq.train.data import prepare_data
+
+    d = cfg.data
+    data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
+    check_data(cfg, len(data.train), len(data.val), data.tokenizer.vocab_size)
+    check_resume_data(cfg, data)
     with run_lock(cfg.train.out_dir):
         return _launch_local(cfg, max_restarts)
+
+
+# What a run writes in its folder: these files, and anything in these folders.
+RUN_FILES = (LOCK_NAME, "summary.json", "summary.md", "loss.png")
+RUN_FOLDERS = ("logs", "metrics", "checkpoints")
+
+
+def check_run_folder(out_dir: str | os.PathLike[str]) -> None:
+    """ConfigError (one line naming it and the fix) for a link among what a run writes in ``out_dir``.
+
+    Checked before anything is written; the writes themselves never follow a link either
+    (agoq.train.nofollow), so one made after this check is replaced or refused, never written through.
+    """
+    out = Path(out_dir)
+    for name in RUN_FILES + RUN_FOLDERS:
+        refuse_link(out / name, in_place=name == LOCK_NAME)
+    for name in RUN_FOLDERS:
+        try:
+            entries = sorted(os.scandir(out / name), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            # Logs and metrics are written in place: a hard link would change its other name's file too.
+            refuse_link(entry.path, in_place=name != "checkpoints")
+
+
+def check_resume_data(cfg: TrainConfig, data: Any, notice: bool = True) -> None:
+    """ConfigError when the checkpoint a run resumes was trained on another corpus or tokenizer than
+    ``data`` (agoq.train.data.TokenData); one line of ``notice`` when the checkpoint does not say."""
+    from agoq.train.checkpoint import CheckpointError, latest_checkpoint, trained_on
+
+    if not cfg.checkpoint.resume:
+        return
+    try:
+        latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=cfg.checkpoint.trust_unverified)
+    except CheckpointError:
+        return  # refused by finished_run, with its own line
+    if latest is None:
+        return
+    saved, here = trained_on(latest), data.fingerprints()
+    if saved is None:
+        if not notice:
+            return
+        print(
+            f"agoq train: checkpoint {latest} records no tokenizer or corpus fingerprint (saved by an earlier agoq, or without its manifest): "
+            "the tokenizer and corpus of this run cannot be verified against the ones it was trained on",
+            flush=True,
+        )
+        return
+    d = cfg.data
+    tokenizer = f"data.tokenizer={d.tokenizer!r}" if d.tokenizer else f"the tokenizer (a BPE of data.vocab_size={d.vocab_size} trained on the corpus)"
+    source = "tokenizer file" if d.tokenizer else "data.vocab_size"
+    checks = (
+        ("corpus_fingerprint", f"data.corpus={d.corpus!r} is not the corpus checkpoint {latest} was trained on", "fingerprint", "corpus"),
+        (
+            "tokenizer_fingerprint",
+            f"{tokenizer} is not the tokenizer checkpoint {latest} was trained with",
+            "vocabulary fingerprint",
+            source,
+        ),
+        # The same corpus and vocabulary giving other ids: the normalizer, the pre-tokenizer or the
+        # end-of-document token changed.
+        (
+            "tokens_sha256",
+            f"{tokenizer} splits the corpus into other tokens than checkpoint {latest} was trained on",
+            "token file SHA-256",
+            source,
+        ),
+    )
+    for key, what, digest, original in checks:
+        if key in saved and saved[key] != here[key]:
+            raise ConfigError(
+                f"{what} ({digest} {here[key][:12]} here, {str(saved[key])[:12]} in the checkpoint); "
+                f"resume with the original {original}, or start a new run with --train.out_dir=runs/NAME"
+            )
 
 
 def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     """Spawn pp x dp x tp local worker processes with torch's elastic launcher and return rank 0's summary."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Build the tokenizer and token file once, here: a bad corpus fails before any worker starts,
-    # and the workers only read the cache.
-    from agoq.train.data import prepare_data
-
-    d = cfg.data
-    data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
-    check_data(cfg, len(data.train), len(data.val), data.tokenizer.vocab_size)
     choices = resolve_auto_choices(cfg)
     announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}", choices)
     # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store

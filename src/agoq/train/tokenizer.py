@@ -10,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from agoq.train.nofollow import CACHE_ELSEWHERE, open_in_place, write_atomic
 
 DEFAULT_VOCAB_SIZE = 4096
 EOS_TOKEN = "<|endoftext|>"
@@ -53,7 +56,9 @@ class Tokenizer:
         self.eos_id: int = eos_id
         self.source = source
         serialized = backend.to_str()
+        # Names the token cache: everything that makes ids from text (normalizer, pre-tokenizer, ...).
         self.fingerprint: str = hashlib.sha256((serialized + "\0" + eos_token).encode("utf-8")).hexdigest()
+        self.vocab_fingerprint: str = vocab_fingerprint(backend, eos_id, serialized)
         # Ids run 0..vocab_size-1; an embedding table needs this many rows.
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
@@ -72,11 +77,27 @@ class Tokenizer:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the tokenizer as a tokenizer.json file (atomically) and return its path."""
         path = Path(path)
-        atomic_write_text(path, self.backend.to_str())
+        write_atomic(path, self.backend.to_str())
         return path
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}->{self.eos_id}, source={self.source!r})"
+
+
+def vocab_fingerprint(backend: tokenizers.Tokenizer, eos_id: int, serialized: str | None = None) -> str:
+    """SHA-256 of what a token id means: the vocabulary (token of each id), the merges and the end-of-document id.
+
+    What a checkpoint pins (agoq.train.run.check_resume_data). Taken from the tokenizer's content,
+    not its file: a file saved again, reformatted or with its keys in another order, matches, and
+    so does one written by another ``tokenizers`` version (merges "a b" or ["a", "b"]).
+    """
+    model = json.loads(serialized if serialized is not None else backend.to_str()).get("model", {})
+    vocab = sorted(backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
+    content: dict[str, Any] = {"type": model.get("type"), "vocab": vocab, "merges": merges, "eos_id": eos_id}
+    if isinstance(model.get("vocab"), list):  # Unigram: the pieces' scores decide the segmentation
+        content["scores"] = [piece[1] for piece in model["vocab"]]
+    return hashlib.sha256(json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
@@ -147,7 +168,7 @@ def load_or_train_bpe(
         tokenizer = train_bpe(texts, vocab_size)
         tokenizer.save(path)
         # The digest goes last: a tokenizer file without its digest is never trusted.
-        atomic_write_text(digest_path, hashlib.sha256(path.read_bytes()).hexdigest() + "\n")
+        write_atomic(digest_path, hashlib.sha256(path.read_bytes()).hexdigest() + "\n")
     return _cached(path, vocab_size)
 
 
@@ -176,31 +197,6 @@ def tokenizer_vocab_size(path: str | os.PathLike[str]) -> int:
     return _vocab_size_of(str(p), st.st_mtime_ns, st.st_size)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (no half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_file_beside(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def temp_file_beside(path: Path) -> tuple[int, str]:
-    """An open (fd, name) of a new readable temporary file in ``path``'s folder, for os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    # mkstemp makes the file private (0600); cache files are shared like any other file.
-    os.chmod(tmp, 0o644)
-    return fd, tmp
-
-
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock beside ``path`` so concurrent processes build it only once."""
@@ -210,9 +206,12 @@ def file_lock(path: Path) -> Iterator[None]:
     except ImportError:  # Windows: no flock; atomic renames still keep the files whole
         yield
         return
-    with open(path.with_name(path.name + ".lock"), "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    fd = open_in_place(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, elsewhere=CACHE_ELSEWHERE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
