@@ -249,7 +249,9 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_launch(tmp_path, ca
         ),
         ("--model.vocab_size=10", "model.vocab_size=10 cannot be set"),
         ("--model.overrides={layers=2}", "model.overrides has unknown field 'layers'; valid fields: hidden, n_layers, n_heads"),
-        ("--model.overrides={tie_embeddings=1}", "model.tie_embeddings=1 is not a boolean"),
+        ("--model.overrides={tie_embeddings=2}", "model.tie_embeddings=2 is not a boolean; use true or false (or yes/no, 1/0)"),
+        # 1 is true, as on the command line (--model.tie_embeddings=1): refused here for the layout only.
+        ("--model.overrides={tie_embeddings=1}", "model.tie_embeddings=true is not supported with parallel.pp > 1"),
         ("--model.overrides={n_layers=2.5}", "model.n_layers=2.5 is not an integer"),
         ("--model.overrides={norm_eps=-1}", "model.norm_eps=-1.0 must be a finite number > 0"),
         ("--model.norm_eps=nan", "model.norm_eps=nan must be a finite number > 0"),
