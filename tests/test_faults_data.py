@@ -5,13 +5,16 @@ before launch with one line naming the value and the fix."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from agoq.train.config import load_config
 from agoq.train.data import CacheMismatch, open_packed, prepare_data
+from agoq.train.lock import LOCK_NAME
 from tests._data import SMALL_MODEL
 
 # A one-process run of a small model: the faults checked here are the launcher's, not the layout's.
@@ -355,6 +358,29 @@ def test_every_bad_corpus_is_refused_before_launch_with_one_line(tmp_path, capsy
     assert err.startswith(f"agoq train: data.corpus='{path}': "), err
     assert message.format(path=str(path)) in err, err
     assert not (cache / "tokens").exists() and not (cache / "tokenizers").exists()  # nothing was built from it
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "dev-zero-link.txt"])
+def test_a_corpus_that_is_neither_a_file_nor_a_folder_is_refused_naming_what_it_is(tmp_path, capsys, launches, kind):
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+        what = "a named pipe (FIFO)"
+    elif kind == "dev-zero":
+        path = Path("/dev/zero")
+        what = "a character device"
+    else:
+        path.symlink_to("/dev/zero")
+        what = "a character device"
+    if not path.exists():
+        pytest.skip("no /dev/zero here")
+    cache = tmp_path / "cache"
+    err = _refused(capsys, [*SMALL, f"--data.corpus={path}", f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"], launches)
+    assert err == (
+        f"agoq train: data.corpus='{path}': '{path}' is {what}, not a regular file or folder; give a .txt or .jsonl file, or a folder of them"
+    )
+    assert not (cache / "tokens").exists()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_NAME]  # the folder was claimed, nothing written
 
 
 def test_a_corpus_that_does_not_exist_is_refused_naming_it(tmp_path, capsys, launches):
