@@ -318,9 +318,11 @@ def test_the_run_plot_shows_memory_per_rank_beside_the_bf16_baseline(tmp_path):
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_opening_lines_say_what_will_run_and_where(capsys):
+def test_the_opening_lines_say_what_will_run_and_where(capsys, monkeypatch):
+    from agoq.train import run
     from agoq.train.run import announce
 
+    monkeypatch.setattr(run, "cpu_cores", lambda: 4)  # as many cores as processes: no notice
     cfg = load_config(None, ["--precision.compute_dtype=fp32", "--precision.quant_backend=compiled", "--train.out_dir=runs/x"])
     announce(cfg, "4 local processes")
     out = capsys.readouterr().out.splitlines()
@@ -330,6 +332,21 @@ def test_the_opening_lines_say_what_will_run_and_where(capsys):
         "agoq train: 200 steps of 16 x 128 tokens, then one bf16-policy step to measure the baseline; "
         "output in runs/x/ (summary.json, summary.md, loss.png, metrics/, checkpoints/)",
     ]
+
+
+def test_more_processes_than_cores_get_a_one_line_notice_in_the_opening_lines(capsys, monkeypatch):
+    from agoq.train import run
+
+    monkeypatch.setattr(run, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(None, ["--parallel.pp=2", "--parallel.dp=4", "--data.batch_size=32"])
+    run.announce(cfg, "8 local processes")
+    out = capsys.readouterr().out.splitlines()
+    assert out[3:] == [
+        "agoq train: 8 processes share 2 CPU cores here, so they take turns and each step takes longer than the layout suggests; "
+        "a layout of fewer processes (parallel.pp x dp x tp) runs faster on this machine"
+    ]
+    assert cfg.world_size == 8  # a notice: the layout asked for is kept
 
 
 def test_without_matplotlib_the_plot_is_skipped_not_the_run(tmp_path, monkeypatch):

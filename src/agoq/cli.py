@@ -106,6 +106,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(to_toml(cfg), end="")
         return 0
+    from agoq.train.environment import environment_problem
+
+    problem = environment_problem()
+    if problem is not None:
+        print(f"agoq train: {problem}", file=sys.stderr)
+        return 2
     import logging
     import signal
 

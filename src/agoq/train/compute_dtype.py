@@ -357,9 +357,17 @@ def resolve_choices(cfg: "TrainConfig", device_type: str, threads: int) -> Resol
     return ResolvedChoices(dtype.name, quant.name)
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says, as in a container)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def worker_threads(world_size: int) -> int:
     """Threads each of ``world_size`` local CPU workers gets (the cores shared evenly)."""
-    return max(1, (os.cpu_count() or 1) // max(1, world_size))
+    return max(1, cpu_cores() // max(1, world_size))
 
 
 __all__ = [
@@ -374,6 +382,7 @@ __all__ = [
     "choose_quant_backend",
     "compute_dtype_for",
     "cpu_bf16_flags",
+    "cpu_cores",
     "cpu_flags",
     "cpu_model_name",
     "probe_key",

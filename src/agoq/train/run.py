@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agoq.train.compute_dtype import ResolvedChoices
+from agoq.models.config import parameter_count_text
+from agoq.train.compute_dtype import ResolvedChoices, cpu_cores
 from agoq.train.config import TrainConfig
 from agoq.train.forkserver import (
     die_with_launcher,
@@ -338,10 +339,9 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
     already, else the config's values), and where its output goes."""
     p, pr, d = cfg.parallel, cfg.precision, cfg.data
     dtype, quant = (choices.compute_dtype, choices.quant_backend) if choices else (pr.compute_dtype, pr.quant_backend)
-    params = cfg.model_config().num_parameters()
     out = Path(cfg.train.out_dir)
     print(
-        f"agoq train: model {cfg.model.preset} ({params / 1e6:.1f} M parameters), {processes}: pp={p.pp} x dp={p.dp}"
+        f"agoq train: model {cfg.model.preset} ({parameter_count_text(cfg.model_config().num_parameters())}), {processes}: pp={p.pp} x dp={p.dp}"
         + (f" x tp={p.tp} (sequence parallel)" if p.tp > 1 else "")
         + f" "
         f"({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')} per step)\n"
@@ -355,8 +355,20 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
         + ")",
         flush=True,
     )
+    from agoq.train.environment import unread_notice
+
+    unread = unread_notice()
+    if unread:
+        print(unread, flush=True)
     if under_torchrun():
         return
+    cores = cpu_cores()
+    if cfg.world_size > cores and not torch.cuda.is_available():
+        print(
+            f"agoq train: {cfg.world_size} processes share {cores} CPU core{'s' if cores > 1 else ''} here, so they take turns and each "
+            "step takes longer than the layout suggests; a layout of fewer processes (parallel.pp x dp x tp) runs faster on this machine",
+            flush=True,
+        )
     stray = stray_rank_variables()
     if stray:
         found = ", ".join(f"{k}={v}" for k, v in stray.items())
