@@ -236,17 +236,12 @@ _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}
 def checkpoint_compute_dtype(cfg: "TrainConfig") -> tuple[str, Path] | None:
     """(compute dtype, step folder) of the checkpoint a run of ``cfg`` resumes, or None (not resuming,
     no checkpoint, or one that does not say). Problems with the checkpoint are left to its load."""
-    if not cfg.checkpoint.resume:
-        return None
-    from agoq.train.checkpoint import MANIFEST, CheckpointError, latest_checkpoint
+    from agoq.train.resume import resumed_manifest
 
-    try:
-        latest = latest_checkpoint(Path(cfg.train.out_dir) / "checkpoints", trust_unverified=cfg.checkpoint.trust_unverified)
-        manifest = json.loads((latest / MANIFEST).read_text()) if latest is not None and (latest / MANIFEST).exists() else None
-    except (CheckpointError, OSError, ValueError):
+    found = resumed_manifest(cfg)
+    if found is None:
         return None
-    if latest is None:
-        return None
+    latest, manifest = found
     if manifest is None:
         # No manifest: latest_checkpoint returned it only with the user's consent (trust_unverified),
         # which covers reading DCP's index; the weights' dtype there is the run's.
@@ -254,8 +249,6 @@ def checkpoint_compute_dtype(cfg: "TrainConfig") -> tuple[str, Path] | None:
 
         saved = _DTYPE_NAMES.get(str(saved_weights_dtype(latest)))
         return (saved, latest) if saved else None
-    if not isinstance(manifest, dict):
-        return None
     saved = ((manifest.get("run_config") or {}).get("precision") or {}).get("compute_dtype")
     if saved not in ("bf16", "fp32"):
         saved = _DTYPE_NAMES.get(str(manifest.get("weights_dtype")))

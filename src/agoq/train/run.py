@@ -29,6 +29,7 @@ from agoq.train.forkserver import (
 )
 from agoq.train.lock import join_run_lock, run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
+from agoq.train.resume import checkpoint_layout
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -151,7 +152,9 @@ def _resume(trainer: Any, cfg: TrainConfig) -> None:
         latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=ck.trust_unverified)
         if latest is not None:
             state = trainer.checkpoint_state()
-            step, extra = load_checkpoint(latest, state["model"], state["optimizer"], layout=trainer.layout(), trust_unverified=ck.trust_unverified)
+            step, extra = load_checkpoint(
+                latest, state["model"], state["optimizer"], layout=checkpoint_layout(cfg), trust_unverified=ck.trust_unverified
+            )
             trainer.load_extra(step, extra)
             if trainer.ctx.rank == 0:
                 # "verified" only where the load hashed every file of the folder against its digest.
@@ -220,7 +223,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
                 state["optimizer"],
                 trainer.extra_state(),
                 keep=cfg.checkpoint.keep,
-                layout=trainer.layout(),
+                layout=checkpoint_layout(cfg),
                 config=trainer.choices.config_dict(cfg),
             )
     progress.close()
@@ -390,7 +393,7 @@ def finished_run(cfg: TrainConfig) -> int | None:
     """The step of the newest checkpoint when it already reaches train.steps (so resuming would train nothing), else None.
 
     Run before any worker starts, it also refuses (ConfigError, one line naming the fix) what would
-    load an unverifiable checkpoint, resume in another compute dtype than the checkpoint's, or mix
+    load an unverifiable checkpoint, resume another model, layout or compute dtype than the checkpoint's, or mix
     a fresh run's checkpoints with an earlier run's in the same folder.
     """
     from agoq.train.checkpoint import UnverifiedCheckpoint, checkpoint_step, latest_checkpoint, step_folders, unverified_problem
@@ -415,7 +418,9 @@ def finished_run(cfg: TrainConfig) -> int | None:
     if problem is not None and not ck.trust_unverified:
         raise ConfigError(_unverified_line(latest, problem))
     from agoq.train.compute_dtype import check_resume_dtype
+    from agoq.train.resume import check_resume_job
 
+    check_resume_job(cfg)
     check_resume_dtype(cfg)
     step = checkpoint_step(latest)
     return step if step >= cfg.train.steps else None

@@ -502,11 +502,6 @@ class Trainer:
         """What a checkpoint holds for this rank: model weights (global names) and optimizer state."""
         return {"model": _NamedParams(self.params, self.model_cfg), "optimizer": self.optimizer}
 
-    def layout(self) -> dict[str, Any]:
-        """The parallel layout a checkpoint must be loaded into."""
-        p = self.cfg.parallel
-        return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "virtual_stages": p.virtual_stages, "schedule": p.schedule}
-
     def extra_state(self) -> dict[str, Any]:
         """Step, data position, RNG and gradient-sync state (error-feedback residuals) of this rank."""
         from agoq.train.checkpoint import capture_rng_state
