@@ -53,23 +53,39 @@ LOSS_WINDOW = 10
 def run_figures(records: list[dict[str, Any]], timed: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
     """A run's headline figures: smoothed and last train loss, validation loss, throughput.
 
-    ``tokens_per_s`` is tokens per step over the mean step time of the ``timed`` steps, so that it
-    and ``step_time_s`` always agree (a mean of per-step rates would not).
+    The losses are those of the steps that trained: a skipped step (a non-finite loss or gradient,
+    the weights left as they were) is counted in ``skipped_steps`` instead, and its loss, often NaN,
+    in no mean (None where no step trained). ``tokens_per_s`` is tokens per step over the mean step
+    time of the ``timed`` steps, so that it and ``step_time_s`` always agree (a mean of per-step
+    rates would not).
     """
-    losses = [r["loss"] for r in records]
+    losses = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
     window = losses[-LOSS_WINDOW:]
     step_time = sum(r["step_time_s"] for r in timed) / len(timed)
     return {
-        "train_loss": sum(window) / len(window),
+        "train_loss": sum(window) / len(window) if window else None,
         "train_loss_window": len(window),
-        "final_loss": losses[-1],
-        "min_train_loss": min(losses),
+        "skipped_steps": len(records) - len(losses),
+        "final_loss": losses[-1] if losses else None,
+        "min_train_loss": min(losses, default=None),
         "val_loss": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),
         "tokens_per_s": tokens_per_step / step_time,
         "step_time_s": step_time,
         "tokens_per_step": tokens_per_step,
         "steps": records[-1]["step"],
     }
+
+
+def skipped_step_line(rec: dict[str, Any]) -> str:
+    """The line rank 0 prints for a skipped step: every global rank that saw a non-finite gradient,
+    its pipeline stage(s) and replica, and the first such parameter (Trainer._nonfinite_ranks)."""
+    where = []
+    for r in rec.get("nonfinite") or []:
+        stages = ",".join(map(str, r["stages"]))
+        tp = f", tp rank {r['tp_rank']}" if r.get("tp_rank") else ""
+        where.append(f"rank {r['rank']} (pipeline stage {stages}, dp replica {r['dp_rank']}{tp}) in {r['parameter']}")
+    seen = f"non-finite gradients on {'; '.join(where)}" if where else f"the loss ({rec['loss']}) or the reduced gradients were not finite"
+    return f"agoq train: step {rec['step']} skipped, the weights left as they were: {seen}"
 
 
 ESTIMATE_AFTER = 3  # records before rank 0 estimates the time left
@@ -187,6 +203,8 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
     while trainer.step < cfg.train.steps:
         rec = trainer.train_step()
         _DeferredInterrupt.raise_pending()
+        if rec["skipped"]:
+            progress.note(skipped_step_line(rec))
         # Loss and gradient norm are all-reduced, so every rank counts alike and stops together.
         bad_in_a_row = bad_in_a_row + 1 if rec["skipped"] or not math.isfinite(rec["loss"]) else 0
         if bad_in_a_row >= cfg.train.max_skipped_steps:

@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,24 @@ def _loss_terms(loss: float | None) -> list[float]:
     return [0.0, 0.0] if loss is None else [loss, 1.0]
 
 
+def _reduce_quietly(sync: GradientSync) -> bool:
+    """``sync.reduce()`` without its non-finite warning: every rank of a dp group would print one,
+    where rank 0 reports the skipped step once, naming each rank that saw it (nonfinite_ranks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="non-finite gradient", category=RuntimeWarning)
+        return sync.reduce()
+
+
+def nonfinite_ranks(sync: GradientSync, ctx: RankContext) -> list[dict[str, Any]]:
+    """Of a skipped step, on every rank (a collective): each global rank that saw a non-finite
+    gradient, with its pipeline stage(s), dp replica and tp rank, and the first such parameter."""
+    seen = dict(sync.nonfinite_last_step())
+    mine = {"rank": ctx.rank, "stages": list(ctx.stages), "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "parameter": seen.get(ctx.rank)}
+    every: list[Any] = [None] * ctx.world
+    dist.all_gather_object(every, mine)
+    return [r for r in every if r["parameter"] is not None]
+
+
 class Trainer:
     """One rank's share of a training run."""
 
@@ -384,7 +403,7 @@ class Trainer:
         with self.tracker:
             local_loss = self.forward_backward(inputs, targets)
         phase("gradient_sync")
-        reduced = self.sync.reduce()
+        reduced = _reduce_quietly(self.sync)
         grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
         if reduced and self.replicated:
             # Each tp rank holds the whole of a replicated parameter's gradient: counted once over tp.
@@ -409,6 +428,7 @@ class Trainer:
         self.steps_run += 1
         tokens = cfg.data.batch_size * cfg.data.seq_len
         return {
+            **({"nonfinite": nonfinite_ranks(self.sync, self.ctx)} if skipped else {}),
             "step": self.step,
             "loss": loss,
             "lr": lr,
