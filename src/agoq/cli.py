@@ -188,9 +188,14 @@ def console_main() -> None:
         print(INTERRUPTED, file=sys.stderr)
         code = 130
     if code == 130:
+        import gc
         import os
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # os._exit runs no exit handlers: a multiprocessing lock of the launch (torch's elastic agent
+        # makes one per worker) that a reference cycle still holds would stay registered with the
+        # resource tracker, which then warns of a leaked semaphore; collecting runs its finalizer.
+        gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)

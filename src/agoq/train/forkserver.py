@@ -208,6 +208,22 @@ def die_with_launcher(launcher_pid: int) -> None:
     threading.Thread(target=_watch_launcher, args=(launcher_pid,), name="agoq-launcher-watch", daemon=True).start()
 
 
+def unnamed_locks() -> None:
+    """In a worker: a multiprocessing lock that a library makes with the default context (tqdm's
+    write lock, on rank 0) is unnamed from here, so no exit path leaves it behind.
+
+    Python gives a process the start method it was started with as its default: 'forkserver' or
+    'spawn' here, under which a lock is a named POSIX semaphore, registered with the launcher's
+    resource tracker and unregistered only by a clean exit. A worker that the launcher stops
+    (SIGTERM, then SIGKILL) or that leaves with os._exit never unregisters it, and the tracker then
+    prints "There appear to be 1 leaked semaphore objects" beside the run's one line. Under 'fork',
+    Linux's default, a lock's name is unlinked as it is made. What a worker starts (inductor's compile
+    workers) names its own start method, so nothing else changes.
+    """
+    if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
+
+
 _interrupted = False
 
 

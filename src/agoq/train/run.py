@@ -25,6 +25,7 @@ from agoq.train.forkserver import (
     start_method,
     stray_rank_variables,
     under_torchrun,
+    unnamed_locks,
     workers_environment,
 )
 from agoq.train.lock import join_run_lock, run_lock
@@ -610,6 +611,7 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
 
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
+        unnamed_locks()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver.guard_fork_server)
     rank = os.environ.get("RANK", "0")
     log = _RankLog(Path(cfg.train.out_dir) / "logs", rank)
@@ -653,15 +655,19 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], worl
             found.append((float(stamp), rank, line))
         except (OSError, ValueError):
             continue
+    # A rank killed by a signal before the launcher stopped anyone is the cause: the others' errors
+    # (gloo's "Connection reset by peer") follow from its death, and may be written before the
+    # launcher notices it.
+    logged = {rank for _, rank, _ in found}
+    killed = [(rank, f) for rank, f in sorted(failures.items()) if getattr(f, "exitcode", 0) < 0 and rank not in logged]
+    if killed:
+        rank, f = killed[0]
+        try:
+            name = signal.Signals(-f.exitcode).name
+        except ValueError:
+            name = f"signal {-f.exitcode}"
+        return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
     if not found:
-        killed = [(rank, f) for rank, f in sorted(failures.items()) if getattr(f, "exitcode", 0) < 0]
-        if killed:
-            rank, f = killed[0]
-            try:
-                name = signal.Signals(-f.exitcode).name
-            except ValueError:
-                name = f"signal {-f.exitcode}"
-            return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
         return f"a worker process died without a Python error (killed, or out of memory); ranks {sorted(failures)} failed"
     # Other ranks fail after the first one, on the collectives it no longer answers.
     _, rank, line = min(found)
