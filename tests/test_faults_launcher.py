@@ -352,6 +352,34 @@ def test_sigint_to_one_worker_names_that_worker(tmp_path):
 
 
 @linux_only
+@pytest.mark.parametrize("target", ["group", "rank 2"])
+def test_a_ctrl_c_while_the_workers_join_their_group_stops_at_once_with_one_line(tmp_path, target):
+    """A worker joining the process group waits in C++, where no Python handler runs: interrupted
+    there, each used to wait for peers that never came until the launcher killed them 30 s later,
+    printing the store's C++ warnings."""
+    out = tmp_path / "run"
+    proc = _start(out, "--train.steps=100000", "--checkpoint.every=0")
+    try:
+        deadline = time.time() + 180
+        while len(workers := _workers(proc.pid)) < 4 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.005)  # every worker has begun: its rank log is open
+        assert len(workers) == 4, proc.poll()
+        started = time.time()
+        os.killpg(proc.pid, signal.SIGINT) if target == "group" else os.kill(workers[2], signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    line = "agoq train: interrupted; checkpoints" if target == "group" else f"agoq train: rank 2 (pid {workers[2]}) was interrupted (SIGINT)"
+    lines = _lines(err)
+    assert len(lines) == 1 and lines[0].startswith(line), err
+    _assert_no_leak_report(err)
+    assert time.time() - started < 25  # not the launcher's 30 s wait before it kills its workers
+
+
+@linux_only
 def test_sigterm_to_the_launcher_stops_every_process_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, "--train.steps=100000", "--checkpoint.every=0")
@@ -370,7 +398,11 @@ def test_sigterm_to_the_launcher_stops_every_process_with_one_line(tmp_path):
         f"agoq train: interrupted; checkpoints already written in {out / 'checkpoints'} are intact, and running the same command resumes from the newest"
     ], err
     _assert_no_leak_report(err)
-    assert _alive(everything) == []
+    # The fork server and the resource tracker leave as the launcher's death reaches them.
+    deadline = time.time() + 60
+    while _alive(everything) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _alive(everything) == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in _alive(everything)]
     rows = (out / "metrics" / "rank0.jsonl").read_text().splitlines()
     assert rows and all(json.loads(row)["step"] >= 1 for row in rows)  # what was written stays
 
@@ -479,6 +511,13 @@ def test_a_worker_killed_without_a_log_is_named_with_its_signal(tmp_path):
     assert (
         failure_line(tmp_path, {1: SimpleNamespace(exitcode=1, pid=4242)}, 4)
         == "rank 3 (pid 77) was interrupted (SIGINT), and the run stopped with it"
+    )
+    # Interrupted while joining the process group, where a Ctrl-C ends a worker at once
+    # (worker_entry): named as interrupted, before rank 1's error that follows from it.
+    (logs / "rank3.error").write_text("")
+    assert (
+        failure_line(tmp_path, {2: SimpleNamespace(exitcode=-signal.SIGINT, pid=55)}, 4)
+        == "rank 2 (pid 55) was interrupted (SIGINT), and the run stopped with it"
     )
     # Killed before the launcher stopped anyone: the cause, though the others' errors are logged first.
     (logs / "rank3.error").unlink()

@@ -26,8 +26,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
-from typing import Iterator
+from types import TracebackType
+from typing import Any, Callable, Iterator
 
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.train.loopback).
@@ -269,5 +271,22 @@ def guard_fork_server() -> None:
     if launcher is None or launcher != str(os.getppid()) or launcher == str(os.getpid()):
         return
     signal.signal(signal.SIGINT, _quiet_exit)
+    sys.excepthook = _quiet_abandoned_start(sys.excepthook)
     if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _quiet_abandoned_start(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """The fork server's excepthook, which its children call for an error before they run: silent
+    for a worker whose launch the launcher had abandoned, as it does when interrupted while starting
+    its workers. It then releases the launch's locks, and a worker forked after that fails to
+    unpickle them (FileNotFoundError in multiprocessing.synchronize); the launcher's one line says
+    what happened, and this worker never started."""
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        frames = traceback.extract_tb(tb)
+        if issubclass(exc_type, FileNotFoundError) and frames and frames[-1].filename.endswith(os.path.join("multiprocessing", "synchronize.py")):
+            return
+        previous(exc_type, exc, tb)
+
+    return hook

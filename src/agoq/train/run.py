@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -131,15 +131,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> dict[str, Any]:
+def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None, group_ready: Callable[[], object] | None = None) -> dict[str, Any]:
     """Entry point of every rank; rank 0 returns the run summary, the others their records and stats.
 
     ``choices`` are the launcher's decisions for the config's ``auto`` values; without them (under
-    torchrun) the workers decide (agoq.train.trainer.worker_choices).
+    torchrun) the workers decide (agoq.train.trainer.worker_choices). ``group_ready`` is called
+    once this rank has joined the process group.
     """
     from agoq.train.trainer import Trainer
 
-    trainer = Trainer(cfg, choices)
+    trainer = Trainer(cfg, choices, group_ready)
     ctx = trainer.ctx
     _resume(trainer, cfg)
     records = _train_loop(trainer, cfg)
@@ -612,20 +613,23 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
         unnamed_locks()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver.guard_fork_server)
+    # Until the process group is up, a Ctrl-C ends the worker at once: joining it waits in C++ on the
+    # store (where no Python handler runs) for peers that, interrupted too, never come, until the
+    # launcher kills every worker after its close timeout. From then on a Ctrl-C is raised and logged.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     rank = os.environ.get("RANK", "0")
     log = _RankLog(Path(cfg.train.out_dir) / "logs", rank)
     _DeferredInterrupt.install()
     try:
         if launcher_pid is not None:
             join_run_lock(cfg.train.out_dir)
-        result = train_worker(cfg, choices)
+        result = train_worker(cfg, choices, group_ready=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     except BaseException as e:
         interrupted = isinstance(e, KeyboardInterrupt)
+        # The launcher signals its workers again while they exit (with the signal it got: SIGINT
+        # after a Ctrl-C); an interrupt inside Python's exit handlers would print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if interrupted:
-            # The launcher signals its workers again while they exit; a second interrupt inside
-            # Python's exit handlers would print a traceback of its own.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.write(_full_traceback(e), error_line(e, cfg))
         if interrupted:
@@ -662,6 +666,8 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], worl
     killed = [(rank, f) for rank, f in sorted(failures.items()) if getattr(f, "exitcode", 0) < 0 and rank not in logged]
     if killed:
         rank, f = killed[0]
+        if f.exitcode == -signal.SIGINT:  # while joining the process group (worker_entry)
+            return f"rank {rank} (pid {f.pid}) was interrupted (SIGINT), and the run stopped with it"
         try:
             name = signal.Signals(-f.exitcode).name
         except ValueError:

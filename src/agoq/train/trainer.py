@@ -16,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -294,11 +294,13 @@ def nonfinite_ranks(sync: GradientSync, ctx: RankContext) -> list[dict[str, Any]
 class Trainer:
     """One rank's share of a training run."""
 
-    def __init__(self, cfg: TrainConfig, choices: ResolvedChoices | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, choices: ResolvedChoices | None = None, group_ready: Callable[[], object] | None = None) -> None:
         from agoq.train.data import TrainSampler, validation_batches
 
         self.cfg = cfg
         self.ctx = ctx = _setup_distributed(cfg)
+        if group_ready is not None:
+            group_ready()
         self.choices = worker_choices(cfg, ctx.device, choices)
         torch.manual_seed(cfg.train.seed)
         self.data = _prepare_data(cfg, ctx)
