@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from agoq.train.lock import LOCK_NAME, FolderInUse, run_lock
 from tests._data import SMALL_MODEL, data_cache
@@ -69,6 +70,13 @@ def test_a_lock_left_by_a_killed_run_blocks_nothing(tmp_path):
         ("--model.rope_theta=nan", "model.rope_theta=nan must be a finite number > 0"),
         ("--data.vocab_size=1", "data.vocab_size=1 must be at least 257"),
         ("--parallel.zero1=true --parallel.dp=1", "parallel.zero1=true shards optimizer state over the dp ranks, but parallel.dp=1"),
+        ("--train.seed=-1", "agoq train: train.seed=-1 is out of range; use an integer from 0 to 4294967295 (2**32 - 1)"),
+        (
+            "--train.seed=99999999999999999999999",
+            "agoq train: train.seed=99999999999999999999999 is out of range; use an integer from 0 to 4294967295 (2**32 - 1)",
+        ),
+        ("--model.tie_embeddings=maybe", "agoq train: model.tie_embeddings='maybe' is not a boolean; use true or false (or yes/no, 1/0)"),
+        ("--parallel.node_size=3 --parallel.dp=4", "agoq train: parallel.node_size=3 must divide parallel.dp=4"),
     ],
 )
 def test_every_bad_value_is_refused_before_launch_with_one_line(override, message, capsys):
@@ -77,6 +85,35 @@ def test_every_bad_value_is_refused_before_launch_with_one_line(override, messag
     assert main(["train", *override.split()]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_the_largest_seed_is_accepted_and_reaches_every_generator():
+    import numpy as np
+
+    from agoq.models.config import LlamaConfig
+    from agoq.models.llama import Llama
+    from agoq.train.config import MAX_SEED, load_config
+
+    assert load_config(None, [f"--train.seed={MAX_SEED}"]).train.seed == MAX_SEED
+    torch.manual_seed(MAX_SEED)
+    np.random.default_rng([MAX_SEED, 0])
+    Llama(LlamaConfig(vocab_size=64, hidden=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate=64)).reset_parameters(MAX_SEED)
+
+
+def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
+    from agoq.cli import main
+    from agoq.train.config import load_config
+
+    text = '[train]\nsteps = 7\nseed = 3\n\n[model]\npreset = "tiny"\n'
+    plain, marked = tmp_path / "plain.toml", tmp_path / "bom.toml"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_config(marked).to_dict() == load_config(plain).to_dict()
+    assert load_config(marked).train.steps == 7
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('[train]\nout_dir = "runs/caf\xe9"\n'.encode("latin-1"))
+    assert main(["train", str(latin)]) == 2
+    assert capsys.readouterr().err == f"agoq train: config file {latin} is not UTF-8 text (byte offset 27); save it as UTF-8\n"
 
 
 def test_a_tokenizer_file_that_does_not_parse_is_refused(tmp_path, capsys):

@@ -167,6 +167,31 @@ def test_an_fp32_run_resumed_in_bf16_is_refused_naming_the_saved_dtype(fp32_run,
     assert _folder_digest(out) == before
 
 
+def test_resuming_another_layout_or_model_is_refused_before_any_worker_starts(fp32_run, tmp_path, capsys, monkeypatch):
+    from agoq.train import run
+
+    out = _copy(fp32_run, tmp_path)
+    before = _folder_digest(out)
+    monkeypatch.setattr(run, "_launch_local", lambda *a: pytest.fail("the workers were started"))
+    step = out / "checkpoints" / "step_000002"
+    where = f"agoq train: train.out_dir='{out}' resumes checkpoint {step}"
+    new = "or start a new run with --train.out_dir=runs/NAME"
+    assert _train(out, "--parallel.dp=2", "--train.steps=4") == 2
+    assert _one_line(capsys.readouterr().err) == (
+        f"{where}, saved by the layout pp=1 x dp=1 x tp=1 (1f1b, virtual_stages=1), but this run is pp=1 x dp=2 x tp=1 "
+        f"(1f1b, virtual_stages=1); resume with that layout (--parallel.dp=1), {new}"
+    )
+    assert _train(out, "--model.preset=llama3.2-1b", "--train.steps=4") == 2
+    assert _one_line(capsys.readouterr().err) == (
+        f"{where}, which holds another model (this run: model.preset='llama3.2-1b'): max_seq_len=256 (checkpoint) vs 131072, "
+        f"rope_theta=10000.0 (checkpoint) vs 500000.0, tie_embeddings=False (checkpoint) vs True; "
+        f"resume with model.preset='tiny' and its overrides, {new}"
+    )
+    assert _train(out, "--model.n_layers=4", "--train.steps=4") == 2
+    assert ": n_layers=2 (checkpoint) vs 4; resume with model.preset='tiny' and its overrides" in _one_line(capsys.readouterr().err)
+    assert _folder_digest(out) == before
+
+
 def _saved_run(out: Path, dtype: torch.dtype) -> Path:
     """A checkpoint of a small model in ``dtype`` where `agoq train --train.out_dir=out` looks for it."""
     from agoq.models.config import LlamaConfig

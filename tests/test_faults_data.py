@@ -5,7 +5,9 @@ before launch with one line naming the value and the fix."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,7 +251,9 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_launch(tmp_path, ca
         ),
         ("--model.vocab_size=10", "model.vocab_size=10 cannot be set"),
         ("--model.overrides={layers=2}", "model.overrides has unknown field 'layers'; valid fields: hidden, n_layers, n_heads"),
-        ("--model.overrides={tie_embeddings=1}", "model.tie_embeddings=1 is not a boolean"),
+        ("--model.overrides={tie_embeddings=2}", "model.tie_embeddings=2 is not a boolean; use true or false (or yes/no, 1/0)"),
+        # 1 is true, as on the command line (--model.tie_embeddings=1): refused here for the layout only.
+        ("--model.overrides={tie_embeddings=1}", "model.tie_embeddings=true is not supported with parallel.pp > 1"),
         ("--model.overrides={n_layers=2.5}", "model.n_layers=2.5 is not an integer"),
         ("--model.overrides={norm_eps=-1}", "model.norm_eps=-1.0 must be a finite number > 0"),
         ("--model.norm_eps=nan", "model.norm_eps=nan must be a finite number > 0"),
@@ -377,6 +381,29 @@ def test_a_txt_link_out_of_a_corpus_folder_is_refused_and_one_within_it_is_read(
 
     assert main(["train", *args]) == 0 and len(launches) == 1
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "dev-zero-link.txt"])
+def test_a_corpus_that_is_neither_a_file_nor_a_folder_is_refused_naming_what_it_is(tmp_path, capsys, launches, kind):
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+        what = "a named pipe (FIFO)"
+    elif kind == "dev-zero":
+        path = Path("/dev/zero")
+        what = "a character device"
+    else:
+        path.symlink_to("/dev/zero")
+        what = "a character device"
+    if not path.exists():
+        pytest.skip("no /dev/zero here")
+    cache = tmp_path / "cache"
+    err = _refused(capsys, [*SMALL, f"--data.corpus={path}", f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"], launches)
+    assert err == (
+        f"agoq train: data.corpus='{path}': '{path}' is {what}, not a regular file or folder; give a .txt or .jsonl file, or a folder of them"
+    )
+    assert not (cache / "tokens").exists()
+    assert not (tmp_path / "run").exists()  # refused before the run folder was claimed
 
 
 def test_a_corpus_that_does_not_exist_is_refused_naming_it(tmp_path, capsys, launches):

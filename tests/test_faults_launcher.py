@@ -29,6 +29,11 @@ def _lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip() and not ESTIMATE.match(line)]
 
 
+def _assert_no_leak_report(err: str) -> None:
+    """Python's resource tracker reports a multiprocessing lock that a process left registered."""
+    assert "resource_tracker" not in err and "leaked" not in err, err
+
+
 def _args(out: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -323,6 +328,7 @@ def test_a_ctrl_c_while_the_run_starts_prints_one_line(tmp_path, when):
     assert proc.returncode == 130, err
     lines = _lines(err)
     assert len(lines) == 1 and lines[0].startswith("agoq train: interrupted"), err
+    _assert_no_leak_report(err)
 
 
 @linux_only
@@ -341,7 +347,100 @@ def test_sigint_to_one_worker_names_that_worker(tmp_path):
     assert proc.returncode == 130, err
     lines = _lines(err)
     assert lines == [f"agoq train: rank 2 (pid {workers[2]}) was interrupted (SIGINT), and the run stopped with it"], err
+    _assert_no_leak_report(err)
     assert "KeyboardInterrupt" in (out / "logs" / "rank2.log").read_text()
+
+
+@linux_only
+@pytest.mark.parametrize("target", ["group", "rank 2"])
+def test_a_ctrl_c_while_the_workers_join_their_group_stops_at_once_with_one_line(tmp_path, target):
+    """A worker joining the process group waits in C++, where no Python handler runs: interrupted
+    there, each used to wait for peers that never came until the launcher killed them 30 s later,
+    printing the store's C++ warnings."""
+    out = tmp_path / "run"
+    proc = _start(out, "--train.steps=100000", "--checkpoint.every=0")
+    try:
+        deadline = time.time() + 180
+        while len(workers := _workers(proc.pid)) < 4 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.005)  # every worker has begun: its rank log is open
+        assert len(workers) == 4, proc.poll()
+        started = time.time()
+        os.killpg(proc.pid, signal.SIGINT) if target == "group" else os.kill(workers[2], signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    line = "agoq train: interrupted; checkpoints" if target == "group" else f"agoq train: rank 2 (pid {workers[2]}) was interrupted (SIGINT)"
+    lines = _lines(err)
+    assert len(lines) == 1 and lines[0].startswith(line), err
+    _assert_no_leak_report(err)
+    assert time.time() - started < 25  # not the launcher's 30 s wait before it kills its workers
+
+
+@linux_only
+def test_sigterm_to_the_launcher_stops_every_process_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(out, "--train.steps=100000", "--checkpoint.every=0")
+    try:
+        _wait_for_steps(proc, out)
+        everything = _descendants(proc.pid)
+        assert len(_workers(proc.pid)) == 4
+        os.kill(proc.pid, signal.SIGTERM)  # what a job scheduler sends the launcher alone
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert _lines(err) == [
+        f"agoq train: interrupted; checkpoints already written in {out / 'checkpoints'} are intact, and running the same command resumes from the newest"
+    ], err
+    _assert_no_leak_report(err)
+    # The fork server and the resource tracker leave as the launcher's death reaches them.
+    deadline = time.time() + 60
+    while _alive(everything) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _alive(everything) == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in _alive(everything)]
+    rows = (out / "metrics" / "rank0.jsonl").read_text().splitlines()
+    assert rows and all(json.loads(row)["step"] >= 1 for row in rows)  # what was written stays
+
+
+@linux_only
+def test_a_worker_killed_by_a_signal_is_named_and_leaves_no_lock_behind(tmp_path):
+    """Rank 0 holds the progress bar's lock; killed, it can release nothing: none may be registered."""
+    out = tmp_path / "run"
+    proc = _start(out, "--train.steps=100000", "--checkpoint.every=0")
+    try:
+        _wait_for_steps(proc, out)
+        workers = _workers(proc.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    # Not the other ranks' "Connection reset by peer", which follows from it.
+    assert _lines(err) == [
+        f"agoq train: rank 0 (pid {workers[0]}) was killed by SIGKILL without a Python error (by another process, or the out-of-memory killer)"
+    ], err
+    _assert_no_leak_report(err)
+
+
+def test_a_lock_made_in_a_worker_is_unnamed_so_no_exit_can_leave_it_registered():
+    code = (
+        "import multiprocessing as mp, sys\n"
+        "mp.set_start_method(sys.argv[1], force=True)  # what a worker started by the launcher has\n"
+        "named = mp.RLock()._semlock.name is not None\n"
+        "from agoq.train.forkserver import unnamed_locks\n"
+        "unnamed_locks()\n"
+        "print(named, mp.RLock()._semlock.name)\n"
+    )
+    for method in ("forkserver", "spawn"):
+        proc = subprocess.run([sys.executable, "-c", code, method], capture_output=True, text=True, timeout=60)
+        assert (proc.stdout, proc.stderr) == ("True None\n", ""), proc.stderr
 
 
 @pytest.fixture
@@ -412,4 +511,17 @@ def test_a_worker_killed_without_a_log_is_named_with_its_signal(tmp_path):
     assert (
         failure_line(tmp_path, {1: SimpleNamespace(exitcode=1, pid=4242)}, 4)
         == "rank 3 (pid 77) was interrupted (SIGINT), and the run stopped with it"
+    )
+    # Interrupted while joining the process group, where a Ctrl-C ends a worker at once
+    # (worker_entry): named as interrupted, before rank 1's error that follows from it.
+    (logs / "rank3.error").write_text("")
+    assert (
+        failure_line(tmp_path, {2: SimpleNamespace(exitcode=-signal.SIGINT, pid=55)}, 4)
+        == "rank 2 (pid 55) was interrupted (SIGINT), and the run stopped with it"
+    )
+    # Killed before the launcher stopped anyone: the cause, though the others' errors are logged first.
+    (logs / "rank3.error").unlink()
+    assert (
+        failure_line(tmp_path, {0: SimpleNamespace(exitcode=-signal.SIGKILL, pid=99)}, 4)
+        == "rank 0 (pid 99) was killed by SIGKILL without a Python error (by another process, or the out-of-memory killer)"
     )

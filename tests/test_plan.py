@@ -306,6 +306,49 @@ def test_impossible_configurations_get_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+def test_a_node_size_that_does_not_divide_dp_and_a_boolean_that_is_not_one_get_one_line(capsys):
+    from agoq.cli import main
+
+    for argv, line in (
+        (
+            ["--dp", "8", "--node-size=3"],
+            "agoq plan: node-size=3 does not divide dp=8; give the dp ranks per node, a divisor of 8 (e.g. --node-size 2) or at least 8 for one node",
+        ),
+        (
+            ["--model", "tiny", "--model-field", "tie_embeddings=maybe"],
+            "agoq plan: --model-field tie_embeddings='maybe' is not a boolean; use true or false (or yes/no, 1/0)",
+        ),
+    ):
+        assert main(["plan", *argv]) == 2
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", line + "\n")
+    assert main(["plan", "--dp", "8", "--node-size=16", "--json"]) == 0  # one node of all 8 ranks
+    links = json.loads(capsys.readouterr().out)["gradient_link_bytes"]
+    assert links["node_size"] == 16 and all(b["inter_node"] == 0 for b in links["per_rank_per_step"].values())
+
+
+def test_model_fields_read_booleans_and_numbers_as_agoq_train_does():
+    from agoq.plan.cli import _fields
+    from agoq.train.config import BOOLEAN_SPELLINGS, load_config
+
+    for word in BOOLEAN_SPELLINGS + ("TRUE", "No"):
+        expected = word.lower() in ("true", "yes", "1")
+        assert _fields([f"tie_embeddings={word}"]) == {"tie_embeddings": expected}
+        cfg = load_config(None, ["--parallel.pp=1", f"--model.tie_embeddings={word}"])
+        assert cfg.model_config().tie_embeddings is expected
+    assert _fields(["hidden=512", "norm_eps=1e-6", "rope_theta=500000"]) == {"hidden": 512, "norm_eps": 1e-6, "rope_theta": 500000.0}
+
+
+def test_a_small_model_is_counted_in_millions_not_as_zero_billions(capsys):
+    from agoq.cli import main
+    from agoq.models.config import PRESETS, parameter_count_text
+
+    assert main(["plan", "--model", "tiny", "--seq-len", "256"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "# agoq plan: tiny (5.0 M parameters)"
+    assert parameter_count_text(PRESETS["llama2-13b"].num_parameters()) == "13.02 B parameters"
+    assert parameter_count_text(4321) == "4,321 parameters"
+
+
 def test_sizes():
     assert parse_size("48GiB") == 48 * 2**30
     assert parse_size("46.1GB") == 46_100_000_000

@@ -8,7 +8,10 @@ without raising the peak over ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import warnings
 
 import pytest
 import torch
@@ -57,10 +60,22 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
         asked = cfg.to_dict()
         # A run named *_loss_recompute takes the fused loss's recompute path on its last stage.
         inflight.loss_weight_grad_in_forward = (lambda pp, tp: False) if name.endswith("_loss_recompute") else in_forward
+        stderr = io.StringIO()
         try:
-            res = train_worker(cfg)
+            with (
+                _nan_in_rank1_activations_at_step3(name == "nan_at_step3"),
+                contextlib.redirect_stderr(stderr),
+                warnings.catch_warnings(record=True) as caught,
+            ):
+                warnings.simplefilter("always")
+                res = train_worker(cfg)
         finally:
             inflight.loss_weight_grad_in_forward = in_forward
+        if name == "nan_at_step3":
+            out["nan_at_step3_stderr"] = stderr.getvalue()
+            out["nan_at_step3_warnings"] = [str(w.message) for w in caught]
+            if "run" in res:
+                out["nan_at_step3_summary"] = res
         # The tokenizer's vocabulary goes into the LlamaConfig the trainer builds, and the auto
         # choices into the value beside the config: the config stays as validated.
         assert cfg.to_dict() == asked, f"{name}: the run changed its config"
@@ -78,6 +93,29 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
     status = open("/proc/self/status").read()
     out["_vmhwm_bytes"] = 1024 * int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
     return out
+
+
+@contextlib.contextmanager
+def _nan_in_rank1_activations_at_step3(active: bool):
+    """Global rank 1 (pipeline stage 0, dp replica 1) turns its embedding output to NaN in step 3."""
+    from agoq.train.trainer import Trainer
+
+    original = Trainer.forward_backward
+
+    def poisoned(self, inputs, targets):
+        if self.step != 2 or self.ctx.rank != 1:
+            return original(self, inputs, targets)
+        handle = self.modules[0].embed.register_forward_hook(lambda module, args, output: output * float("nan"))
+        try:
+            return original(self, inputs, targets)
+        finally:
+            handle.remove()
+
+    Trainer.forward_backward = poisoned if active else original
+    try:
+        yield
+    finally:
+        Trainer.forward_backward = original
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +142,8 @@ def runs(tmp_path_factory):
         "resume_second_half": _cfg(tmp, "d", "--train.steps=4", "--checkpoint.resume=true", *fp32_plain),
         "uniform4": _cfg(tmp, "e", "--train.steps=1", "--precision.stage_bits=uniform", "--precision.compute_dtype=fp32", "--train.baseline=true"),
         "dbca": _cfg(tmp, "f", "--train.steps=1", "--precision.stage_bits=dbca", "--precision.compute_dtype=fp32"),
+        # NaN activations on one rank at step 3 of 6: the step is skipped on every rank, reported once.
+        "nan_at_step3": _cfg(tmp, "k", "--train.steps=6", "--precision.compute_dtype=fp32"),
         # torchao's step is torch.compile'd: the step that counts temporaries runs it eagerly.
         "adamw8bit": _cfg(tmp, "h", "--train.steps=2", "--optim.name=adamw8bit"),
     }
@@ -318,9 +358,11 @@ def test_the_run_plot_shows_memory_per_rank_beside_the_bf16_baseline(tmp_path):
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_opening_lines_say_what_will_run_and_where(capsys):
+def test_the_opening_lines_say_what_will_run_and_where(capsys, monkeypatch):
+    from agoq.train import run
     from agoq.train.run import announce
 
+    monkeypatch.setattr(run, "cpu_cores", lambda: 4)  # as many cores as processes: no notice
     cfg = load_config(None, ["--precision.compute_dtype=fp32", "--precision.quant_backend=compiled", "--train.out_dir=runs/x"])
     announce(cfg, "4 local processes")
     out = capsys.readouterr().out.splitlines()
@@ -330,6 +372,21 @@ def test_the_opening_lines_say_what_will_run_and_where(capsys):
         "agoq train: 200 steps of 16 x 128 tokens, then one bf16-policy step to measure the baseline; "
         "output in runs/x/ (summary.json, summary.md, loss.png, metrics/, checkpoints/)",
     ]
+
+
+def test_more_processes_than_cores_get_a_one_line_notice_in_the_opening_lines(capsys, monkeypatch):
+    from agoq.train import run
+
+    monkeypatch.setattr(run, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(None, ["--parallel.pp=2", "--parallel.dp=4", "--data.batch_size=32"])
+    run.announce(cfg, "8 local processes")
+    out = capsys.readouterr().out.splitlines()
+    assert out[3:] == [
+        "agoq train: 8 processes share 2 CPU cores here, so they take turns and each step takes longer than the layout suggests; "
+        "a layout of fewer processes (parallel.pp x dp x tp) runs faster on this machine"
+    ]
+    assert cfg.world_size == 8  # a notice: the layout asked for is kept
 
 
 def test_without_matplotlib_the_plot_is_skipped_not_the_run(tmp_path, monkeypatch):
@@ -359,3 +416,68 @@ def test_the_last_stage_handing_the_head_gradient_over_in_forward_trains_bit_for
     # The last stage keeps the hidden-state gradient in place of the hidden states: the same bytes
     # (the targets are the batch's own tensor, allocated before the step).
     assert got["all_stats"][2]["peak_saved_bytes"] == ref["all_stats"][2]["peak_saved_bytes"]
+
+
+def test_a_skipped_step_is_left_out_of_the_summary_and_named_by_global_rank_and_stage(runs):
+    import json
+    import math
+
+    from agoq.train.metrics import summary_markdown, summary_text
+
+    ranks = runs["results"]
+    summary = ranks[0]["nan_at_step3_summary"]
+    records = summary["records"]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+    assert math.isnan(records[2]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 2)
+    # Rank 1 (stage 0, replica 1) saw NaN, and so did rank 3 (stage 1, replica 1), which its
+    # activations reach; ranks 0 and 2, of the other replica, did not.
+    seen = records[2]["nonfinite"]
+    assert [(r["rank"], r["stages"], r["dp_rank"]) for r in seen] == [(1, [0], 1), (3, [1], 1)]
+    stage0 = {n for n, _ in _stage_parameter_names(runs, 0)}
+    stage1 = {n for n, _ in _stage_parameter_names(runs, 1)}
+    assert seen[0]["parameter"] in stage0 and seen[1]["parameter"] in stage1, seen
+    trained = [r["loss"] for r in records if not r["skipped"]]
+    run = summary["run"]
+    assert run["skipped_steps"] == 1 and run["train_loss_window"] == 5
+    assert run["train_loss"] == pytest.approx(sum(trained) / 5) and run["final_loss"] == records[-1]["loss"]
+    assert run["min_train_loss"] == min(trained)
+    written = json.loads((runs["tmp"] / "k" / "summary.json").read_text())["run"]
+    assert written["skipped_steps"] == 1 and written["train_loss"] == pytest.approx(run["train_loss"])
+    headline = "(mean of the last 5 steps that trained; last"
+    skipped = "; 1 of 6 steps skipped (a non-finite loss or gradient), their losses left out"
+    for text in (summary_text(summary), summary_markdown(summary), (runs["tmp"] / "k" / "summary.md").read_text()):
+        line = next(line for line in text.splitlines() if line.startswith("train loss"))
+        assert line.startswith(f"train loss {run['train_loss']:.4f} {headline}") and skipped in line and "nan" not in line, line
+    # One line, on rank 0 only, naming global ranks and stages; no rank warns on its own.
+    expected = (
+        f"agoq train: step 3 skipped, the weights left as they were: non-finite gradients on rank 1 (pipeline stage 0, dp replica 1) "
+        f"in {seen[0]['parameter']}; rank 3 (pipeline stage 1, dp replica 1) in {seen[1]['parameter']}"
+    )
+    assert [line for line in ranks[0]["nan_at_step3_stderr"].splitlines() if "skipped" in line] == [expected]
+    for r in ranks:
+        assert not [w for w in r["nan_at_step3_warnings"] if "non-finite" in w], r["nan_at_step3_warnings"]
+        if r is not ranks[0]:
+            assert "skipped" not in r["nan_at_step3_stderr"]
+
+
+def _stage_parameter_names(runs, stage: int):
+    from agoq.activation import make_policy
+    from agoq.models import Llama
+
+    cfg = runs["cfgs"]["nan_at_step3"]
+    ranges = [range(0, 2), range(2, 4)]
+    return Llama(cfg.model_config(), make_policy("bf16"), layers=ranges[stage], embed=stage == 0, head=stage == 1).named_parameters()
+
+
+def test_the_summary_of_a_run_whose_every_step_was_skipped_says_so():
+    from agoq.train.metrics import summary_text
+    from agoq.train.run import run_figures
+
+    records = [{"step": s, "loss": float("nan"), "skipped": True, "step_time_s": 1.0} for s in (1, 2)]
+    run = run_figures(records, records, 256)
+    assert (run["train_loss"], run["final_loss"], run["min_train_loss"], run["skipped_steps"]) == (None, None, None, 2)
+    summary = {"description": "d", "run": run, "ranks": [], "records": records}
+    assert summary_text(summary).splitlines()[1] == "train loss: none, every one of the 2 steps was skipped (a non-finite loss or gradient)"
+    records[1].update(loss=4.0, skipped=False)
+    run = run_figures(records, records, 256)
+    assert (run["train_loss"], run["train_loss_window"], run["skipped_steps"]) == (4.0, 1, 1)

@@ -107,6 +107,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(to_toml(cfg), end="")
         return 0
+    from agoq.train.environment import environment_problem
+
+    problem = environment_problem()
+    if problem is not None:
+        print(f"agoq train: {problem}", file=sys.stderr)
+        return 2
     import logging
     import signal
 
@@ -183,9 +189,14 @@ def console_main() -> None:
         print(INTERRUPTED, file=sys.stderr)
         code = 130
     if code == 130:
+        import gc
         import os
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # os._exit runs no exit handlers: a multiprocessing lock of the launch (torch's elastic agent
+        # makes one per worker) that a reference cycle still holds would stay registered with the
+        # resource tracker, which then warns of a leaked semaphore; collecting runs its finalizer.
+        gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)

@@ -85,7 +85,9 @@ class QuantGradBuffer:
     communicates = _pipeline_attribute("communicates", "Whether this buffer reduces over more than one rank.")
     microbatches = _pipeline_attribute("microbatches", "Backward passes per optimizer step (change it with zero_grad(microbatches=...)).")
     skipped_steps = _pipeline_attribute("skipped_steps", "Steps skipped because some rank saw a non-finite gradient.")
-    nonfinite = _pipeline_attribute("nonfinite", "(rank, first non-finite parameter's name) of each rank that saw one in the last skipped step.")
+    nonfinite = _pipeline_attribute(
+        "nonfinite", "(global rank, first non-finite parameter's name) of each rank of the group that saw one in the last step."
+    )
 
     def __init__(
         self,

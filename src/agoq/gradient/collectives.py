@@ -52,6 +52,18 @@ def world_of(group: Group = None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def global_rank(group: Group, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (``rank`` itself without torch.distributed)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def own_rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def parse_op(op: str | dist.ReduceOp) -> str:
     """'sum' or 'avg' from a string or a torch.distributed.ReduceOp."""
     if isinstance(op, str):

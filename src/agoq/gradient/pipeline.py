@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from agoq.gradient.bucket import Bucket
-from agoq.gradient.collectives import EightBitReduction, Group, agree_nonfinite, world_of
+from agoq.gradient.collectives import EightBitReduction, Group, agree_nonfinite, global_rank, world_of
 from agoq.gradient.counter import CommCounter
 from agoq.gradient.feedback import WireEncoder
 from agoq.gradient.fold import EightBitFolder
@@ -120,6 +120,7 @@ class BucketPipeline:
         if self.finished:
             return self.ok
         self._complete_all()
+        self.nonfinite = []
         flags = agree_nonfinite(self.folder.first_nonfinite(), self.group, device=self.folder.device, counter=self.counter)
         self.finished = True
         bad = [(r, i) for r, i in enumerate(flags) if i is not None]
@@ -191,9 +192,10 @@ class BucketPipeline:
             self._complete(self.buckets[-1])
 
     def _skip(self, bad: list[tuple[int, int]]) -> None:
-        """Every rank skips this step: ``bad`` names (rank, first non-finite parameter) of each rank that saw one."""
+        """Every rank skips this step: ``bad`` names (group rank, first non-finite parameter) of each rank that saw one."""
         self.skipped_steps += 1
-        self.nonfinite = [(r, self.names[i]) for r, i in bad]
+        # Global ranks: a rank of a pipeline stage's dp group is another process than the global rank of that number.
+        self.nonfinite = [(global_rank(self.group, r), self.names[i]) for r, i in bad]
         where = ", ".join(f"{name!r} on rank {r}" for r, name in self.nonfinite)
         warnings.warn(
             f"non-finite gradient in {where}; skipping this optimizer step and resetting the 8-bit "

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import Group
+from agoq.gradient.collectives import Group, own_rank
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
@@ -150,12 +150,14 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
 
     def reduce(self) -> bool:
         ok = all(all_finite(f) for f in self.flat)
+        self._nonfinite = []
         if not ok:
             bad = [
                 self.names[i]
                 for i, ss in enumerate(self._where)
                 if not all(bool(torch.isfinite(self.flat[s.bucket][s.offset : s.offset + s.numel]).all()) for s in ss)
             ]
+            self._nonfinite = [(own_rank(), bad[0])]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
         self._shards = []
         # Issued whatever this rank saw: every dp rank must call the same collectives.

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import INTER_NODE_SUFFIX, Group, int8_gradient_format, world_of
+from agoq.gradient.collectives import INTER_NODE_SUFFIX, Group, int8_gradient_format, own_rank, world_of
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.hierarchical import HOP_NAMES, all_reduce_hierarchical
@@ -68,6 +68,14 @@ class GradientSync:
     def local_grad_sq_norm(self) -> float:
         """Sum of squares of this rank's reduced gradients."""
         raise NotImplementedError
+
+    _nonfinite: list[tuple[int, str]] = []
+
+    def nonfinite_last_step(self) -> list[tuple[int, str]]:
+        """(global rank, first parameter with a non-finite gradient) of the ranks known to have seen
+        one in the last reduce: those of the dp group where its ranks agree on it (the 8-bit
+        buffer), else this rank alone."""
+        return list(self._nonfinite)
 
     def params_sq_norm(self, indices: set[int]) -> float:
         """Sum of squares of this rank's reduced gradients of the parameters ``indices`` only (all of
@@ -213,8 +221,10 @@ class PlainGradientSync(ParameterGradientSync):
 
     def reduce(self) -> bool:
         ok = all_finite(self.buffer)
+        self._nonfinite = []
         if not ok:
             bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
+            self._nonfinite = [(own_rank(), bad[0])]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
         if self.world > 1 and self.nodes is not None:
             self.counter.reset()
@@ -312,6 +322,9 @@ class QuantizedBufferState:
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state)
+
+    def nonfinite_last_step(self) -> list[tuple[int, str]]:
+        return list(self.buffer.nonfinite)
 
 
 class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):

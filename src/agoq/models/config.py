@@ -123,6 +123,15 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
+def parameter_count_text(n: int) -> str:
+    """A parameter count for people: '5.0 M parameters', '13.02 B parameters'."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} B parameters"
+    if n >= 10**5:
+        return f"{n / 1e6:.1f} M parameters"
+    return f"{n:,} parameters"
+
+
 def get_config(name: str, **overrides: object) -> LlamaConfig:
     """A preset by name, with field overrides (e.g. n_layers=36)."""
     if name not in PRESETS:

@@ -53,22 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fields(items: list[str]) -> dict[str, object]:
-    """KEY=VALUE strings as typed LlamaConfig overrides."""
+    """KEY=VALUE strings as typed LlamaConfig overrides, each value read as ``agoq train --model.KEY=VALUE`` reads it."""
+    import typing
+
     from agoq.models.config import LlamaConfig
     from agoq.plan.config import PlanError
+    from agoq.train.config import ConfigError, parse_value
 
-    types = {k: f.type for k, f in LlamaConfig.__dataclass_fields__.items()}
+    types = typing.get_type_hints(LlamaConfig)
     out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in types:
             raise PlanError(f"--model-field {item!r} must be KEY=VALUE with KEY one of {', '.join(types)}")
-        kind = str(types[key])
         try:
-            out[key] = (value.lower() in ("1", "true", "yes")) if "bool" in kind else float(value) if "float" in kind else int(value)
-        except ValueError:
-            raise PlanError(f"--model-field {item!r}: {value!r} is not a valid {kind}") from None
+            out[key] = parse_value(value.strip(), types[key], key)
+        except ConfigError as e:
+            raise PlanError(f"--model-field {e}") from None
     return out
 
 

@@ -162,6 +162,15 @@ class PlanConfig:
             return self.gpu_memory - self.reserved
         return None
 
+    def _check_node_size(self) -> None:
+        """PlanError unless the dp ranks form whole nodes (a node size at or above dp: one node)."""
+        if self.dp % min(self.node_size, self.dp):
+            divisor = max(d for d in range(1, self.node_size) if self.dp % d == 0)
+            raise PlanError(
+                f"node-size={self.node_size} does not divide dp={self.dp}; give the dp ranks per node, a divisor of {self.dp} "
+                f"(e.g. --node-size {divisor}) or at least {self.dp} for one node"
+            )
+
     def validate(self) -> None:
         """Raise PlanError (one line) for a configuration that cannot run."""
         c = self.model
@@ -169,6 +178,7 @@ class PlanConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"{name.replace('_', '-')}={v!r} must be a positive integer")
+        self._check_node_size()
         if self.dtype not in DTYPES:
             raise PlanError(f"dtype={self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
         if c.n_heads % self.tp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from agoq.parallel.pipeline import schedule_name
+from agoq.models.config import parameter_count_text
 from agoq.plan.config import format_size
 from agoq.plan.result import Plan, SetupPlan
 
@@ -68,7 +69,7 @@ def markdown(plan: Plan) -> str:
     """Per-rank and summary tables of every configuration, with the assumptions that matter."""
     c = plan.config
     lines = [
-        f"# agoq plan: {c.model_name} ({c.model.num_parameters() / 1e9:.2f} B parameters)",
+        f"# agoq plan: {c.model_name} ({parameter_count_text(c.model.num_parameters())})",
         "",
         f"tp={c.tp}{' (sequence parallel)' if c.tp > 1 else ''}, pp={c.pp}, dp={c.dp}, schedule {schedule_name(c.schedule)}"
         f"{f' x {c.vstages} virtual stages' if c.vstages > 1 else ''}, seq {c.seq_len}, micro-batch {c.micro_batch} x "

@@ -236,17 +236,12 @@ _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}
 def checkpoint_compute_dtype(cfg: "TrainConfig") -> tuple[str, Path] | None:
     """(compute dtype, step folder) of the checkpoint a run of ``cfg`` resumes, or None (not resuming,
     no checkpoint, or one that does not say). Problems with the checkpoint are left to its load."""
-    if not cfg.checkpoint.resume:
-        return None
-    from agoq.train.checkpoint import MANIFEST, CheckpointError, latest_checkpoint
+    from agoq.train.resume import resumed_manifest
 
-    try:
-        latest = latest_checkpoint(Path(cfg.train.out_dir) / "checkpoints", trust_unverified=cfg.checkpoint.trust_unverified)
-        manifest = json.loads((latest / MANIFEST).read_text()) if latest is not None and (latest / MANIFEST).exists() else None
-    except (CheckpointError, OSError, ValueError):
+    found = resumed_manifest(cfg)
+    if found is None:
         return None
-    if latest is None:
-        return None
+    latest, manifest = found
     if manifest is None:
         # No manifest: latest_checkpoint returned it only with the user's consent (trust_unverified),
         # which covers reading DCP's index; the weights' dtype there is the run's.
@@ -254,8 +249,6 @@ def checkpoint_compute_dtype(cfg: "TrainConfig") -> tuple[str, Path] | None:
 
         saved = _DTYPE_NAMES.get(str(saved_weights_dtype(latest)))
         return (saved, latest) if saved else None
-    if not isinstance(manifest, dict):
-        return None
     saved = ((manifest.get("run_config") or {}).get("precision") or {}).get("compute_dtype")
     if saved not in ("bf16", "fp32"):
         saved = _DTYPE_NAMES.get(str(manifest.get("weights_dtype")))
@@ -357,9 +350,17 @@ def resolve_choices(cfg: "TrainConfig", device_type: str, threads: int) -> Resol
     return ResolvedChoices(dtype.name, quant.name)
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says, as in a container)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def worker_threads(world_size: int) -> int:
     """Threads each of ``world_size`` local CPU workers gets (the cores shared evenly)."""
-    return max(1, (os.cpu_count() or 1) // max(1, world_size))
+    return max(1, cpu_cores() // max(1, world_size))
 
 
 __all__ = [
@@ -374,6 +375,7 @@ __all__ = [
     "choose_quant_backend",
     "compute_dtype_for",
     "cpu_bf16_flags",
+    "cpu_cores",
     "cpu_flags",
     "cpu_model_name",
     "probe_key",

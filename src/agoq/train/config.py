@@ -26,6 +26,8 @@ MOVED_GRADIENT_MODES = {"ring8": "python -m benchmarks.allreduce"}
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("auto", "bf16", "fp32")
+# What a boolean may be written as, in any case (TOML's true and false, and the usual others).
+BOOLEAN_SPELLINGS = ("true", "false", "yes", "no", "1", "0")
 
 
 class ConfigError(ValueError):
@@ -106,7 +108,7 @@ class TrainSection:
     """Length, seed, evaluation and output."""
 
     steps: int = 200  # optimizer steps
-    seed: int = 0
+    seed: int = 0  # of the initial weights and the data order, 0 .. 2**32 - 1
     log_every: int = 10  # steps between progress lines where there is no progress bar (every step goes to metrics/)
     eval_every: int = 100  # steps between validation passes (and at the end); 0 disables
     eval_batches: int = 4  # validation batches per pass
@@ -187,9 +189,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        if type(value) is int and value in (0, 1):  # "1" parses as the TOML integer 1
+            return bool(value)
+        if isinstance(value, str) and value.lower() in BOOLEAN_SPELLINGS:
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}={value!r} is not a boolean; use true or false")
+        raise ConfigError(f"{where}={value!r} is not a boolean; use true or false (or yes/no, 1/0)")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -213,6 +217,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a table of key = value pairs, got {value!r}")
         return dict(value)
     return value
+
+
+def parse_value(text: Any, annotation: Any, where: str) -> Any:
+    """A command-line value for a field typed ``annotation``, as ``--section.key=value`` takes it:
+    TOML where it is one, else the text; ConfigError naming ``where`` when it does not fit."""
+    return _coerce(_literal(text), annotation, where)
 
 
 def _section_types(section_cls: type) -> dict[str, Any]:
@@ -264,7 +274,7 @@ def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_litera
         if key not in LlamaConfig.__dataclass_fields__:
             raise ConfigError(f"unknown model field model.{key}; valid: preset, {', '.join(LlamaConfig.__dataclass_fields__)}")
         ftype = typing.get_type_hints(LlamaConfig)[key]
-        obj.overrides[key] = _coerce(_literal(value) if parse_literal else value, ftype, f"model.{key}")
+        obj.overrides[key] = parse_value(value, ftype, f"model.{key}") if parse_literal else _coerce(value, ftype, f"model.{key}")
         return
     field_types = _section_types(type(obj))
     if key not in field_types:
@@ -304,7 +314,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing .toml file or omit it for the defaults")
         try:
-            data = tomllib.loads(path.read_text())
+            # utf-8-sig: Windows editors begin a UTF-8 file with a byte-order mark, which TOML's grammar lacks.
+            data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte offset {e.start}); save it as UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         for section, table in data.items():
@@ -322,6 +335,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     validate(cfg)
     return cfg
 
+
+# The seeds numpy's and torch's generators all accept, with room for the per-parameter offsets
+# (agoq.models.llama.Llama.reset_parameters multiplies the seed by 1,000,003 within 64 bits).
+MAX_SEED = 2**32 - 1
 
 # (key, smallest allowed value, what the limit means) of the plain numeric lower bounds.
 MINIMUMS = (
@@ -470,6 +487,8 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
             )
         if p.node_size < 0 or (p.node_size and p.dp % p.node_size):
             raise ConfigError(f"parallel.node_size={p.node_size} must divide parallel.dp={p.dp} (ranks per node; 0 reads LOCAL_WORLD_SIZE)")
+    if p.node_size < 0 or (0 < p.node_size < p.dp and p.dp % p.node_size):
+        raise ConfigError(f"parallel.node_size={p.node_size} must divide parallel.dp={p.dp} (ranks per node; 0 reads LOCAL_WORLD_SIZE)")
     if pr.recompute_layers and p.tp > 1:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} is not supported with parallel.tp > 1; set it to 0")
     from agoq.quant.backend import BACKENDS
@@ -530,6 +549,8 @@ def _validate_sizes(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"data.vocab_size={d.vocab_size} must be at least {MIN_VOCAB_SIZE}: the trained byte-level BPE holds 256 bytes and its end-of-document token"
         )
+    if not 0 <= t.seed <= MAX_SEED:
+        raise ConfigError(f"train.seed={t.seed} is out of range; use an integer from 0 to {MAX_SEED} (2**32 - 1)")
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty; name a folder, e.g. --train.out_dir=runs/NAME")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:

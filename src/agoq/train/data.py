@@ -91,6 +91,8 @@ def corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, ...]
                 'document per file) or .jsonl (one JSON object with a "text" field per line)'
             )
         return (p,)
+    if not p.is_dir():
+        raise ValueError(f"{str(p)!r} is {_file_kind(p)}, not a regular file or folder; give a .txt or .jsonl file, or a folder of them")
     found = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
     files = sorted((f for f in found if f.suffix.lower() in CORPUS_SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
     _refuse_links_out_of(p, files)
@@ -118,6 +120,20 @@ def _refuse_links_out_of(folder: Path, files: list[Path]) -> None:
                 raise ValueError(
                     f"{str(f)!r} is a symbolic link to {str(target)!r}, outside the corpus folder; copy that file into the folder, or delete the link"
                 )
+
+
+def _file_kind(path: Path) -> str:
+    """What a path that is neither a regular file nor a folder is, in words."""
+    import stat
+
+    mode = path.stat().st_mode
+    kinds = (
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 @dataclass

@@ -26,8 +26,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
-from typing import Iterator
+from types import TracebackType
+from typing import Any, Callable, Iterator
 
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.train.loopback).
@@ -208,6 +210,22 @@ def die_with_launcher(launcher_pid: int) -> None:
     threading.Thread(target=_watch_launcher, args=(launcher_pid,), name="agoq-launcher-watch", daemon=True).start()
 
 
+def unnamed_locks() -> None:
+    """In a worker: a multiprocessing lock that a library makes with the default context (tqdm's
+    write lock, on rank 0) is unnamed from here, so no exit path leaves it behind.
+
+    Python gives a process the start method it was started with as its default: 'forkserver' or
+    'spawn' here, under which a lock is a named POSIX semaphore, registered with the launcher's
+    resource tracker and unregistered only by a clean exit. A worker that the launcher stops
+    (SIGTERM, then SIGKILL) or that leaves with os._exit never unregisters it, and the tracker then
+    prints "There appear to be 1 leaked semaphore objects" beside the run's one line. Under 'fork',
+    Linux's default, a lock's name is unlinked as it is made. What a worker starts (inductor's compile
+    workers) names its own start method, so nothing else changes.
+    """
+    if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
+
+
 _interrupted = False
 
 
@@ -253,5 +271,22 @@ def guard_fork_server() -> None:
     if launcher is None or launcher != str(os.getppid()) or launcher == str(os.getpid()):
         return
     signal.signal(signal.SIGINT, _quiet_exit)
+    sys.excepthook = _quiet_abandoned_start(sys.excepthook)
     if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _quiet_abandoned_start(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """The fork server's excepthook, which its children call for an error before they run: silent
+    for a worker whose launch the launcher had abandoned, as it does when interrupted while starting
+    its workers. It then releases the launch's locks, and a worker forked after that fails to
+    unpickle them (FileNotFoundError in multiprocessing.synchronize); the launcher's one line says
+    what happened, and this worker never started."""
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        frames = traceback.extract_tb(tb)
+        if issubclass(exc_type, FileNotFoundError) and frames and frames[-1].filename.endswith(os.path.join("multiprocessing", "synchronize.py")):
+            return
+        previous(exc_type, exc, tb)
+
+    return hook

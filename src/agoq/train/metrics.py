@@ -122,7 +122,15 @@ class Progress:
 def _headline(summary: dict[str, Any]) -> list[str]:
     """What ran, its loss and its throughput: the lines above either table."""
     run = summary["run"]
-    loss = f"train loss {run['train_loss']:.4f} (mean of the last {run['train_loss_window']} steps; last {run['final_loss']:.4f}, min {run['min_train_loss']:.4f})"
+    skipped = run.get("skipped_steps", 0)
+    steps = len(summary.get("records") or []) or run["steps"]
+    if run["train_loss"] is None:
+        loss = f"train loss: none, every one of the {steps} steps was skipped (a non-finite loss or gradient)"
+    else:
+        which = "steps" if not skipped else "steps that trained"
+        loss = f"train loss {run['train_loss']:.4f} (mean of the last {run['train_loss_window']} {which}; last {run['final_loss']:.4f}, min {run['min_train_loss']:.4f})"
+        if skipped:
+            loss += f"; {skipped} of {steps} steps skipped (a non-finite loss or gradient), their losses left out"
     if run.get("val_loss") is not None:
         loss += f", validation loss {run['val_loss']:.4f}"
     return [

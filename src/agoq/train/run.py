@@ -10,12 +10,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from agoq.train.compute_dtype import ResolvedChoices
+from agoq.models.config import parameter_count_text
+from agoq.train.compute_dtype import ResolvedChoices, cpu_cores
 from agoq.train.config import ConfigError, TrainConfig
 from agoq.train.forkserver import (
     die_with_launcher,
@@ -24,11 +25,13 @@ from agoq.train.forkserver import (
     start_method,
     stray_rank_variables,
     under_torchrun,
+    unnamed_locks,
     workers_environment,
 )
 from agoq.train.lock import LOCK_NAME, join_run_lock, run_lock
 from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
 from agoq.train.nofollow import ensure_folder, open_in_place, refuse_link, write_atomic
+from agoq.train.resume import checkpoint_layout
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -52,23 +55,39 @@ LOSS_WINDOW = 10
 def run_figures(records: list[dict[str, Any]], timed: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
     """A run's headline figures: smoothed and last train loss, validation loss, throughput.
 
-    ``tokens_per_s`` is tokens per step over the mean step time of the ``timed`` steps, so that it
-    and ``step_time_s`` always agree (a mean of per-step rates would not).
+    The losses are those of the steps that trained: a skipped step (a non-finite loss or gradient,
+    the weights left as they were) is counted in ``skipped_steps`` instead, and its loss, often NaN,
+    in no mean (None where no step trained). ``tokens_per_s`` is tokens per step over the mean step
+    time of the ``timed`` steps, so that it and ``step_time_s`` always agree (a mean of per-step
+    rates would not).
     """
-    losses = [r["loss"] for r in records]
+    losses = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
     window = losses[-LOSS_WINDOW:]
     step_time = sum(r["step_time_s"] for r in timed) / len(timed)
     return {
-        "train_loss": sum(window) / len(window),
+        "train_loss": sum(window) / len(window) if window else None,
         "train_loss_window": len(window),
-        "final_loss": losses[-1],
-        "min_train_loss": min(losses),
+        "skipped_steps": len(records) - len(losses),
+        "final_loss": losses[-1] if losses else None,
+        "min_train_loss": min(losses, default=None),
         "val_loss": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),
         "tokens_per_s": tokens_per_step / step_time,
         "step_time_s": step_time,
         "tokens_per_step": tokens_per_step,
         "steps": records[-1]["step"],
     }
+
+
+def skipped_step_line(rec: dict[str, Any]) -> str:
+    """The line rank 0 prints for a skipped step: every global rank that saw a non-finite gradient,
+    its pipeline stage(s) and replica, and the first such parameter (Trainer._nonfinite_ranks)."""
+    where = []
+    for r in rec.get("nonfinite") or []:
+        stages = ",".join(map(str, r["stages"]))
+        tp = f", tp rank {r['tp_rank']}" if r.get("tp_rank") else ""
+        where.append(f"rank {r['rank']} (pipeline stage {stages}, dp replica {r['dp_rank']}{tp}) in {r['parameter']}")
+    seen = f"non-finite gradients on {'; '.join(where)}" if where else f"the loss ({rec['loss']}) or the reduced gradients were not finite"
+    return f"agoq train: step {rec['step']} skipped, the weights left as they were: {seen}"
 
 
 ESTIMATE_AFTER = 3  # records before rank 0 estimates the time left
@@ -113,15 +132,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None) -> dict[str, Any]:
+def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None, group_ready: Callable[[], object] | None = None) -> dict[str, Any]:
     """Entry point of every rank; rank 0 returns the run summary, the others their records and stats.
 
     ``choices`` are the launcher's decisions for the config's ``auto`` values; without them (under
-    torchrun) the workers decide (agoq.train.trainer.worker_choices).
+    torchrun) the workers decide (agoq.train.trainer.worker_choices). ``group_ready`` is called
+    once this rank has joined the process group.
     """
     from agoq.train.trainer import Trainer
 
-    trainer = Trainer(cfg, choices)
+    trainer = Trainer(cfg, choices, group_ready)
     ctx = trainer.ctx
     _resume(trainer, cfg, data_checked=choices is not None)
     records = _train_loop(trainer, cfg)
@@ -154,7 +174,9 @@ def _resume(trainer: Any, cfg: TrainConfig, data_checked: bool = False) -> None:
             check_resume_data(cfg, trainer.data, notice=trainer.ctx.rank == 0)
         if latest is not None:
             state = trainer.checkpoint_state()
-            step, extra = load_checkpoint(latest, state["model"], state["optimizer"], layout=trainer.layout(), trust_unverified=ck.trust_unverified)
+            step, extra = load_checkpoint(
+                latest, state["model"], state["optimizer"], layout=checkpoint_layout(cfg), trust_unverified=ck.trust_unverified
+            )
             trainer.load_extra(step, extra)
             if trainer.ctx.rank == 0:
                 # "verified" only where the load hashed every file of the folder against its digest.
@@ -187,6 +209,8 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
     while trainer.step < cfg.train.steps:
         rec = trainer.train_step()
         _DeferredInterrupt.raise_pending()
+        if rec["skipped"]:
+            progress.note(skipped_step_line(rec))
         # Loss and gradient norm are all-reduced, so every rank counts alike and stops together.
         bad_in_a_row = bad_in_a_row + 1 if rec["skipped"] or not math.isfinite(rec["loss"]) else 0
         if bad_in_a_row >= cfg.train.max_skipped_steps:
@@ -223,7 +247,7 @@ def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
                 state["optimizer"],
                 trainer.extra_state(),
                 keep=cfg.checkpoint.keep,
-                layout=trainer.layout(),
+                layout=checkpoint_layout(cfg),
                 config=trainer.choices.config_dict(cfg),
                 data=trainer.data.fingerprints(),
             )
@@ -341,10 +365,9 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
     already, else the config's values), and where its output goes."""
     p, pr, d = cfg.parallel, cfg.precision, cfg.data
     dtype, quant = (choices.compute_dtype, choices.quant_backend) if choices else (pr.compute_dtype, pr.quant_backend)
-    params = cfg.model_config().num_parameters()
     out = Path(cfg.train.out_dir)
     print(
-        f"agoq train: model {cfg.model.preset} ({params / 1e6:.1f} M parameters), {processes}: pp={p.pp} x dp={p.dp}"
+        f"agoq train: model {cfg.model.preset} ({parameter_count_text(cfg.model_config().num_parameters())}), {processes}: pp={p.pp} x dp={p.dp}"
         + (f" x tp={p.tp} (sequence parallel)" if p.tp > 1 else "")
         + f" "
         f"({p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')} per step)\n"
@@ -358,8 +381,20 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
         + ")",
         flush=True,
     )
+    from agoq.train.environment import unread_notice
+
+    unread = unread_notice()
+    if unread:
+        print(unread, flush=True)
     if under_torchrun():
         return
+    cores = cpu_cores()
+    if cfg.world_size > cores and not torch.cuda.is_available():
+        print(
+            f"agoq train: {cfg.world_size} processes share {cores} CPU core{'s' if cores > 1 else ''} here, so they take turns and each "
+            "step takes longer than the layout suggests; a layout of fewer processes (parallel.pp x dp x tp) runs faster on this machine",
+            flush=True,
+        )
     stray = stray_rank_variables()
     if stray:
         found = ", ".join(f"{k}={v}" for k, v in stray.items())
@@ -381,7 +416,7 @@ def finished_run(cfg: TrainConfig) -> int | None:
     """The step of the newest checkpoint when it already reaches train.steps (so resuming would train nothing), else None.
 
     Run before any worker starts, it also refuses (ConfigError, one line naming the fix) what would
-    load an unverifiable checkpoint, resume in another compute dtype than the checkpoint's, or mix
+    load an unverifiable checkpoint, resume another model, layout or compute dtype than the checkpoint's, or mix
     a fresh run's checkpoints with an earlier run's in the same folder.
     """
     from agoq.train.checkpoint import UnverifiedCheckpoint, checkpoint_step, latest_checkpoint, step_folders, unverified_problem
@@ -405,7 +440,9 @@ def finished_run(cfg: TrainConfig) -> int | None:
     if problem is not None and not ck.trust_unverified:
         raise ConfigError(_unverified_line(latest, problem))
     from agoq.train.compute_dtype import check_resume_dtype
+    from agoq.train.resume import check_resume_job
 
+    check_resume_job(cfg)
     check_resume_dtype(cfg)
     step = checkpoint_step(latest)
     return step if step >= cfg.train.steps else None
@@ -577,20 +614,24 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
 
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is logged (agoq.train.forkserver.guard_fork_server)
+        unnamed_locks()
+    # Until the process group is up, a Ctrl-C ends the worker at once: joining it waits in C++ on the
+    # store (where no Python handler runs) for peers that, interrupted too, never come, until the
+    # launcher kills every worker after its close timeout. From then on a Ctrl-C is raised and logged.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     rank = os.environ.get("RANK", "0")
     log = _RankLog(Path(cfg.train.out_dir) / "logs", rank)
     _DeferredInterrupt.install()
     try:
         if launcher_pid is not None:
             join_run_lock(cfg.train.out_dir)
-        result = train_worker(cfg, choices)
+        result = train_worker(cfg, choices, group_ready=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     except BaseException as e:
         interrupted = isinstance(e, KeyboardInterrupt)
+        # The launcher signals its workers again while they exit (with the signal it got: SIGINT
+        # after a Ctrl-C); an interrupt inside Python's exit handlers would print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if interrupted:
-            # The launcher signals its workers again while they exit; a second interrupt inside
-            # Python's exit handlers would print a traceback of its own.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.write(_full_traceback(e), error_line(e, cfg))
         if interrupted:
@@ -620,15 +661,21 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], worl
             found.append((float(stamp), rank, line))
         except (OSError, ValueError):
             continue
+    # A rank killed by a signal before the launcher stopped anyone is the cause: the others' errors
+    # (gloo's "Connection reset by peer") follow from its death, and may be written before the
+    # launcher notices it.
+    logged = {rank for _, rank, _ in found}
+    killed = [(rank, f) for rank, f in sorted(failures.items()) if getattr(f, "exitcode", 0) < 0 and rank not in logged]
+    if killed:
+        rank, f = killed[0]
+        if f.exitcode == -signal.SIGINT:  # while joining the process group (worker_entry)
+            return f"rank {rank} (pid {f.pid}) was interrupted (SIGINT), and the run stopped with it"
+        try:
+            name = signal.Signals(-f.exitcode).name
+        except ValueError:
+            name = f"signal {-f.exitcode}"
+        return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
     if not found:
-        killed = [(rank, f) for rank, f in sorted(failures.items()) if getattr(f, "exitcode", 0) < 0]
-        if killed:
-            rank, f = killed[0]
-            try:
-                name = signal.Signals(-f.exitcode).name
-            except ValueError:
-                name = f"signal {-f.exitcode}"
-            return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
         return f"a worker process died without a Python error (killed, or out of memory); ranks {sorted(failures)} failed"
     # Other ranks fail after the first one, on the collectives it no longer answers.
     _, rank, line = min(found)

@@ -13,9 +13,10 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -272,14 +273,34 @@ def _loss_terms(loss: float | None) -> list[float]:
     return [0.0, 0.0] if loss is None else [loss, 1.0]
 
 
+def _reduce_quietly(sync: GradientSync) -> bool:
+    """``sync.reduce()`` without its non-finite warning: every rank of a dp group would print one,
+    where rank 0 reports the skipped step once, naming each rank that saw it (nonfinite_ranks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="non-finite gradient", category=RuntimeWarning)
+        return sync.reduce()
+
+
+def nonfinite_ranks(sync: GradientSync, ctx: RankContext) -> list[dict[str, Any]]:
+    """Of a skipped step, on every rank (a collective): each global rank that saw a non-finite
+    gradient, with its pipeline stage(s), dp replica and tp rank, and the first such parameter."""
+    seen = dict(sync.nonfinite_last_step())
+    mine = {"rank": ctx.rank, "stages": list(ctx.stages), "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "parameter": seen.get(ctx.rank)}
+    every: list[Any] = [None] * ctx.world
+    dist.all_gather_object(every, mine)
+    return [r for r in every if r["parameter"] is not None]
+
+
 class Trainer:
     """One rank's share of a training run."""
 
-    def __init__(self, cfg: TrainConfig, choices: ResolvedChoices | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, choices: ResolvedChoices | None = None, group_ready: Callable[[], object] | None = None) -> None:
         from agoq.train.data import TrainSampler, validation_batches
 
         self.cfg = cfg
         self.ctx = ctx = _setup_distributed(cfg)
+        if group_ready is not None:
+            group_ready()
         self.choices = worker_choices(cfg, ctx.device, choices)
         torch.manual_seed(cfg.train.seed)
         self.data = _prepare_data(cfg, ctx)
@@ -384,7 +405,7 @@ class Trainer:
         with self.tracker:
             local_loss = self.forward_backward(inputs, targets)
         phase("gradient_sync")
-        reduced = self.sync.reduce()
+        reduced = _reduce_quietly(self.sync)
         grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
         if reduced and self.replicated:
             # Each tp rank holds the whole of a replicated parameter's gradient: counted once over tp.
@@ -409,6 +430,7 @@ class Trainer:
         self.steps_run += 1
         tokens = cfg.data.batch_size * cfg.data.seq_len
         return {
+            **({"nonfinite": nonfinite_ranks(self.sync, self.ctx)} if skipped else {}),
             "step": self.step,
             "loss": loss,
             "lr": lr,
@@ -501,11 +523,6 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds for this rank: model weights (global names) and optimizer state."""
         return {"model": _NamedParams(self.params, self.model_cfg), "optimizer": self.optimizer}
-
-    def layout(self) -> dict[str, Any]:
-        """The parallel layout a checkpoint must be loaded into."""
-        p = self.cfg.parallel
-        return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "virtual_stages": p.virtual_stages, "schedule": p.schedule}
 
     def extra_state(self) -> dict[str, Any]:
         """Step, data position, RNG and gradient-sync state (error-feedback residuals) of this rank."""
