@@ -212,6 +212,52 @@ def test_num_items_in_batch_gives_the_trainer_sum_reduction():
     assert abs(float(got.detach()) - float(ref.detach())) <= 1e-6 * abs(float(ref.detach()))
 
 
+def _structure(out) -> tuple:
+    """What a caller reads of an output: its kind, and each field's name (or place) and type."""
+    if isinstance(out, tuple):
+        return ("tuple", tuple(type(v).__name__ for v in out))
+    return (type(out).__name__, tuple((k, type(v).__name__) for k, v in out.items()))
+
+
+def _without_logits(structure: tuple) -> tuple:
+    """The unpatched model's structure with the logits absent, as the fused loss never forms them."""
+    kind, fields = structure
+    if kind == "tuple":  # the logits' place is kept, holding None
+        return kind, (fields[0], "NoneType", *fields[2:])
+    return kind, tuple(f for f in fields if f[0] != "logits")
+
+
+@pytest.mark.parametrize("use_cache", [None, True, False])
+@pytest.mark.parametrize("return_dict", [None, True, False])
+def test_every_return_dict_and_use_cache_gives_the_unpatched_structure_and_loss(return_dict, use_cache):
+    kw = {k: v for k, v in (("return_dict", return_dict), ("use_cache", use_cache)) if v is not None}
+    model, ids = _model("Llama"), _ids()
+    with torch.enable_grad():
+        ref = model(ids, labels=ids, **kw)
+        patched = _unpatched_copy(model)
+        apply_agoq(patched)
+        got = patched(ids, labels=ids, **kw)
+    assert _structure(got) == _without_logits(_structure(ref))
+    assert abs(float(got[0].detach()) - float(ref[0].detach())) <= 1e-5 * float(ref[0].detach())
+    got[0].backward()  # the loss a tuple carries is the one that trains
+    assert all(p.grad is not None for p in patched.parameters())
+
+
+def test_config_return_dict_false_gives_the_tuple_that_return_dict_false_gives():
+    # transformers 5.25's own forward fails under config.return_dict=False (its decoder returns a
+    # tuple it then reads as a dataclass), so the reference is the argument form on a default config.
+    model, ids = _model("Llama"), _ids()
+    with torch.enable_grad():
+        ref = model(ids, labels=ids, return_dict=False)
+        patched = _model("Llama", return_dict=False)
+        apply_agoq(patched)
+        got = patched(ids, labels=ids)
+        as_dataclass = patched(ids, labels=ids, return_dict=True)
+    assert _structure(got) == _without_logits(_structure(ref))
+    assert abs(float(got[0].detach()) - float(ref[0].detach())) <= 1e-5 * float(ref[0].detach())
+    assert type(as_dataclass).__name__ == "CausalLMOutputWithPast" and as_dataclass.logits is None
+
+
 class _Adapter(nn.Module):
     """A LoRA-like wrapper: the base projection plus a small trainable low-rank update."""
 

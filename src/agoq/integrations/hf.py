@@ -356,12 +356,17 @@ def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None, *
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     kwargs.pop("logits_to_keep", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     num_items = kwargs.get("num_items_in_batch")
     norm.__dict__[_DEFERRED] = True
     try:
-        outputs = self.model(input_ids=input_ids, **kwargs)
+        # The decoder's output as a dataclass whatever the config says: config.return_dict=False
+        # would make it a tuple, which the model's own forward then fails to read.
+        outputs = self.model(input_ids=input_ids, return_dict=True, **kwargs)
     finally:
         norm.__dict__.pop(_DEFERRED, None)
     hidden = outputs.last_hidden_state  # before the final norm, which the loss applies and recomputes
@@ -379,4 +384,9 @@ def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None, *
     # on a class (a graph break); hasattr would not do, since past_key_values is also a property.
     names = CausalLMOutputWithPast.__dataclass_fields__
     extra = {name: getattr(outputs, name, None) for name in ("cache", "past_key_values") if name in names}
-    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
+    result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
+    if return_dict:
+        return result
+    # transformers' tuple drops None fields; the logits' place is kept (as None, since they are
+    # never formed) so that out[0] is the loss and the cache stays where callers index it.
+    return (loss, None, *result.to_tuple()[1:])
