@@ -330,6 +330,34 @@ def test_nonfinite_propagate_poisons_only_its_block(fmt):
     assert torch.equal(y[:256], clean[:256])
 
 
+def test_every_public_argument_is_checked_naming_it_before_any_value_is_returned():
+    q = quantize(torch.randn(4, 300), "int4")
+    wrong = {
+        "dtype must be one of fp32/bf16/fp16/fp64, got torch.int32": (ValueError, lambda: dequantize(q, dtype=torch.int32)),
+        "out must be a floating-point tensor (fp32/bf16/fp16/fp64), got torch.int64": (
+            ValueError,
+            lambda: dequantize(q, out=torch.zeros(4, 300, dtype=torch.int64)),
+        ),
+        "got NoneType None": (TypeError, lambda: quantize(torch.randn(4), None)),
+        "got int 4": (TypeError, lambda: quantize(torch.randn(4), 4)),
+        "dequantize expects a QTensor (what quantize returns), got Tensor": (TypeError, lambda: dequantize(torch.randn(4))),
+        "quantize expects a floating-point torch.Tensor (fp32/bf16/fp16/fp64), got list": (TypeError, lambda: quantize([1.0], "int4")),
+        "block_size must be an integer in 1..1048576, got 99999999999999999999": (
+            ValueError,
+            lambda: parse_format("int4/99999999999999999999"),
+        ),
+        "blocks(2048, 10): start must be a block boundary (a multiple of 128) in 0..1536": (ValueError, lambda: q.blocks(2048, 10)),
+    }
+    for message, (kind, call) in wrong.items():
+        with pytest.raises(kind) as raised:
+            call()
+        assert message in str(raised.value)
+    out = torch.zeros(4, 300, dtype=torch.int64)
+    with pytest.raises(ValueError):
+        dequantize(q, out=out)
+    assert not out.any()  # nothing written into the refused output
+
+
 def test_bad_specs_give_clear_errors():
     for spec in ["int7", "int9", "int1", "fp5", "int4/0", "int4/-3", "bf16", ""]:
         with pytest.raises(ValueError, match="format|block_size|bits"):
