@@ -23,6 +23,9 @@ ALLOWED = {
 # Below every layer: modules of the standard library alone, so that the launcher can use them before
 # it imports torch (inductor_cache: the folder a torch held to another instruction set compiles into).
 BASE = {"inductor_cache"}
+# Below every layer too, above torch alone: the one home of torch names newer than the floor and of
+# private torch names (tests/test_compat.py).
+TORCH_BASE = {"compat"}
 
 
 def _agoq_imports(path: Path) -> set[str]:
@@ -63,7 +66,7 @@ def test_each_layer_imports_only_the_layers_below_it():
     violations = []
     for layer, allowed in ALLOWED.items():
         for path in (SRC / layer).rglob("*.py"):
-            for dep in _agoq_imports(path) - allowed - BASE - {layer}:
+            for dep in _agoq_imports(path) - allowed - BASE - TORCH_BASE - {layer}:
                 violations.append(f"{path.relative_to(SRC)} imports agoq.{dep}")
     assert not violations, "\n".join(violations)
 
@@ -116,3 +119,11 @@ def test_quantization_dispatch_runs_one_way():
     for path in [quant / "qtensor.py", *kernels]:
         assert not _quant_modules(path) & {"dispatch", "backend"}, path.relative_to(SRC)
     assert "compiled" not in _quant_modules(quant / "qtensor.py") and "triton" not in _quant_modules(quant / "qtensor.py")
+
+
+def test_the_compat_module_imports_torch_and_the_standard_library_alone():
+    import sys
+
+    path = SRC / "compat.py"
+    outside = _top_level_imports(path) - set(sys.stdlib_module_names) - {"__future__", "torch"}
+    assert not outside and not _agoq_imports(path), f"compat.py imports {sorted(outside | _agoq_imports(path))}"

@@ -43,6 +43,7 @@ from agoq.activation.lora import (
     out_features,
 )
 from agoq.activation.meter import meter_scope
+from agoq.compat import outer_saved_tensor_hooks
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 from agoq.quant.formats import stored_row
 
@@ -869,12 +870,6 @@ def saved_input_linear(
 # ---- attention core ------------------------------------------------------------------------------
 
 
-def _outer_hooks() -> tuple[Any, Any] | None:
-    """The saved-tensor hooks active outside ours (a meter, an offloader), or None."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
-
-
 def _attention_hooks(fmt: QuantFormat, ndim: int) -> torch.autograd.graph.saved_tensors_hooks:
     """Hooks that store every floating [batch, heads, seq, head_dim] tensor attention saves as fmt.
 
@@ -882,7 +877,7 @@ def _attention_hooks(fmt: QuantFormat, ndim: int) -> torch.autograd.graph.saved_
     active outside are applied to what these keep (payloads, scales, statistics): a meter counts
     them and an offloading hook moves them.
     """
-    outer = _outer_hooks()
+    outer = outer_saved_tensor_hooks()
     outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
     def pack(t: torch.Tensor) -> Any:

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from agoq.compat import all_gather_single
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 from agoq.quant.dispatch import quantize_rows_into
 from agoq.quant.formats import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES
@@ -508,7 +509,7 @@ class EightBitReduction:
             if self.nodes is not None:
                 # Step 1 of 2 (gathers_by_node): the chunks of this rank's peers on the other nodes.
                 flat = torch.empty(self.nodes.nodes * layout.row_bytes, dtype=torch.uint8, device=send.device)
-                self._gather_work = dist.all_gather_single(flat, send, group=self.nodes.inter, async_op=True)
+                self._gather_work = all_gather_single(flat, send, group=self.nodes.inter, async_op=True)
                 self._gathered = flat
             else:
                 flat = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device) if out is None else out.view(-1)
@@ -519,7 +520,7 @@ class EightBitReduction:
                     self._gather_send = rows.contiguous() if scratch is None else scratch.copy_(rows)
                     self._gather_work = dist.all_to_all_single(flat, self._gather_send, group=self.group, async_op=True)
                 else:
-                    self._gather_work = dist.all_gather_single(flat, send, group=self.group, async_op=True)
+                    self._gather_work = all_gather_single(flat, send, group=self.group, async_op=True)
             if self.timings is not None:
                 wait_for(self._gather_work, self._poll)
 

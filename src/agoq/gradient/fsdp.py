@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from agoq.compat import fsdp_param_group, fsdp_reduce_scatter_base
 from agoq.quant import QuantFormat
 
 from agoq.gradient.collectives import gradient_format, reduce_scatter_8bit
@@ -38,7 +38,7 @@ def _param_group(module: FSDPModule) -> Any:
     # fully_shard([final_norm, lm_head]), Accelerate's unit for a model's tail, makes one group whose
     # rows hold both modules' shards, and no public API lists its modules. The group's fsdp_params
     # are the list foreach_reduce copies the gradients from, in that order.
-    return module._get_fsdp_state()._fsdp_param_group
+    return fsdp_param_group(module)
 
 
 def fsdp_group_parameters(module: FSDPModule) -> list[torch.nn.Parameter]:
@@ -57,7 +57,7 @@ def shard_numel(param: torch.Tensor, world: int) -> int:
     return -(-shape[0] // world) * math.prod(shape[1:])
 
 
-class QuantizedReduceScatter(ReduceScatter):
+class QuantizedReduceScatter(fsdp_reduce_scatter_base()):
     """FSDP2 ``ReduceScatter`` of one ``fully_shard``-ed module: 8 bits on the wire, fp32 sum, one parameter per block."""
 
     def __init__(self, module: FSDPModule, fmt: QuantFormat | str | None = None, counter: CommCounter | None = None, name: str | None = None) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from agoq.compat import all_gather_single
+
 Group = dist.ProcessGroup | None
 
 
@@ -79,5 +81,5 @@ def gather_within_node(send: torch.Tensor, groups: NodeGroups) -> torch.Tensor:
         # gloo's all-gather is a ring of size - 1 rounds; within a node one all-to-all round sends the same bytes.
         dist.all_to_all_single(out, send.expand(size, send.numel()).contiguous(), group=groups.intra)
     else:
-        dist.all_gather_into_tensor(out, send, group=groups.intra)
+        all_gather_single(out, send, group=groups.intra)
     return out.view(size, -1)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from agoq.compat import reduce_scatter_single
 from agoq.gradient.collectives import Group, own_rank
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
@@ -164,7 +165,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
         for b, flat in zip(self.buckets, self.flat):
             if self.world > 1:
                 shard = torch.empty(b.chunk, dtype=torch.float32, device=flat.device)
-                dist.reduce_scatter_single(shard, flat, group=self.group)  # SUM: gloo has no AVG
+                reduce_scatter_single(shard, flat, group=self.group)  # SUM: gloo has no AVG
                 shard.div_(self.world)
             else:
                 shard = flat

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from agoq.compat import all_gather_single, reduce_scatter_single
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.meter import meter_scope
 from agoq.activation.ops import _fake_codes, _norm_backward, _norm_forward, _or_empty, _quantize_saved, rms_norm
@@ -133,7 +134,7 @@ def all_gather_seq(x: torch.Tensor, group: Group, counter: CommCounter, name: st
     if w == 1:
         return x
     flat = torch.empty((w * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(flat, x.contiguous(), group=group)
+    all_gather_single(flat, x.contiguous(), group=group)
     counter.record(name, (w - 1) * _nbytes(x))
     return flat.view(w, *x.shape).movedim(0, 1).reshape(x.shape[0], w * x.shape[1], *x.shape[2:])
 
@@ -147,7 +148,7 @@ def reduce_scatter_seq(x: torch.Tensor, group: Group, counter: CommCounter, name
     rest = x.shape[2:]
     pieces = x.reshape(b, w, s // w, *rest).movedim(1, 0).contiguous().view(w * b, s // w, *rest)
     out = torch.empty((b, s // w, *rest), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, pieces, group=group)
+    reduce_scatter_single(out, pieces, group=group)
     counter.record(name, (w - 1) * _nbytes(out))
     return out
 
@@ -208,8 +209,8 @@ def _gather_quantized(q: QTensor, group: Group, counter: CommCounter) -> torch.T
     w = tp_size(group)
     payloads = torch.empty(w * q.payload.numel(), dtype=q.payload.dtype, device=q.device)
     scales = torch.empty(w * q.scales.numel(), dtype=q.scales.dtype, device=q.device)
-    dist.all_gather_single(payloads, q.payload.reshape(-1), group=group)
-    dist.all_gather_single(scales, q.scales.reshape(-1), group=group)
+    all_gather_single(payloads, q.payload.reshape(-1), group=group)
+    all_gather_single(scales, q.scales.reshape(-1), group=group)
     payloads, scales = payloads.view(w, -1), scales.view(w, -1)
     counter.record(NORM_INPUT_ALL_GATHER, (w - 1) * _nbytes(q.payload), (w - 1) * _nbytes(q.scales))
     parts = [dequantize(QTensor(payloads[r], scales[r], q.shape, q.dtype, q.fmt), torch.float32) for r in range(w)]

@@ -31,9 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-# No public query for an active Python dispatch mode exists (docs/ARCHITECTURE.md, private APIs).
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+from agoq.compat import current_dispatch_mode
 from agoq.quant.formats import QuantFormat
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
@@ -106,7 +104,7 @@ def use_backend(name: str | None) -> Iterator[None]:
 def _compiled_cpu() -> str:
     # Compiled code cannot run under a Python dispatch mode (torch's MemTracker, agoq's count of a
     # step's temporaries): there the reference runs, and what is counted is its allocations.
-    if _get_current_dispatch_mode() is not None:
+    if current_dispatch_mode() is not None:
         return "torch"
     if compiler_available():
         return "compiled"

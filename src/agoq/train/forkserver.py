@@ -141,9 +141,9 @@ def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
     differ = {k for k in set(server) | set(launch) if server.get(k) != launch.get(k)}
     if differ != {"TORCHINDUCTOR_CACHE_DIR"} or "TORCHINDUCTOR_CACHE_DIR" in server or "torch" not in sys.modules:
         return False
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from agoq.compat import inductor_default_cache_dir
 
-    return launch["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    return launch["TORCHINDUCTOR_CACHE_DIR"] == inductor_default_cache_dir()
 
 
 def start_early() -> None:

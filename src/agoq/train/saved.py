@@ -15,10 +15,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-# No public path exports the dispatch-mode base class (torch.library's own docs subclass it here).
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from agoq.activation.meter import storage_key, storage_nbytes
+from agoq.compat import dispatch_mode_base
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -128,7 +126,7 @@ class SavedActivationTracker:
         self._hooks = None
 
 
-class StepAllocations(TorchDispatchMode):
+class StepAllocations(dispatch_mode_base()):
     """Peak bytes of the tensors a step allocates that are not held for backward (its temporaries).
 
     A storage is new when an operator returns it and none of the operator's inputs lives in it (so

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from agoq.compat import all_gather_single
 from agoq.gradient.sharded import ShardedBucket, ShardedGradientSync
 from agoq.train.config import OptimSection
 from agoq.train.optim import fused_adamw, no_weight_decay, set_lr, tensor_bytes
@@ -129,7 +129,7 @@ class Zero1Optimizer:
         world = self.sync.world
         if world > 1:
             full = torch.empty(b.numel, dtype=self.dtype, device=send.device)
-            dist.all_gather_single(full, send, group=self.sync.group)
+            all_gather_single(full, send, group=self.sync.group)
         else:
             full = send
         self.sync.counter.record(f"param_all_gather_{str(self.dtype).removeprefix('torch.')}", (world - 1) * b.chunk * send.element_size())

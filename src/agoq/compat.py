@@ -1,0 +1,93 @@
+"""Every torch API newer than agoq's floor (torch 2.11), and every private torch name agoq reads: here alone.
+
+agoq runs on the torch a user already has, from 2.11 through 2.15 (``python -m benchmarks.compat``
+checks each). Code elsewhere in ``src/agoq`` calls the names below instead of torch's, so that a
+release moving or adding a name changes this file only; ``tests/test_compat.py`` checks that no
+other module calls a name listed in :data:`NEWER_THAN_FLOOR` or reaches into a private torch module,
+and that every ``torch.*`` name the package spells resolves on the installed torch.
+
+Importing this module changes nothing in the process: it reads torch's attributes, nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# The oldest torch the compatibility run passes on; pyproject.toml's floor.
+TORCH_FLOOR = (2, 11)
+
+# Public names agoq uses that torch added after TORCH_FLOOR, with the release that added them and
+# what this module falls back to before it.
+NEWER_THAN_FLOOR = {
+    "all_gather_single": ("2.13", "dist.all_gather_into_tensor, the same collective under its older name"),
+    "reduce_scatter_single": ("2.13", "dist.reduce_scatter_tensor, the same collective under its older name"),
+}
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor)."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _newest(*names: str) -> Callable[..., Any]:
+    """The first of ``names`` that torch.distributed has: 2.13 renamed the tensor collectives and
+    deprecated the old names (a FutureWarning per call), which 2.11 and 2.12 alone have."""
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    raise ImportError(f"torch {torch.__version__} has none of torch.distributed.{', '.join(names)}")
+
+
+# Gather each rank's same-size input into one output tensor (concatenated along dim 0).
+all_gather_single: Callable[..., Any] = _newest("all_gather_single", "all_gather_into_tensor")
+# Sum (or ``op``) the ranks' inputs and give each rank its own slice of dim 0.
+reduce_scatter_single: Callable[..., Any] = _newest("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+# --- private torch names, each because no public API serves (docs/ARCHITECTURE.md lists why) ---
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost active Python dispatch mode, or None (torch has no public query)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``: the extension point torch documents, exported by no public module."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def outer_saved_tensor_hooks() -> tuple[Any, Any] | None:
+    """The saved-tensor hooks active outside agoq's own (a meter, an offloader), or None where
+    torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def fsdp_reduce_scatter_base() -> type:
+    """FSDP2's custom reduce-scatter protocol class, which ``set_custom_reduce_scatter`` takes but
+    torch does not export."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    return ReduceScatter
+
+
+def fsdp_param_group(module: Any) -> Any:
+    """``module``'s FSDP2 parameter group (None where it manages no parameters)."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def inductor_default_cache_dir() -> str:
+    """The folder inductor caches into when TORCHINDUCTOR_CACHE_DIR is not set."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
