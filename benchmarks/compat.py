@@ -25,11 +25,11 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import add_out_dir, write_result
+from benchmarks._common import RESULTS_DIR, add_out_dir, write_result
 
 DESCRIPTION = "the test suite on torch 2.11-2.15 and Python 3.11-3.13 in throwaway environments, and the GPU image's mirror"
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +63,6 @@ class Env:
     # The local 2.13 CPU wheel comes through the machine's pip configuration; PyPI's builds without it.
     machine_pip_config: bool = False
     notes: str = ""
-    extra: tuple[str, ...] = field(default=())
 
 
 ENVS = (
@@ -164,7 +163,7 @@ def build(env: Env, root: Path, clear: bool, log) -> tuple[Path, dict[str, Any]]
     if clear or not py.exists():
         if _run([_python(env.python), "-m", "venv", "--clear", str(venv)], log) != 0:
             raise RuntimeError(f"{env.name}: could not create the virtual environment")
-    if _run([str(py), "-m", "pip", "install", "-q", *env.pins, *env.extra], log, env=pip_env) != 0:
+    if _run([str(py), "-m", "pip", "install", "-q", *env.pins], log, env=pip_env) != 0:
         raise RuntimeError(f"{env.name}: pip could not install {' '.join(env.pins)}")
     info["before_agoq"] = _versions(str(py), pip_env)
     if env.install_agoq:
@@ -204,25 +203,30 @@ def check(env: Env, venv: Path, tests: str, timeout: float, log) -> dict[str, An
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=DESCRIPTION)
-    p.add_argument("--envs", default=",".join(e.name for e in ENVS), help=f"comma-separated, from: {', '.join(e.name for e in ENVS)}")
-    p.add_argument("--tests", choices=("full", "smoke"), default="full", help="the whole suite, or the smoke subset (%(default)s)")
-    p.add_argument("--root", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "agoq-compat"), help="where the environments live (%(default)s)")
-    p.add_argument("--clear", action="store_true", help="rebuild each environment from nothing")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds for one environment's tests (%(default)s)")
-    add_out_dir(p)
-    args = p.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which environments, which tests, and where the environments live."""
+    parser.add_argument("--envs", default=",".join(e.name for e in ENVS), help=f"comma-separated, from: {', '.join(e.name for e in ENVS)}")
+    parser.add_argument("--tests", choices=("full", "smoke"), default="full", help="the whole suite, or the smoke subset (%(default)s)")
+    parser.add_argument(
+        "--root", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "agoq-compat"), help="where the environments live (%(default)s)"
+    )
+    parser.add_argument("--clear", action="store_true", help="rebuild each environment from nothing")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for one environment's tests (%(default)s)")
+    add_out_dir(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build and test each environment named; write the result with the earlier rows of the others."""
     known = {e.name: e for e in ENVS}
     names = [n.strip() for n in args.envs.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
-        p.error(f"--envs: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+        print(f"benchmarks.compat: --envs: unknown {', '.join(unknown)}; choose from {', '.join(known)}", file=sys.stderr)
+        return 2
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out_dir) if args.out_dir else None
-    previous = _previous(out_dir)
-    rows = {r["env"]: r for r in previous}
+    rows = {r["env"]: r for r in _previous(out_dir)}
     for name in names:
         env = known[name]
         with open(root / f"{name}.log", "w") as log:
@@ -247,10 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the benchmark (``python -m benchmarks.compat``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compat", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 def _previous(out_dir: Path | None) -> list[dict[str, Any]]:
     """The rows of the last result, so that a run of some environments keeps the others'."""
-    from benchmarks._common import RESULTS_DIR
-
     try:
         return json.loads(((out_dir or RESULTS_DIR) / "compat.json").read_text())["results"]["rows"]
     except (OSError, ValueError, KeyError):
@@ -258,4 +267,4 @@ def _previous(out_dir: Path | None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
