@@ -211,11 +211,12 @@ def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(flat, (0, pad)) if pad else flat
 
 
-def _qtensor(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> QTensor:
-    """The QTensor of ``x`` from the codes and scales of its whole blocks; the reference's where a block holds NaN/Inf."""
+def _qtensor(x: torch.Tensor, stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> QTensor:
+    """The QTensor of ``x`` from the codes and scales of its ``stored`` values (:func:`stored_values`)
+    in whole blocks; the reference's where a block holds NaN/Inf."""
     if not bool(torch.isfinite(scales).all()):
         return reference_quantize(x, fmt, nonfinite="propagate")
-    n = x.numel()
+    n = stored.numel()
     codes = codes.view(-1)
     if codes.numel() != n:
         codes[n:] = 0  # the reference stores code 0 for the padding of the last block
@@ -232,8 +233,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
         return reference_quantize(x, fmt, nonfinite="propagate")
     stored = stored_values(x, fmt)
     codes, scales = _graph(_quantize_graph, fmt)(_whole_blocks(stored, fmt.block_size), fmt, _tables(fmt, x.device))
-    q = _qtensor(stored, codes, scales, fmt)
-    return QTensor(q.payload, q.scales, x.shape, x.dtype, fmt)
+    return _qtensor(x, stored, codes, scales, fmt)
 
 
 def quantize_rows_into(x: torch.Tensor, payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat) -> None:
@@ -255,11 +255,10 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype)(
         _whole_blocks(stored_gate, fmt.block_size), _whole_blocks(stored_up, fmt.block_size), fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
     )
-    qg, qu = _qtensor(stored_gate, gate_codes, gate_scales, fmt), _qtensor(stored_up, up_codes, up_scales, fmt)
     return (
         unpadded_rows(act.view(-1)[: stored_gate.numel()], gate.shape, fmt),
-        QTensor(qg.payload, qg.scales, gate.shape, gate.dtype, fmt),
-        QTensor(qu.payload, qu.scales, up.shape, up.dtype, fmt),
+        _qtensor(gate, stored_gate, gate_codes, gate_scales, fmt),
+        _qtensor(up, stored_up, up_codes, up_scales, fmt),
     )
 
 
