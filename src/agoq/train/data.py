@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from agoq.train.config import ConfigError
-from agoq.train.nofollow import temp_file_beside, write_atomic
+from agoq.train.nofollow import atomic_file, temp_file_beside, write_atomic
 from agoq.train.tokenizer import (
     CACHE_ENV,
     DEFAULT_VOCAB_SIZE,
@@ -342,44 +342,33 @@ def open_packed(path: str | os.PathLike[str], verify: bool = False) -> PackedTok
 
 def _write_packed(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
-    fd, tmp = temp_file_beside(path)
     num_tokens = num_docs = 0
     digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            chunk: list[str] = []
-            chars = 0
+    with atomic_file(path) as f:
+        chunk: list[str] = []
+        chars = 0
 
-            def flush() -> None:
-                nonlocal num_tokens, num_docs
-                ids = []
-                for doc_ids in tokenizer.encode_batch(chunk):
-                    ids.extend(doc_ids)
-                    ids.append(tokenizer.eos_id)
-                data = np.asarray(ids, dtype=dtype).tobytes()
-                f.write(data)
-                digest.update(data)
-                num_tokens += len(ids)
-                num_docs += len(chunk)
-                chunk.clear()
+        def flush() -> None:
+            nonlocal num_tokens, num_docs
+            ids = []
+            for doc_ids in tokenizer.encode_batch(chunk):
+                ids.extend(doc_ids)
+                ids.append(tokenizer.eos_id)
+            data = np.asarray(ids, dtype=dtype).tobytes()
+            f.write(data)
+            digest.update(data)
+            num_tokens += len(ids)
+            num_docs += len(chunk)
+            chunk.clear()
 
-            for doc in corpus.documents():
-                chunk.append(doc)
-                chars += len(doc)
-                if chars >= _PACK_CHUNK_CHARS:
-                    flush()
-                    chars = 0
-            if chunk:
+        for doc in corpus.documents():
+            chunk.append(doc)
+            chars += len(doc)
+            if chars >= _PACK_CHUNK_CHARS:
                 flush()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+                chars = 0
+        if chunk:
+            flush()
     meta = {
         "format": PACKED_FORMAT,
         "dtype": dtype.name,

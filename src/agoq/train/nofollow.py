@@ -23,7 +23,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 if TYPE_CHECKING:
     from agoq.train.config import ConfigError
@@ -109,15 +109,17 @@ def temp_file_beside(path: str | os.PathLike[str]) -> tuple[int, str]:
     return fd, tmp
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, durable: bool = True) -> None:
-    """Make ``path`` a regular file holding ``data``, whole or not at all, replacing (never following) a link there.
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], durable: bool = True) -> Iterator[BinaryIO]:
+    """A new file, open for writing, that becomes ``path`` whole when the block ends (replacing,
+    never following, a link there) and is removed if the block raises.
 
     ``durable``: on disk before the rename (fsync), so a crash leaves the old file or the new one.
     """
     fd, tmp = temp_file_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -126,3 +128,9 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, durable: bool 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, durable: bool = True) -> None:
+    """Make ``path`` a regular file holding ``data``, whole or not at all (:func:`atomic_file`)."""
+    with atomic_file(path, durable) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
