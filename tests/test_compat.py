@@ -42,13 +42,15 @@ def _torch_paths(path: Path) -> list[tuple[int, str]]:
     """Every dotted torch name ``path`` spells (``dist.all_gather_single`` -> ``torch.distributed.all_gather_single``), with its line."""
     tree = ast.parse(path.read_text())
     aliases = _aliases(tree)
+    # A chain's inner links (``dist`` of ``dist.all_gather_single``) are read through its outermost node.
+    links = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "torch":
             out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if a.name != "*"]
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "torch"]
-        elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "parent", None), ast.Attribute):
+        elif isinstance(node, ast.Attribute) and id(node) not in links:
             parts, inner = [], node
             while isinstance(inner, ast.Attribute):
                 parts.append(inner.attr)
