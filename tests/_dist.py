@@ -33,6 +33,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 # A whole distributed check; the slowest (tests/test_train.py's runs) take about a minute on 2 cores.
 TIMEOUT_S = 600
+# Once one rank has failed, the others are usually blocked in a collective that will never complete:
+# they get this long to report their own failure, then are killed (the failure is the first rank's).
+AFTER_FAILURE_S = 20
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = TIMEOUT_S) -> list[Any]:
@@ -60,6 +63,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         try:
             rank, status, value = queue.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue_module.Empty:
+            if errors:
+                break
             silent = sorted(set(range(world_size)) - set(results) - {int(e.split()[1].rstrip(":")) for e in errors})
             for p in procs:
                 p.kill()
@@ -68,8 +73,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             results[rank] = value
         else:
             errors.append(f"rank {rank}:\n{value}")
+            deadline = min(deadline, time.monotonic() + AFTER_FAILURE_S)
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=5 if errors else 60)
         if p.is_alive():
             p.kill()
     if errors:

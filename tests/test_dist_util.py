@@ -12,3 +12,21 @@ def _sum_ranks(rank: int, world: int) -> float:
 
 def test_gloo_group_sums_ranks():
     assert run_distributed(_sum_ranks, 3) == [3.0, 3.0, 3.0]
+
+
+def _rank0_fails_while_the_others_wait_in_a_collective(rank: int, world: int) -> None:
+    if rank == 0:
+        raise ValueError("rank 0's own failure")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_one_rank_failing_fails_the_check_with_its_error_not_the_timeout():
+    import time
+
+    import pytest
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 0's own failure"):
+        run_distributed(_rank0_fails_while_the_others_wait_in_a_collective, 3, timeout=300)
+    # The others are blocked in a collective that cannot complete: they are killed after the grace.
+    assert time.monotonic() - start < 120

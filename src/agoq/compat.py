@@ -24,6 +24,10 @@ TORCH_FLOOR = (2, 11)
 NEWER_THAN_FLOOR = {
     "all_gather_single": ("2.13", "dist.all_gather_into_tensor, the same collective under its older name"),
     "reduce_scatter_single": ("2.13", "dist.reduce_scatter_tensor, the same collective under its older name"),
+    "set_reduce_scatter_unused_params": (
+        "2.12 or 2.13 (2.11 lacks it, 2.13 has it; 2.12 untested)",
+        "none: a parameter without a gradient needs requires_grad=False",
+    ),
 }
 
 
@@ -47,6 +51,12 @@ def _newest(*names: str) -> Callable[..., Any]:
 all_gather_single: Callable[..., Any] = _newest("all_gather_single", "all_gather_into_tensor")
 # Sum (or ``op``) the ranks' inputs and give each rank its own slice of dim 0.
 reduce_scatter_single: Callable[..., Any] = _newest("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def fsdp_can_reduce_unused_params(module: Any) -> bool:
+    """Whether this FSDP2 module can reduce-scatter zeros for parameters that got no gradient
+    (``set_reduce_scatter_unused_params``); before it, FSDP2 leaves them out of the buffer."""
+    return hasattr(module, "set_reduce_scatter_unused_params")
 
 
 # --- private torch names, each because no public API serves (docs/ARCHITECTURE.md lists why) ---

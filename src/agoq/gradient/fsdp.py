@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from agoq.compat import fsdp_param_group, fsdp_reduce_scatter_base
+from agoq.compat import fsdp_can_reduce_unused_params, fsdp_param_group, fsdp_reduce_scatter_base
 from agoq.quant import QuantFormat
 
 from agoq.gradient.collectives import gradient_format, reduce_scatter_8bit
@@ -68,6 +68,7 @@ class QuantizedReduceScatter(fsdp_reduce_scatter_base()):
         self.counter = counter
         self.name = name or type(module).__name__
         self.block = gradient_format(fmt).block_size
+        self.can_reduce_unused = fsdp_can_reduce_unused_params(module)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A plain empty tensor, as FSDP2's default."""
@@ -119,10 +120,10 @@ class QuantizedReduceScatter(fsdp_reduce_scatter_base()):
         """The one-line error for a reduce-scatter whose rows are not the parameters' shards."""
         got = f"8-bit reduce-scatter of {self.name}: FSDP2 sent {total} values per rank, but its {len(numels)} parameters that require grad shard to {sum(numels)}"
         if total < sum(numels):
-            return (
-                f"{got}; one got no gradient in this backward (FSDP2 leaves it out): call "
-                f"{self.name}.set_reduce_scatter_unused_params(True), or set requires_grad=False on it"
-            )
+            fixes = "set requires_grad=False on it"
+            if self.can_reduce_unused:
+                fixes = f"call {self.name}.set_reduce_scatter_unused_params(True), or {fixes}"
+            return f"{got}; one got no gradient in this backward (FSDP2 leaves it out): {fixes}"
         return (
             f"{got}; their shards are not FSDP2's Shard(0) of the global shapes (tensor parallel?): leave this module on FSDP2's own reduce-scatter"
         )

@@ -404,6 +404,13 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tens
     return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
 
 
+def _inputs_targets(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each window split into the tokens seen and the tokens predicted, each contiguous: torch
+    2.11's pipeline stages check their inputs' strides against the contiguous ones they traced,
+    and refuse a view of the window."""
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
 def _check_shape(seq_len: int, global_batch: int, dp_rank: int, dp_size: int) -> None:
     for name, value in (("seq_len", seq_len), ("global_batch", global_batch), ("dp_size", dp_size)):
         if not isinstance(value, int) or value < 1:
@@ -485,8 +492,7 @@ class TrainSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next (inputs, targets), each [local_batch, seq_len] int64."""
-        w = self.next_windows()
-        return w[:, :-1], w[:, 1:]
+        return _inputs_targets(self.next_windows())
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -553,7 +559,7 @@ def validation_batches(
     for i in range(n_batches):
         first = i * global_batch + dp_rank * b
         w = _windows(tokens, np.arange(first, first + b) * seq_len, seq_len)
-        out.append((w[:, :-1], w[:, 1:]))
+        out.append(_inputs_targets(w))
     return out
 
 
