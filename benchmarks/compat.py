@@ -3,6 +3,7 @@
     python -m benchmarks.compat                       # every environment below, the full test suite in each
     python -m benchmarks.compat --envs gpu-image      # one of them
     python -m benchmarks.compat --tests smoke         # the smoke subset only (imports every module of agoq)
+    python -m benchmarks.compat --envs py3.12-torch2.15 --tests ci --out-dir DIR   # what .ci/run adds
 
 Each environment is a fresh virtual environment under ``--root`` (kept between runs, rebuilt with
 ``--clear``). Its torch is installed first, as a user's image already has it; then agoq with
@@ -34,13 +35,14 @@ from benchmarks._common import RESULTS_DIR, add_out_dir, write_result
 DESCRIPTION = "the test suite on torch 2.11-2.15 and Python 3.11-3.13 in throwaway environments, and the GPU image's mirror"
 REPO = Path(__file__).resolve().parent.parent
 
-# Modules of tests that together import every module of src/agoq (tests/test_imports.py does) and
-# exercise each torch API the compatibility module wraps: the 8-bit all-reduce and reduce-scatter
-# over gloo, FSDP2, tensor parallel, ZeRO-1 runs, compile, the Hugging Face patch.
+# Modules of tests that together import every module of src/agoq and exercise each torch API the
+# compatibility module wraps: the 8-bit all-reduce and reduce-scatter over gloo, FSDP2, tensor
+# parallel, ZeRO-1 runs, compile, the Hugging Face patch, Trainer, peft and trl.
 SMOKE = (
     "tests/test_no_side_effects.py",  # imports every module of src/agoq
     "tests/test_compat.py",  # every torch name the package spells exists in this torch
     "tests/test_quant.py",
+    "tests/test_quant_properties.py",  # skipped, named, where hypothesis is not installed
     "tests/test_gradient_collectives.py",  # the 8-bit all-reduce and reduce-scatter over gloo
     "tests/test_zero1.py",  # a 4-process agoq train run with parallel.zero1
     "tests/test_train_tp.py",  # agoq train runs at parallel.tp=2
@@ -48,8 +50,15 @@ SMOKE = (
     "tests/test_fsdp_exact.py",
     "tests/test_compile_native.py",
     "tests/test_hf_integration.py",
+    "tests/test_hf_trainer.py",  # the Trainer with accelerate
+    "tests/test_lora.py",  # peft LoRA and QLoRA, trl's SFTTrainer
     "tests/test_triton.py",
 )
+
+# What CI runs on the newest torch beside the full suite on the 2.13 CPU wheel (.ci/run), within its
+# 15 minutes: every module imported, every torch name resolved, the collectives and a ZeRO-1 run.
+CI = ("tests/test_no_side_effects.py", "tests/test_compat.py", "tests/test_gradient_collectives.py", "tests/test_zero1.py")
+SELECTIONS = {"full": [], "smoke": list(SMOKE), "ci": list(CI)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,24 @@ class Env:
 ENVS = (
     Env("py3.11-torch2.11", "3.11", ("torch==2.11.0",)),
     Env("py3.11-torch2.13", "3.11", ("torch==2.13.0",), machine_pip_config=True, notes="the CPU wheel CI uses"),
+    # The Hugging Face side at the lower bounds pyproject.toml declares (trl 1.0 itself needs
+    # accelerate>=1.4 and datasets>=4.7; transformers 5.17 needs safetensors>=0.8).
+    Env(
+        "py3.11-hf-floors",
+        "3.11",
+        (
+            "torch==2.13.0",
+            "transformers==5.17.0",
+            "accelerate==1.4.0",
+            "peft==0.17.0",
+            "trl==1.0.0",
+            "datasets==4.7.0",
+            "safetensors==0.8.0",
+            "bitsandbytes==0.45.0",
+        ),
+        machine_pip_config=True,
+        notes="the lowest transformers, accelerate, peft, trl, datasets and safetensors that pyproject.toml admits",
+    ),
     Env("py3.12-torch2.14", "3.12", ("torch==2.14.1",)),
     Env("py3.12-torch2.15", "3.12", ("torch==2.15.0",)),
     Env("py3.13-torch2.15", "3.13", ("torch==2.15.0",)),
@@ -174,7 +201,7 @@ def build(env: Env, root: Path, clear: bool, log) -> tuple[Path, dict[str, Any]]
     return venv, info
 
 
-def check(env: Env, venv: Path, tests: str, timeout: float, log) -> dict[str, Any]:
+def check(env: Env, venv: Path, tests: str, timeout: float, log, out_dir: Path | None = None) -> dict[str, Any]:
     """The tests, the import of agoq and apply_agoq, and (on the GPU image's mirror) the GPU check's dry run."""
     py = str(venv / "bin" / "python")
     run_env = {k: v for k, v in os.environ.items() if not k.startswith(("AGOQ_", "PYTHON", "VIRTUAL_ENV", "TORCHINDUCTOR_"))}
@@ -190,23 +217,62 @@ def check(env: Env, venv: Path, tests: str, timeout: float, log) -> dict[str, An
     out["import_agoq"] = _run([py, "-c", code], log, env=run_env, cwd=Path("/")) == 0
     junit = venv / "junit.xml"
     junit.unlink(missing_ok=True)
-    selection = [] if tests == "full" else list(SMOKE)
+    selection = SELECTIONS[tests]
     rc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *selection], log, env=run_env, timeout=timeout)
     out["tests"] = {"selection": tests, "exit_code": rc, **_junit_counts(junit)}
     if not env.install_agoq:
-        dry = REPO / "benchmarks" / "results" / "gpu_image_dry_run"
+        dry = (out_dir or RESULTS_DIR) / "gpu_image_dry_run"
         rc = _run(["bash", "benchmarks/gpu/run_h200.sh", "--dry-run", str(venv / "gpu-dry-run")], log, env={**run_env, "PYTHON": py}, timeout=timeout)
-        out["gpu_check_dry_run"] = {"exit_code": rc, "log_folder": str(dry.relative_to(REPO))}
+        out["gpu_check_dry_run"] = {"exit_code": rc, "log_folder": str(dry.relative_to(REPO) if dry.is_relative_to(REPO) else dry)}
         shutil.rmtree(dry, ignore_errors=True)
         shutil.copytree(venv / "gpu-dry-run", dry)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
 
+def _first_line(reason: str) -> str:
+    """A reason as one line of the docs: pytest's first line, shortened."""
+    line = (reason.strip().splitlines() or [""])[0]
+    return line if len(line) <= 200 else line[:199] + "…"
+
+
+def readme_markdown(results: dict[str, Any]) -> str:
+    """The "Tested with" table of docs/compat.md: one row per environment, then every skip with its reason."""
+    lines = [
+        "| environment | Python | torch | triton | transformers | peft | trl | accelerate | torch kept by `pip install -e .` | tests | passed | failed | skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---:|---:|---:|",
+    ]
+    skips = []
+    for row in results["rows"]:
+        v = row.get("install", {}).get("after_agoq", {})
+        t = row.get("tests", {})
+        kept = ("yes" if row["install"]["torch_kept"] else "**no**") if row.get("agoq_installed") and "install" in row else "not installed"
+        failed = t.get("failed", 0) + t.get("errors", 0)
+        lines.append(
+            f"| {row['env']} | {v.get('python', row['python'])} | {v.get('torch') or '-'} | {v.get('triton') or '-'} | {v.get('transformers') or '-'} "
+            f"| {v.get('peft') or '-'} | {v.get('trl') or '-'} | {v.get('accelerate') or '-'} | {kept} | {t.get('selection', '-')} "
+            f"| {t.get('passed', 0)} | {failed if not failed else f'**{failed}**'} | {t.get('skipped', 0)} |"
+        )
+        if row.get("error"):
+            skips.append(f"- {row['env']}: **{row['error']}**")
+        for s in t.get("skips", []):
+            skips.append(f"- {row['env']}: `{s['test']}` skipped: {_first_line(s['reason'])}")
+        for f in t.get("failures", []):
+            skips.append(f"- {row['env']}: `{f['test']}` **failed**: {_first_line(f['reason'])}")
+        dry = row.get("gpu_check_dry_run")
+        if dry:
+            skips.append(
+                f"- {row['env']}: the GPU check's dry run (`benchmarks/gpu/run_h200.sh --dry-run`) exited {dry['exit_code']}; its logs are in `{dry['log_folder']}/`"
+            )
+    return "\n".join(lines) + ("\n\n" + "\n".join(skips) if skips else "")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Which environments, which tests, and where the environments live."""
     parser.add_argument("--envs", default=",".join(e.name for e in ENVS), help=f"comma-separated, from: {', '.join(e.name for e in ENVS)}")
-    parser.add_argument("--tests", choices=("full", "smoke"), default="full", help="the whole suite, or the smoke subset (%(default)s)")
+    parser.add_argument(
+        "--tests", choices=tuple(SELECTIONS), default="full", help="the whole suite, the smoke subset, or CI's smaller one (%(default)s)"
+    )
     parser.add_argument(
         "--root", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "agoq-compat"), help="where the environments live (%(default)s)"
     )
@@ -235,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 venv, row["install"] = build(env, root, args.clear, log)
                 print(f"[{name}] testing ({args.tests})", flush=True)
-                row.update(check(env, venv, args.tests, args.timeout, log))
+                row.update(check(env, venv, args.tests, args.timeout, log, out_dir))
             except RuntimeError as e:
                 row["error"] = str(e)
         t = row.get("tests", {})

@@ -234,7 +234,7 @@ def update_file(path: Path, results_dir: Path) -> list[str]:
 
 
 # The files whose tables come from the results, relative to the checkout.
-GENERATED = ("README.md", "docs/results.md")
+GENERATED = ("README.md", "docs/results.md", "docs/compat.md")
 
 
 def update_readme(readme: Path, results_dir: Path) -> list[str]:

