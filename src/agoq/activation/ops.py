@@ -59,7 +59,7 @@ def _norm_forward(x: torch.Tensor, weight: torch.Tensor, *, eps: float, out_dtyp
     """(RMSNorm(x) * weight in out_dtype, fp32 rstd [..., 1]); statistics in fp32."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * weight.float()).to(out_dtype or x.dtype), rstd
+    return _declared(xf * rstd * weight.float(), out_dtype or x.dtype), rstd
 
 
 def _norm_backward(
@@ -99,9 +99,13 @@ def _fake_codes(x: torch.Tensor, fmt: QuantFormat) -> list[torch.Tensor]:
 
 
 def _declared(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An op's GEMM output in the dtype its fake kernel declares. Under autocast the GEMMs inside
-    the op run in autocast's dtype; the output keeps the declared one, so a compiled graph's
-    shapes and dtypes hold, and the backward reads gradients in the dtype of its weights."""
+    """An op's output in the dtype it declares. Under autocast the GEMMs inside an op run in
+    autocast's dtype; the output keeps the declared one, so a compiled graph's shapes and dtypes
+    hold, and the backward reads gradients in the dtype of its weights.
+
+    Never a no-op ``.to``: one returns its input itself, and torch 2.11's Dynamo, tracing an
+    autograd.Function (``_RMSNorm``) whose output is that same tensor as an intermediate, gives
+    it zero gradients, silently (2.13 traces it right; tests/test_compile_native.py catches it)."""
     return out if out.dtype == dtype else out.to(dtype)
 
 

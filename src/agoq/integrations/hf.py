@@ -49,7 +49,10 @@ from agoq.activation.policy import ActivationPolicy, make_policy
 # Decoder layers whose structure the patch relies on (pre-norm attention + SwiGLU MLP, HF RMSNorm).
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 _PATCH = "_agoq_patch"  # the model attribute holding the applied patch
-_PENDING = "_agoq_pending"  # a projection's output (or its fused call) set by its layer for one call
+# a projection's output (or its fused call) set by its layer for one call. Reset to None rather than
+# popped, here and for _DEFERRED: torch 2.11's dynamo cannot trace ``module.__dict__.pop`` (a graph
+# break per projection), while it traces the item read and write.
+_PENDING = "_agoq_pending"
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _DEFERRED = "_agoq_deferred"  # set on the final norm while the fused loss applies it itself
 _OWNER = "_agoq_owner"  # every patched module's patch, to name the patched model when patching nests
@@ -68,7 +71,7 @@ class AgoqPatch:
     def remove(self) -> None:
         """Drop every patched forward (the modules' own class methods apply again)."""
         for module in self.patched:
-            for name in ("forward", _PENDING, _OWNER):
+            for name in ("forward", _PENDING, _DEFERRED, _OWNER):
                 module.__dict__.pop(name, None)
         for layer in self.layers.values():
             for name in ("_agoq_index", "_agoq_policy", "_agoq_warned"):
@@ -311,7 +314,7 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **k
         attn_out = attn(hidden_states=x, **kwargs)[0]
     finally:
         for module in modules:
-            module.__dict__.pop(_PENDING, None)
+            module.__dict__[_PENDING] = None
     x = x + attn_out
     norm = self.post_attention_layernorm
     gate, up = rms_norm_linear(
@@ -326,7 +329,8 @@ def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _projection_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The output its layer computed (q/k/v), or the fused call it set (o_proj); else the module's own forward."""
-    pending = self.__dict__.pop(_PENDING, None)
+    pending = self.__dict__.get(_PENDING)
+    self.__dict__[_PENDING] = None
     if pending is None:
         return type(self).forward(self, x, *args, **kwargs)
     return pending(x) if callable(pending) else pending
@@ -368,7 +372,7 @@ def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None, *
         # would make it a tuple, which the model's own forward then fails to read.
         outputs = self.model(input_ids=input_ids, return_dict=True, **kwargs)
     finally:
-        norm.__dict__.pop(_DEFERRED, None)
+        norm.__dict__[_DEFERRED] = None
     hidden = outputs.last_hidden_state  # before the final norm, which the loss applies and recomputes
     if shift_labels is None:
         # transformers' causal-LM loss: token t predicts label t + 1, the last position predicts nothing.
