@@ -12,7 +12,9 @@ inputs are, on GPUs and under ``TRITON_INTERPRET=1``:
   cast truncates its carry), so none of them is used;
 - bf16 is read and written as raw 16-bit patterns with an explicit round-to-nearest-even, and
   every launch passes ``enable_fp_fusion=False`` so ``v * s + g`` is never contracted into an FMA
-  (the torch path rounds the product first).
+  (the torch path rounds the product first);
+- loops over runtime bounds are ``while`` loops: the interpreter of triton < 3.7 turns a ``range()``
+  bound into an int with ``int()`` of a one-element array, a TypeError since NumPy 2.4.
 
 A tile is ``[R, BP]``: R quantization blocks of BLOCK values (BP = BLOCK rounded up to a power of
 two). Blocks hold whole packing groups (BLOCK % 8 == 0), so a block's codes fill whole bytes and
@@ -115,7 +117,7 @@ def _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND: tl.constexpr, BITS: tl.con
 
     A block holding NaN/Inf gets a NaN scale and the codes of zeros (nonfinite='propagate').
     """
-    ok = (x - x == 0.0) | ~valid
+    ok = (x - x == 0.0) | (valid == 0)  # not ~valid: triton <= 3.3's interpreter cannot invert a boolean
     finite = tl.min(ok.to(tl.int32), axis=1) > 0
     x = tl.where(finite[:, None] & valid, x, 0.0)
     absmax = tl.max(tl.abs(x), axis=1)
@@ -461,7 +463,8 @@ def rms_norm_backward_kernel(
     col = tl.arange(0, HP)
     w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
     gw = tl.zeros([HP], tl.float32)
-    for t0 in range(pid * RT, T, tl.num_programs(0) * RT):
+    t0 = (pid * RT).to(T.dtype)  # as range() would type it: int64 where T is
+    while t0 < T:  # not range(): see the module docstring
         rows, _, e, valid = _row_tile(t0, T, H, HP, RT)
         x = _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H, HP, RT, BLOCK, KIND, BITS, G, GB, GBP)
         rstd = tl.load(rstd_ptr + rows, mask=rows < T, other=0.0)
@@ -472,6 +475,7 @@ def rms_norm_backward_kernel(
         dot = tl.math.div_rn(tl.sum(gy * y, axis=1), tl.full([RT], H, tl.float32))
         _store_f(gx_ptr, e, rstd[:, None] * (gy - y * dot[:, None]), valid, OUT_BF16)
         gw += tl.sum(g * y, axis=0)
+        t0 += tl.num_programs(0) * RT
     if NEED_GW:
         tl.store(gw_ptr + pid.to(tl.int64) * H + col, gw, mask=col < H)
 
@@ -640,8 +644,10 @@ def reduce_rows_kernel(
     e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
     valid = (col < BLOCK)[None, :] & ok[:, None]
     acc = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
-    for r in range(1, W):
+    r = 1
+    while r < W:  # not range(): see the module docstring
         acc += _dequantize_tile(pay_ptr + r * row_stride, sc_ptr + r * nblocks, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
+        r += 1
     if AVG:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, W, tl.float32))
     if STORE_SUM:
