@@ -77,20 +77,23 @@ class Env:
 ENVS = (
     Env("py3.11-torch2.11", "3.11", ("torch==2.11.0",)),
     Env("py3.11-torch2.13", "3.11", ("torch==2.13.0",), machine_pip_config=True, notes="the CPU wheel CI uses"),
-    # The Hugging Face side at the lower bounds pyproject.toml declares (trl 1.0 itself needs
-    # accelerate>=1.4 and datasets>=4.7; transformers 5.17 needs safetensors>=0.8).
+    # The Hugging Face side at the lower bounds pyproject.toml declares, each the oldest that
+    # passes: trl before 1.7 reads the logits agoq's fused loss never forms; accelerate 1.6 refuses
+    # FSDP2 with a full state dict (1.10 is the oldest tried since that passes); peft 0.17 imports transformers' HybridCache (gone in 5.x)
+    # and 0.18 a torchao class torchao 0.18 removed; transformers 5.17 needs bitsandbytes 0.46.1
+    # for 4-bit and safetensors 0.8; trl 1.x needs datasets 4.7.
     Env(
         "py3.11-hf-floors",
         "3.11",
         (
             "torch==2.13.0",
             "transformers==5.17.0",
-            "accelerate==1.4.0",
-            "peft==0.17.0",
-            "trl==1.0.0",
+            "accelerate==1.10.0",
+            "peft==0.19.0",
+            "trl==1.7.0",
             "datasets==4.7.0",
             "safetensors==0.8.0",
-            "bitsandbytes==0.45.0",
+            "bitsandbytes==0.46.1",
         ),
         machine_pip_config=True,
         notes="the lowest transformers, accelerate, peft, trl, datasets and safetensors that pyproject.toml admits",

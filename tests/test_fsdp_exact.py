@@ -277,9 +277,14 @@ def _trainers(tmp: Path, *gradients: str) -> dict[str, dict]:
 def test_hf_trainer_under_fsdp2_with_8bit_reduce_scatter_reaches_the_fp32_loss(tmp_path):
     runs = _trainers(tmp_path, "int8", "fp32")
     int8, fp32 = runs["int8"], runs["fp32"]
+    # Accelerate 1.14 shards the tail (final norm and LM head) as one group of two modules; before
+    # it each is its own unit.
+    import accelerate
+
+    tail_groups = 1 if tuple(int(x) for x in accelerate.__version__.split(".")[:2]) >= (1, 14) else 0
     for run in (int8, fp32):
         # Accelerate's FSDP2 (not DDP): the decoder layers, the embedding, the tail and the root.
-        assert run["fsdp_units"] >= 3 and run["multi_module_groups"] == 1, run
+        assert run["fsdp_units"] >= 3 and run["multi_module_groups"] == tail_groups, run
     # Every parameter group went through the aligned 8-bit reduce-scatter, the tail group
     # (fully_shard([norm, lm_head])) included: the bytes are those of the aligned rows.
     assert fp32["wire_bytes"] == 0 and int8["wire_bytes"] == int8["expected_wire_bytes"] > 0, int8
