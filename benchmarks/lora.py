@@ -379,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
     }
     # Another model width is another result file (lora_hidden<H>.json), as convergence does per preset.
     name = "lora" if args.hidden == DEFAULT_HIDDEN else f"lora_hidden{args.hidden}"
-    path = write_result(name, results, command=command_line("lora"), out_dir=args.out_dir)
+    path = write_result(name, results, command=command_line("lora", getattr(args, "argv", None)), out_dir=args.out_dir)
     print(readme_markdown(results))
     print(f"\nwritten: {path}")
     return 0
@@ -418,7 +418,9 @@ def readme_markdown(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=DESCRIPTION)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the command this file records, not the caller's
+    return run(args)
 
 
 if __name__ == "__main__":

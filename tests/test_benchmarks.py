@@ -203,7 +203,7 @@ def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path):
     assert lora.main(argv) == 0
     assert _committed() == before
     payload = json.loads((tmp_path / "lora_hidden64.json").read_text())  # another width: a file of its own
-    assert payload["benchmark"] == "lora_hidden64" and payload["command"].startswith("python -m benchmarks.lora ")
+    assert payload["benchmark"] == "lora_hidden64" and payload["command"] == "python -m benchmarks.lora " + " ".join(argv)
     written = payload["results"]
     rows = written["rows"]
     assert set(rows) == {"lora", "agoq_lora"} and set(written["ratios"]) == {"agoq_lora/lora"}
