@@ -79,9 +79,10 @@ ENVS = (
     Env("py3.11-torch2.13", "3.11", ("torch==2.13.0",), machine_pip_config=True, notes="the CPU wheel CI uses"),
     # The Hugging Face side at the lower bounds pyproject.toml declares, each the oldest that
     # passes: trl before 1.7 reads the logits agoq's fused loss never forms; accelerate 1.6 refuses
-    # FSDP2 with a full state dict (1.10 is the oldest tried since that passes); peft 0.17 imports transformers' HybridCache (gone in 5.x)
-    # and 0.18 a torchao class torchao 0.18 removed; transformers 5.17 needs bitsandbytes 0.46.1
-    # for 4-bit and safetensors 0.8; trl 1.x needs datasets 4.7.
+    # FSDP2 with a full state dict (1.10 is the oldest tried since that passes); peft 0.17 imports
+    # transformers' HybridCache (gone in 5.x) and 0.18 a torchao class torchao 0.18 removed;
+    # transformers 5.17 needs bitsandbytes 0.46.1 for 4-bit and safetensors 0.8; trl 1.x needs
+    # datasets 4.7.
     Env(
         "py3.11-hf-floors",
         "3.11",

@@ -160,10 +160,10 @@ def test_torch_is_declared_as_the_tested_range_not_a_pin():
     assert not any(c.startswith("==") for c in clauses), spec
     # The floor is the compatibility module's, and the ceiling admits the newest torch that the
     # compatibility run (benchmarks/compat.py) tests, and nothing newer.
-    from agoq.compat import TORCH_FLOOR
+    from agoq.compat import TORCH_FLOOR, major_minor
     from benchmarks.compat import ENVS
 
-    newest = max(tuple(int(x) for x in pin.split("==")[1].split(".")[:2]) for e in ENVS for pin in e.pins if pin.startswith("torch=="))
+    newest = max(major_minor(pin.removeprefix("torch==")) for e in ENVS for pin in e.pins if pin.startswith("torch=="))
     assert sorted(clauses) == [f"<{newest[0]}.{newest[1] + 1}", f">={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"], spec
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from agoq.compat import major_minor
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'agoq[triton]')")
 # Ahead-of-time compilation names constexprs through ASTSource(constexprs=...), which triton 3.2 and
 # 3.3 lack; the kernels run on them (test_triton.py), only this check needs 3.4.
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 4):
+if major_minor(triton.__version__) < (3, 4):
     pytest.skip(f"triton {triton.__version__}: ahead-of-time compilation needs triton 3.4", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]

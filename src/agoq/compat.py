@@ -31,10 +31,15 @@ NEWER_THAN_FLOOR = {
 }
 
 
+def major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '2.11.0+cu130' or '3.6.0'."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def torch_version() -> tuple[int, int]:
     """The installed torch's (major, minor)."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    return major_minor(torch.__version__)
 
 
 def _newest(*names: str) -> Callable[..., Any]:

@@ -68,7 +68,6 @@ class QuantizedReduceScatter(fsdp_reduce_scatter_base()):
         self.counter = counter
         self.name = name or type(module).__name__
         self.block = gradient_format(fmt).block_size
-        self.can_reduce_unused = fsdp_can_reduce_unused_params(module)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A plain empty tensor, as FSDP2's default."""
@@ -121,7 +120,7 @@ class QuantizedReduceScatter(fsdp_reduce_scatter_base()):
         got = f"8-bit reduce-scatter of {self.name}: FSDP2 sent {total} values per rank, but its {len(numels)} parameters that require grad shard to {sum(numels)}"
         if total < sum(numels):
             fixes = "set requires_grad=False on it"
-            if self.can_reduce_unused:
+            if fsdp_can_reduce_unused_params(self.module):
                 fixes = f"call {self.name}.set_reduce_scatter_unused_params(True), or {fixes}"
             return f"{got}; one got no gradient in this backward (FSDP2 leaves it out): {fixes}"
         return (
