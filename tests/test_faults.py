@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agoq.train.lock import LOCK_NAME, FolderInUse, run_lock
-from tests._data import SMALL_MODEL, data_cache
+from tests._data import SMALL_MODEL, data_args, data_cache
 
 HOLD = "import sys, time; from agoq.train.lock import run_lock\nwith run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
 
@@ -302,7 +302,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_
 
     out = tmp_path / "run"
     args = SMALL + [
-        f"--data.cache_dir={data_cache()}",
+        *data_args(),
         f"--train.out_dir={out}",
         "--train.steps=8",
         "--optim.lr=1e30",
@@ -332,7 +332,7 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     # Eager quantization: a 100000-step run would otherwise compile, and inductor's compile workers
     # share the process group (a Ctrl-C in the middle of a compile is not what this checks).
     args = SMALL + [
-        f"--data.cache_dir={data_cache()}",
+        *data_args(),
         f"--train.out_dir={out}",
         "--train.steps=100000",
         "--checkpoint.every=0",
@@ -417,7 +417,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, capsys):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        args = SMALL + [f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp_path / 'run'}", "--train.steps=3", "--checkpoint.every=0"]
+        args = SMALL + [*data_args(), f"--train.out_dir={tmp_path / 'run'}", "--train.steps=3", "--checkpoint.every=0"]
         assert main(["train", *args]) == 0
     finally:
         done.set()
@@ -432,7 +432,7 @@ def test_a_resumed_run_says_which_checkpoint_it_continues_from(tmp_path, capfd):
 
     # One process with eager quantization: what is checked is the message, not the layout.
     args = SMALL + [
-        f"--data.cache_dir={data_cache()}",
+        *data_args(),
         f"--train.out_dir={tmp_path / 'run'}",
         "--checkpoint.every=2",
         "--parallel.pp=1",

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from agoq.train import compute_dtype as cd
-from tests._data import SMALL_MODEL, data_cache
+from tests._data import SMALL_MODEL, data_args
 
 # One process, eager quantization, a model of a few hundred thousand parameters: what is checked
 # is what the run loads and says, not its speed or layout.
@@ -43,7 +43,7 @@ BASE = [
 
 
 def _args(out: Path, *extra: str) -> list[str]:
-    return ["train", *BASE, f"--data.cache_dir={data_cache()}", f"--train.out_dir={out}", *extra]
+    return ["train", *BASE, *data_args(), f"--train.out_dir={out}", *extra]
 
 
 def _train(out: Path, *extra: str) -> int:

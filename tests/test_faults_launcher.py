@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agoq.train.lock import LOCK_NAME, FolderInUse, join_run_lock, run_lock
-from tests._data import data_cache
+from tests._data import data_args
 from tests.test_faults import SMALL
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's process table")
@@ -41,7 +41,7 @@ def _args(out: Path, *extra: str) -> list[str]:
         "agoq",
         "train",
         *SMALL,
-        f"--data.cache_dir={data_cache()}",
+        *data_args(),
         f"--train.out_dir={out}",
         "--precision.quant_backend=torch",  # eager: what is checked is the launch, not compiling
         "--train.log_every=1000000",

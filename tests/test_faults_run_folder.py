@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agoq.train.config import ConfigError, load_config
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 from tests.test_faults_checkpoint import BASE, _one_line
 
 TARGET = b"keep me: not agoq's\n"
@@ -41,7 +41,7 @@ def _args(out: Path, tokenizer: Path, *extra: str) -> list[str]:
         "train",
         *BASE,
         "--precision.compute_dtype=fp32",
-        f"--data.cache_dir={data_cache()}",
+        *data_args(),
         f"--data.tokenizer={tokenizer}",
         f"--train.out_dir={out}",
         *extra,
@@ -75,7 +75,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     from agoq.train.data import prepare_data
 
     root = tmp_path_factory.mktemp("trained")
-    tokenizer = prepare_data(None, None, 512, data_cache()).tokenizer.save(root / "tok.json")
+    tokenizer = prepare_data(train_corpus(), None, 512, data_cache()).tokenizer.save(root / "tok.json")
     out = root / "run"
     assert _train(out, tokenizer, "--train.steps=2", "--checkpoint.every=1") == 0
     assert {"summary.json", "summary.md", "loss.png", "metrics", "checkpoints"} <= {p.name for p in out.iterdir()}
@@ -231,7 +231,7 @@ def test_the_data_cache_never_writes_through_a_link(tmp_path, capsys):
     links; a linked lock file is refused with one line. What the links name is untouched."""
     from agoq.train.data import prepare_data
 
-    built = prepare_data(None, None, 512, data_cache())
+    built = prepare_data(train_corpus(), None, 512, data_cache())
     tokenizer = Path(built.tokenizer.source.split("(", 1)[1].rstrip(")"))
     cache = tmp_path / "cache"
     files = [tokenizer, tokenizer.with_name(tokenizer.name + ".sha256"), built.packed.path, built.packed.path.with_suffix(".json")]
@@ -244,7 +244,7 @@ def test_the_data_cache_never_writes_through_a_link(tmp_path, capsys):
     for name in names:
         _link_to_elsewhere(cache, name, elsewhere)
     targets = _listing(elsewhere)
-    data = prepare_data(None, None, 512, cache)
+    data = prepare_data(train_corpus(), None, 512, cache)
     assert data.packed.meta["sha256"] == built.packed.meta["sha256"] and _listing(elsewhere) == targets
     assert not any((cache / name).is_symlink() for name in names)
     assert "rebuilt" in capsys.readouterr().err
@@ -253,7 +253,7 @@ def test_the_data_cache_never_writes_through_a_link(tmp_path, capsys):
     _link_to_elsewhere(cache, str(lock.relative_to(cache)), elsewhere)
     targets = _listing(elsewhere)
     with pytest.raises(ConfigError) as info:
-        prepare_data(None, None, 512, cache)
+        prepare_data(train_corpus(), None, 512, cache)
     assert str(info.value) == (
         f"{lock} is a symbolic link, which agoq does not follow (the file it points to would be overwritten); "
         f"delete the link (rm {lock}) or use another cache folder with --data.cache_dir=PATH"
@@ -309,8 +309,8 @@ def test_the_same_tokenizer_saved_again_matches_its_checkpoint(trained, tmp_path
     again = tmp_path / "tok.json"
     again.write_text(json.dumps(dict(reversed(spec.items())), indent=4))
     assert again.read_bytes() != tokenizer.read_bytes()
-    cfg = load_config(None, [f"--train.out_dir={run}", f"--data.tokenizer={again}", "--data.vocab_size=512"])
-    check_resume_data(cfg, prepare_data(None, again, 512, data_cache()))
+    cfg = load_config(None, [f"--train.out_dir={run}", f"--data.corpus={train_corpus()}", f"--data.tokenizer={again}", "--data.vocab_size=512"])
+    check_resume_data(cfg, prepare_data(train_corpus(), again, 512, data_cache()))
     assert capsys.readouterr().out == ""
 
 
@@ -319,7 +319,7 @@ def test_the_same_tokenizer_saved_again_matches_its_checkpoint(trained, tmp_path
     [
         (
             "corpus_fingerprint",
-            "data.corpus='kjv' is not the corpus checkpoint {step} was trained on (fingerprint {here} here, {saved} in the checkpoint); resume with the original corpus",
+            "data.corpus='{corpus}' is not the corpus checkpoint {step} was trained on (fingerprint {here} here, {saved} in the checkpoint); resume with the original corpus",
         ),
         (
             "tokens_sha256",
@@ -336,7 +336,7 @@ def test_a_resume_on_other_data_is_refused_before_launch(trained, tmp_path, caps
     (step2 / "manifest.json").write_text(json.dumps(manifest))
     before = _listing(out)
     assert _train(out, tokenizer, "--train.steps=4") == 2
-    expected = line.format(step=step2, here=here[:12], saved="0123456789ab", tok=tokenizer)
+    expected = line.format(step=step2, here=here[:12], saved="0123456789ab", tok=tokenizer, corpus=train_corpus())
     assert _one_line(capsys.readouterr().err) == f"agoq train: {expected}, or start a new run with --train.out_dir=runs/NAME"
     assert _listing(out) == before
 

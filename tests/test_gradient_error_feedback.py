@@ -24,7 +24,7 @@ from agoq.quant import dequantize, quantize
 from agoq.train.config import load_config
 from tests._dist import run_distributed
 from tests.test_train import BASE as TRAIN_BASE
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 
 WIRE = "int4/64"
 STORAGE = int8_gradient_format(256)
@@ -201,11 +201,11 @@ def _resume_runs(rank: int, world: int, cfgs: dict) -> dict:
 def test_an_int4_ef_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
     from agoq.train.data import prepare_data
 
-    prepare_data(None, None, 512, data_cache(), 0.01)
+    prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
     common = [*TRAIN_BASE, "--parallel.pp=1", "--parallel.dp=2", "--precision.gradients=int4-ef", "--precision.compute_dtype=fp32"]
 
     def cfg(folder, *extra):
-        return load_config(None, [*common, f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp_path / folder}", *extra])
+        return load_config(None, [*common, *data_args(), f"--train.out_dir={tmp_path / folder}", *extra])
 
     cfgs = {
         "straight": cfg("a", "--train.steps=4"),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._data import train_corpus
 from tests.run_examples import WORLD, run_examples
 
 pytest.importorskip("transformers")
@@ -28,6 +29,8 @@ def test_the_trainer_example_trains_with_8bit_gradients_and_matches_the_plain_ru
         "512",
         "--eval-windows",
         "4",
+        "--corpus",
+        train_corpus(),
         "--cache-dir",
         str(tmp_path / "cache"),
     ]

@@ -17,7 +17,7 @@ import torch
 
 from agoq.train.config import load_config
 from tests._dist import run_distributed
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 
 STEPS = 40
 BASE = [
@@ -55,9 +55,7 @@ TOLERANCE = SEED_STD / 2
 
 
 def _cfg(tmp: Path, name: str, seed: int):
-    return load_config(
-        None, BASE + POLICIES[name] + [f"--train.seed={seed}", f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp / f'{name}_s{seed}'}"]
-    )
+    return load_config(None, BASE + POLICIES[name] + [f"--train.seed={seed}", *data_args(), f"--train.out_dir={tmp / f'{name}_s{seed}'}"])
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
@@ -77,7 +75,7 @@ def measure(tmp: Path, seeds: list[int], names: list[str]) -> dict:
     """Train each (policy, seed) on one 4-rank group; rank 0's losses keyed by 'policy_sSEED'."""
     from agoq.train.data import prepare_data
 
-    prepare_data(None, None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
+    prepare_data(train_corpus(), None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
     cfgs = {f"{n}_s{s}": _cfg(tmp, n, s) for s in seeds for n in names}
     return run_distributed(_runs, 4, cfgs)[0]
 

@@ -18,7 +18,7 @@ import torch
 
 from agoq.train.config import ConfigError, load_config
 from tests._dist import run_distributed
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 
 BASE = [
     "--model.hidden=64",
@@ -41,7 +41,7 @@ BASE = [
 
 
 def _cfg(tmp, name, *extra):
-    cfg = load_config(None, BASE + [f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp / name}", *extra])
+    cfg = load_config(None, BASE + [*data_args(), f"--train.out_dir={tmp / name}", *extra])
     return cfg
 
 
@@ -127,7 +127,7 @@ def runs(tmp_path_factory):
     from agoq.train.data import prepare_data
 
     tmp = tmp_path_factory.mktemp("train")
-    prepare_data(None, None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
+    prepare_data(train_corpus(), None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
     fp32_plain = ["--precision.compute_dtype=fp32", "--precision.activations=bf16", "--precision.gradients=fp32"]
     cfgs = {
         "1f1b_fp32": _cfg(tmp, "a", "--train.steps=4", *fp32_plain),
@@ -170,7 +170,7 @@ def test_pipelined_loss_equals_the_unpipelined_model(runs):
     from agoq.train.data import TrainSampler, prepare_data
 
     cfg = runs["cfgs"]["1f1b_fp32"]
-    data = prepare_data(None, None, 512, data_cache(), 0.01)
+    data = prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
     mc = dataclasses.replace(cfg.model_config(), vocab_size=data.tokenizer.vocab_size)
     model = Llama(mc, make_policy("bf16"))
     model.reset_parameters(cfg.train.seed)
@@ -291,7 +291,7 @@ def test_rerunning_a_finished_run_shows_its_summary_and_how_to_start_again(runs,
     tmp = runs["tmp"]
     # Folder d holds resume_first_half's checkpoint of step 2 (and the summary of the run resumed from it).
     finished = BASE + [
-        f"--data.cache_dir={data_cache()}",
+        *data_args(),
         f"--train.out_dir={tmp / 'd'}",
         "--train.steps=2",
         "--checkpoint.resume=true",

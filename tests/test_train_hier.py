@@ -17,7 +17,7 @@ import torch
 from agoq.train.config import ConfigError, load_config
 from tests._dist import run_distributed
 from tests.test_train import BASE as TRAIN_BASE
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 
 COMMON = [*TRAIN_BASE, "--parallel.pp=1", "--parallel.dp=4", "--precision.compute_dtype=fp32", "--train.steps=4"]
 
@@ -38,10 +38,10 @@ def runs(tmp_path_factory):
     from agoq.train.data import prepare_data
 
     tmp = tmp_path_factory.mktemp("train_hier")
-    prepare_data(None, None, 512, data_cache(), 0.01)
+    prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
 
     def cfg(folder, *extra):
-        return load_config(None, [*COMMON, f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp / folder}", *extra])
+        return load_config(None, [*COMMON, *data_args(), f"--train.out_dir={tmp / folder}", *extra])
 
     cfgs = {
         "int8": cfg("a"),

@@ -16,7 +16,7 @@ from agoq.plan import from_train_config, plan_memory
 from agoq.train.config import load_config
 from tests._dist import run_distributed
 from tests.test_train import BASE as TRAIN_BASE
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 
 # The model of tests/test_train.py (GQA: two query heads per kv head, one kv head per tp rank), in fp32.
 BASE = [*TRAIN_BASE, "--precision.compute_dtype=fp32"]
@@ -47,7 +47,7 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
 
 
 def _cfg(tmp, folder, *extra):
-    return load_config(None, BASE + [f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp / folder}", *extra])
+    return load_config(None, BASE + [*data_args(), f"--train.out_dir={tmp / folder}", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def runs(tmp_path_factory):
     from agoq.train.data import prepare_data
 
     tmp = tmp_path_factory.mktemp("train_tp")
-    prepare_data(None, None, 512, data_cache(), 0.01)
+    prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
     cfgs = {
         "tp1_plain": _cfg(tmp, "a", "--train.steps=4", *TP1, *PLAIN),
         "tp2pp2_plain": _cfg(tmp, "b", "--train.steps=4", *TP2_PP2, *PLAIN),

@@ -17,7 +17,7 @@ from agoq.train.config import OptimSection, load_config
 from agoq.gradient.sharded import Fp32ShardedGradientSync, _shard_buckets, plan_buckets
 from agoq.train.zero1 import Zero1Optimizer
 from tests._dist import run_distributed
-from tests._data import data_cache
+from tests._data import data_args, data_cache, train_corpus
 
 BASE = [
     "--model.hidden=64",
@@ -180,7 +180,7 @@ def test_zero1_rejects_the_8bit_optimizer_with_the_fix():
 
 
 def _cfg(tmp: Path, name: str, *extra: str):
-    return load_config(None, BASE + [f"--data.cache_dir={data_cache()}", f"--train.out_dir={tmp / name}", *extra])
+    return load_config(None, BASE + [*data_args(), f"--train.out_dir={tmp / name}", *extra])
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
@@ -298,7 +298,7 @@ def runs(tmp_path_factory):
     from agoq.train.data import prepare_data
 
     tmp = tmp_path_factory.mktemp("zero1")
-    prepare_data(None, None, 512, data_cache(), 0.01)
+    prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
     save_end = [f"--train.steps={STEPS}", f"--checkpoint.every={STEPS}"]
     cfgs = {
         "plain_fp32": _cfg(tmp, "plain_fp32", *save_end, *FP32),
@@ -345,7 +345,7 @@ def _initial_weights(runs: dict) -> dict:
     from agoq.train.data import prepare_data
 
     cfg = _cfg(runs["tmp"], "plain_fp32", *FP32)
-    data = prepare_data(None, None, 512, data_cache(), 0.01)
+    data = prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
     mc = dataclasses.replace(cfg.model_config(), vocab_size=data.tokenizer.vocab_size)
     model = Llama(mc, make_policy("bf16"))
     model.reset_parameters(cfg.train.seed)
