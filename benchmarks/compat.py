@@ -167,11 +167,16 @@ def _junit_counts(path: Path) -> dict[str, Any]:
     cases = list(root.iter("testcase"))
     skips, failures, errors = [], [], []
     for case in cases:
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        classname = case.get("classname", "")
+        # A module skipped at collection has no class name; its name is the module's dotted path.
+        name = f"{classname.replace('.', '/')}.py::{case.get('name')}" if classname else f"{case.get('name', '').replace('.', '/')}.py"
         for tag, into in (("skipped", skips), ("failure", failures), ("error", errors)):
             el = case.find(tag)
             if el is not None:
-                into.append({"test": name, "reason": (el.get("message") or "").strip()[:300]})
+                reason = (el.get("message") or "").strip()
+                if reason == "collection skipped" and el.text:  # the reason is in the text: (path, line, 'Skipped: why')
+                    reason = el.text.strip().rsplit("Skipped: ", 1)[-1].removesuffix("')")
+                into.append({"test": name, "reason": reason[:300]})
     bad = len(failures) + len(errors) + len(skips)
     return {
         "passed": len(cases) - bad,
