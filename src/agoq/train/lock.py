@@ -82,6 +82,20 @@ def run_lock(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
         os.close(fd)  # releases this process's share
 
 
+def check_not_in_use(out_dir: str | os.PathLike[str]) -> None:
+    """FolderInUse now if another run holds ``out_dir``, creating nothing: a launcher asks before
+    the minutes its data preparation can take, then claims the folder with :func:`run_lock`."""
+    folder = Path(out_dir)
+    try:
+        fd = open_in_place(folder / LOCK_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        return  # no run has held this folder
+    except OSError:
+        return  # run_lock names what is wrong with the file when it claims it
+    _lock(folder, fd, fcntl.LOCK_EX)  # raises, closing fd, while any process of another run holds it
+    os.close(fd)
+
+
 _joined: list[int] = []  # descriptors a worker holds until it exits
 
 

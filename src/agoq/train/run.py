@@ -709,7 +709,11 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
             return train_worker(cfg)
     # Build the tokenizer and token file once, here: a bad corpus, or one other than a resumed
     # checkpoint's, is refused before the run folder is touched, and the workers only read the cache.
+    # A folder in use is refused before that work, and claimed after it.
     from agoq.train.data import prepare_data
+    from agoq.train.lock import check_not_in_use
+
+    check_not_in_use(cfg.train.out_dir)
 
     d = cfg.data
     data = prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)
