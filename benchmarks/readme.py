@@ -75,6 +75,12 @@ def _plan_vs_paper(r: dict[str, Any]) -> str:
     return markdown(r)
 
 
+def _launches(r: dict[str, Any]) -> str:
+    from benchmarks.launches import readme_markdown
+
+    return readme_markdown(r)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "plan_vs_paper": _plan_vs_paper,
     "quant_throughput": _quant_throughput,
@@ -83,6 +89,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "grad_error": _grad_error,
     "loss": _loss,
     "allreduce": _allreduce,
+    "launches": _launches,
 }
 
 

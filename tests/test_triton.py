@@ -12,6 +12,7 @@ compared within a stated tolerance: reduction order and exp differ from torch's.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -38,6 +39,9 @@ if not ON_GPU and not tq.INTERPRETED:
 FORMATS = ("int2", "int3", "int4", "int5", "int6", "int8", "int8/256", "int4/64", "int5/96", "fp4", "nf4", "fp8")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 N = 16384 + 77  # a partial last block, and for 3/5/6 bits a partial last packing group
+# Whole tiles of whole blocks (3 * 2**14 also for blocks of 96). On a GPU Triton compiles a kernel
+# once for sizes divisible by 16, with wide loads and stores, and once for the rest (N above).
+ALIGNED = (2**16, 3 * 2**14)
 EPS = 1e-5
 
 
@@ -101,6 +105,19 @@ def test_quantize_and_dequantize_equal_torch_bit_for_bit(spec: str, dtype: torch
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("n", ALIGNED)
+@pytest.mark.parametrize("spec", FORMATS)
+def test_quantize_and_dequantize_at_aligned_sizes_equal_torch_bit_for_bit(spec: str, n: int) -> None:
+    fmt = parse_format(spec)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _data(n, dtype, seed=n + len(spec))
+        ref = _reference_quantize(x, fmt)
+        _assert_same_q(tq.quantize(x.to(DEVICE), fmt), ref)
+        got = tq.dequantize(ref.to(DEVICE)).cpu()
+        want = _reference_dequantize(ref)
+        assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
 TIES = {
     # (format, block of values whose absmax makes the scale exactly 1, what each rounds to)
     "int4": ([7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -6.5], [7.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 4.0, -6.0]),
@@ -140,6 +157,143 @@ def test_nonfinite_blocks_get_nan_scales_and_the_torch_path_raises() -> None:
     assert torch.isnan(q.scales.cpu()).tolist() == [True, False, True] + [False] * 5
     with backend.use_backend("triton"), pytest.raises(NonFiniteError, match="flat index 5"):
         quantize(x.to(DEVICE), fmt)
+
+
+# ---- writing into given tensors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ("int4", "int5/96", "fp8"))
+def test_quantize_and_dequantize_into_out_equal_the_new_tensors(spec: str) -> None:
+    fmt = parse_format(spec)
+    x = _data(N, torch.bfloat16, seed=11).to(DEVICE)
+    fresh = tq.quantize(x, fmt)
+    out = (torch.empty(fmt.payload_bytes(N), dtype=torch.uint8, device=DEVICE), torch.empty(fmt.num_blocks(N), device=DEVICE))
+    q = tq.quantize(x, fmt, out=out)
+    assert q.payload is out[0] and q.scales is out[1]
+    _assert_same_q(q, fresh.to("cpu"))
+    for dtype in (torch.float32, torch.bfloat16):
+        into = torch.empty(N, dtype=dtype, device=DEVICE)
+        assert tq.dequantize(q, out=into) is into and torch.equal(into, tq.dequantize(q, dtype))
+    strided = torch.empty(N, 2, device=DEVICE)[:, 0]  # the reference's contract: any layout (then a copy)
+    assert tq.dequantize(q, out=strided) is strided and torch.equal(strided, tq.dequantize(q, torch.float32))
+
+
+def test_quantize_rows_into_and_dequantize_rows_write_into_the_given_rows() -> None:
+    fmt = parse_format("int4/64")
+    x = _data(3 * 4096, torch.float32, seed=12).view(3, 4096).to(DEVICE)
+    pb, nb = fmt.payload_bytes(4096), 4096 // 64
+    payload, scales = torch.empty(3, pb, dtype=torch.uint8, device=DEVICE), torch.empty(3, nb, device=DEVICE)
+    tq.quantize_rows_into(x, payload, scales, fmt)  # contiguous rows: one launch straight into them
+    want = tq.quantize(x, fmt)
+    assert torch.equal(payload.view(-1), want.payload) and torch.equal(scales.view(-1), want.scales)
+    wire = torch.cat([payload, scales.view(torch.uint8)], 1)  # rows [codes | scales]: a launch per row
+    for rows_payload, rows_scales in ((payload, scales), (wire[:, :pb], wire[:, pb:].view(torch.float32))):
+        out = torch.empty(3, 4096, dtype=torch.bfloat16, device=DEVICE)
+        assert tq.dequantize_rows(rows_payload, rows_scales, fmt, out) is out
+        assert torch.equal(out, tq.dequantize(want, torch.bfloat16).view(3, 4096))
+
+
+@pytest.mark.parametrize("width", (640, 688), ids=["whole-blocks", "padded-rows"])
+def test_fused_backward_kernels_write_into_out_bit_for_bit(width: int) -> None:
+    fmt, dtype = parse_format("int4/128"), torch.bfloat16
+    g = torch.Generator().manual_seed(13)
+    qg = _reference_quantize((torch.randn(32, width, generator=g) * 3).to(dtype), fmt).to(DEVICE)
+    qu = _reference_quantize(torch.randn(32, width, generator=g).to(dtype), fmt).to(DEVICE)
+    grad_act = torch.randn(32, width, generator=g).to(dtype).to(DEVICE)
+    act, gg, gu = tq.swiglu_backward(grad_act, qg, qu, dtype, dtype)
+    out = (torch.empty(32, width, dtype=dtype, device=DEVICE), torch.empty(32, width, dtype=dtype, device=DEVICE))
+    act2, gg2, gu2 = tq.swiglu_backward(grad_act, qg, qu, dtype, dtype, out=out)
+    assert gg2 is out[0] and gu2 is out[1]
+    assert torch.equal(act2, act) and torch.equal(gg2, gg) and torch.equal(gu2, gu)
+    if width % fmt.block_size:  # the norm kernels take whole blocks per row
+        return
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEVICE)
+    h, rstd = tq.rms_norm_recompute(qg, w, EPS, dtype)
+    into = torch.empty(32, width, dtype=dtype, device=DEVICE)
+    h2, rstd2 = tq.rms_norm_recompute(qg, w, EPS, dtype, out=into)
+    assert h2 is into and torch.equal(h2, h) and torch.equal(rstd2, rstd)
+    gx, gw = tq.rms_norm_backward(grad_act, qg, rstd, w, dtype, True)
+    into = torch.empty(32, width, dtype=dtype, device=DEVICE)
+    gx2, gw2 = tq.rms_norm_backward(grad_act, qg, rstd, w, dtype, True, out=into)
+    assert gx2 is into and torch.equal(gx2, gx) and torch.equal(gw2, gw)
+
+
+def test_a_bad_out_is_refused_by_name() -> None:
+    fmt, dtype = parse_format("int4/128"), torch.bfloat16
+    x = torch.randn(16, 256).to(dtype).to(DEVICE)
+    q = tq.quantize(x, fmt)
+    w = torch.ones(256, dtype=dtype, device=DEVICE)
+    _, rstd = tq.rms_norm_recompute(q, w, EPS, dtype)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(16, 256\) .* got torch.float32"):
+        tq.rms_norm_recompute(q, w, EPS, dtype, out=torch.empty(16, 256, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out must be .* got torch.bfloat16 \(256, 16\)"):
+        tq.rms_norm_backward(x, q, rstd, w, dtype, False, out=torch.empty(256, 16, dtype=dtype, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out\[1\] \(the grad of up\) must be .* not contiguous"):
+        tq.swiglu_backward(x, q, q, dtype, None, out=(torch.empty_like(x), torch.empty(256, 16, dtype=dtype, device=DEVICE).t()))
+    with pytest.raises(ValueError, match=r"out\[1\] \(the scales\) must be a contiguous torch.float32 tensor of shape \(32,\)"):
+        tq.quantize(x, fmt, out=(torch.empty(2048, dtype=torch.uint8, device=DEVICE), torch.empty(33, device=DEVICE)))
+    with pytest.raises(ValueError, match=r"payload_rows must be a torch.uint8 tensor of shape \(2, 1024\)"):
+        tq.quantize_rows_into(x.view(2, -1), torch.empty(2, 1000, dtype=torch.uint8, device=DEVICE), torch.empty(2, 16, device=DEVICE), fmt)
+    with pytest.raises(ValueError, match="dequantize into a tensor of 100 values"):
+        tq.dequantize(q, out=torch.empty(100, device=DEVICE))
+
+
+# ---- which GPU a launch runs on --------------------------------------------------------------------------
+
+
+def test_every_launch_runs_on_the_gpu_of_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on the current CUDA device: tensors on cuda:1 with cuda:0 current (a model spread
+    over GPUs) must still run there. Fake tensors stand in for GPU memory; each launch records the
+    current device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    current = [0]
+
+    class _DeviceGuard:  # torch.cuda.device, without a GPU
+        def __init__(self, device: torch.device) -> None:
+            self.index = torch.device(device).index
+
+        def __enter__(self) -> None:
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = self.previous
+
+    launches: list[tuple[str, int]] = []
+
+    class _Kernel:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: tuple):
+            return lambda *args, **kwargs: launches.append((self.name, torch.cuda.current_device()))
+
+    monkeypatch.setattr(torch.cuda, "device", _DeviceGuard)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    names = sorted(n for n in dir(tq.ops.K) if n.endswith("_kernel"))
+    for name in names:
+        monkeypatch.setattr(tq.ops.K, name, _Kernel(name))
+    monkeypatch.setattr(tq.ops, "_spec", functools.lru_cache(tq.ops._spec.__wrapped__))  # fake tables stay out of the cache
+    fmt, fmt8 = parse_format("int4/128"), parse_format("int8/256")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        dev = torch.device("cuda", 1)
+        x, w = torch.empty(8, 256, dtype=torch.bfloat16, device=dev), torch.empty(256, dtype=torch.bfloat16, device=dev)
+        q = tq.quantize(x, fmt)
+        tq.dequantize(q, out=torch.empty(8, 256, device=dev))
+        _, qn = tq.rms_norm_quantize(x, w, EPS, fmt)
+        _, rstd = tq.rms_norm_recompute(qn, w, EPS, x.dtype)
+        tq.rms_norm_backward(x, qn, rstd, w, x.dtype, True)
+        _, qg, qu = tq.swiglu_quantize(x, x, fmt)
+        tq.swiglu_backward(x, qg, qu, x.dtype, x.dtype)
+        payload, scales = torch.empty(2048, dtype=torch.uint8, device=dev), torch.empty(8, device=dev)
+        tq.accumulate_(payload, scales, torch.empty(2048, device=dev), fmt8, first=True)
+        # Contiguous rows: fake tensors cannot be indexed without a CUDA build (the rows then take one launch).
+        rows, row_scales = torch.empty(4, 1024, dtype=torch.uint8, device=dev), torch.empty(4, 4, device=dev)
+        tq.quantize_rows_into(torch.empty(4, 1024, device=dev), rows, row_scales, fmt8)
+        tq.dequantize_rows(rows, row_scales, fmt8, torch.empty(4, 1024, device=dev))
+        tq.reduce_rows(rows, row_scales, fmt8, average=True, requantize=True)
+    assert sorted({name for name, _ in launches}) == names
+    assert [(name, d) for name, d in launches if d != 1] == []
 
 
 # ---- backend selection ----------------------------------------------------------------------------------

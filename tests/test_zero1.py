@@ -104,7 +104,7 @@ def test_one_rank_zero1_steps_exactly_like_the_master_weight_optimizer(dtype):
         for model, sync, opt in ((ref, ref_sync, ref_opt), (z, z_sync, z_opt)):
             sync.start_step()
             _toy_loss(model, x).backward()
-            assert sync.reduce()
+            assert sync.reduce() == 0
             sync.step_optimizer(opt, 0.5)
             sync.finish_step()
     for (name, a), (_, b) in zip(ref.named_parameters(), z.named_parameters()):
@@ -136,7 +136,7 @@ def _step(model: nn.Module, sync, opt, seed: int, clip: float = 1.0) -> bool:
     x = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(seed))
     sync.start_step()
     _toy_loss(model, x).backward()
-    ok = sync.reduce()
+    ok = sync.reduce() == 0
     if ok:
         sync.step_optimizer(opt, clip)
     sync.finish_step()
@@ -241,7 +241,7 @@ def _direct_checks(rank: int, world: int) -> dict:
     loss = _toy_loss(z, torch.randint(0, 50, (4, 9)))
     (loss * (float("nan") if rank == 1 else 1.0)).backward()
     with pytest.warns(RuntimeWarning, match="non-finite") if rank == 1 else _no_warning():
-        ok = z_sync.reduce()
+        ok = bool(z_sync.reduce() == 0)
     z_sync.finish_step()
     out["nonfinite_ok"] = ok
     return out

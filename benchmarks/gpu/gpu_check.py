@@ -203,9 +203,10 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                     loss = model(batch[:, :-1], batch[:, 1:]) / micro
                     loss.backward()
                     loss_sum += float(loss.detach())
-                if not sync.reduce():
+                nonfinite, sq = torch.stack([sync.reduce(), sync.local_grad_sq_norm()]).tolist()  # one host read
+                if nonfinite:
                     raise SystemExit(f"{mode}: non-finite gradient at step {step}")
-                norm = math.sqrt(sync.local_grad_sq_norm())
+                norm = math.sqrt(sq)
                 clip = min(1.0, args.clip / (norm + 1e-6)) if args.clip > 0 else 1.0
                 for i, g in sync.gradients():
                     opt.set_grad(i, g * clip)

@@ -101,6 +101,16 @@ def fsdp_param_group(module: Any) -> Any:
     return module._get_fsdp_state()._fsdp_param_group
 
 
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Fail with ``message`` unless ``condition`` (a bool scalar tensor) holds, without a host read.
+
+    On a GPU the check is a device-side assert, reported at the next synchronization, so that a
+    check in the hot path does not stall the queue; on a CPU it raises RuntimeError at once.
+    ``torch._assert_async`` is the one operator that does this; torch has no public name for it.
+    """
+    torch._assert_async(condition, message)
+
+
 def inductor_default_cache_dir() -> str:
     """The folder inductor caches into when TORCHINDUCTOR_CACHE_DIR is not set."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from agoq.activation.ops import _norm_backward, _norm_forward
+from agoq.compat import assert_on_device
 
 # A chunk's fp32 logits take at most this many bytes; the chunk's working set is about three times
 # that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
@@ -440,12 +441,13 @@ class _WeightGradInForwardLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if not bool((grad_out == 1).all()):
-            raise RuntimeError(
-                "the loss was built with weight_grad_in_forward=True, which delivers the LM-head weight's gradient "
-                f"in forward for a grad_output of 1, but backward got {grad_out.flatten()[:1].tolist()}; "
-                "pass divisor= instead of scaling the loss, or use recompute=True"
-            )
+        # Checked on the device: a host read here would stall a GPU's queue every micro-batch.
+        assert_on_device(
+            (grad_out == 1).all(),
+            "the loss was built with weight_grad_in_forward=True, which delivers the LM-head weight's gradient "
+            "in forward for a grad_output of 1, but backward got another; "
+            "pass divisor= instead of scaling the loss, or use recompute=True",
+        )
         (grad_h,) = ctx.saved_tensors
         gh = None if grad_h is None else grad_h.view(ctx.hidden_shape)
         return gh, None, None, None, None, None, None, None, None
@@ -631,8 +633,13 @@ def _check_args(
 
 
 def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise a ValueError if a target that is not ignore_index lies outside [0, vocab)."""
+    """Fail if a target that is not ignore_index lies outside [0, vocab): on a GPU a device-side
+    assert (no host read in the hot path), on a CPU a ValueError naming the first such target."""
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
+    message = f"a target is out of range for vocab {vocab} (ignore_index is {ignore_index})"
+    try:
+        assert_on_device(~bad.any(), message)
+    except RuntimeError:
+        # Raised at once where the check is not deferred (a CPU): the value can be named.
         value = int(targets[bad][0])
-        raise ValueError(f"target {value} is out of range for vocab {vocab} (ignore_index is {ignore_index})")
+        raise ValueError(f"target {value} is out of range for vocab {vocab} (ignore_index is {ignore_index})") from None

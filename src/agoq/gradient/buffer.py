@@ -236,8 +236,12 @@ class QuantGradBuffer:
         return self.reader.grads()
 
     def grad_norm(self) -> float:
-        """L2 norm of the stored gradients, accumulated in fp64 a piece at a time (see GradReader.grad_norm)."""
+        """L2 norm of the stored gradients, accumulated in fp64 a piece at a time (see GradReader.grad_sq_norm)."""
         return self.reader.grad_norm()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of the stored gradients: an fp64 scalar on the buffer's device, not read by the host."""
+        return self.reader.grad_sq_norm()
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
         """Run ``optimizer`` bucket by bucket, each parameter's .grad set only while its bucket steps.

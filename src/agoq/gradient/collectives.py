@@ -887,19 +887,24 @@ def _ring_hop(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group:
 
 
 def agree_nonfinite(
-    local_index: int | None,
+    local_index: int | None | torch.Tensor,
     group: Group = None,
     *,
     device: torch.device | str = "cpu",
     counter: CommCounter | None = None,
 ) -> list[int | None]:
-    """Every rank's first non-finite item index (None where all finite), from one small all-reduce.
+    """Every rank's first non-finite item index (None where all finite), from one small all-reduce
+    and one host read. ``local_index``: this rank's index or None, or 1 + index (0: none) as an
+    int64 scalar tensor on ``device``, which then needs no host read before the all-reduce.
 
     ``device`` must be one the group's backend accepts (CUDA for NCCL).
     """
     world_size, rank = world_of(group)
     flags = torch.zeros(world_size, dtype=torch.int64, device=device)
-    flags[rank] = 0 if local_index is None else local_index + 1
+    if isinstance(local_index, torch.Tensor):
+        flags[rank] = local_index
+    else:
+        flags[rank] = 0 if local_index is None else local_index + 1
     if world_size > 1:
         (COMM_COUNTER if counter is None else counter).record("nonfinite_flags", ring_all_reduce_bytes(8 * world_size, world_size))
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)

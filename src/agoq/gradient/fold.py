@@ -71,6 +71,7 @@ class EightBitFolder:
     def reset(self) -> None:
         """Forget the non-finite marks of the last step."""
         self._bad_mask = torch.zeros(len(self.layout.segments), dtype=torch.bool, device=self.device)
+        self._countdown = torch.arange(len(self.layout.segments), 0, -1, device=self.device)
         self._bad_flags: list[tuple[int, torch.Tensor]] = []  # (parameter, "a block went non-finite") per compiled fold
 
     def fold(self, pi: int, grad: torch.Tensor, first: bool) -> None:
@@ -85,7 +86,7 @@ class EightBitFolder:
                 self._bad_flags.append((pi, fold_(pay, sc, flat[start:end], self.fmt, first=first)))
             scratch = self._compiled_fold_bytes(min(flat.numel(), COMPILED_FOLD_PIECE))
         else:
-            piece = self.layout.piece
+            piece = self.layout.piece(self.device)
             if kernels is not None:
                 piece = max(piece, flat.numel())  # the Triton fold has no fp32 temporaries: one launch per segment
             scratch = 0
@@ -97,15 +98,17 @@ class EightBitFolder:
                     scratch = max(scratch, self._fold_piece(kernels, pi, bucket, a, flat[p0:p1], first))
         self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + scratch)
 
-    def first_nonfinite(self) -> int | None:
-        """The first parameter that held a non-finite gradient this step, or None."""
-        if self._bad_flags:  # one reduction for the whole step instead of one per fold
-            flags = torch.stack([f for _, f in self._bad_flags])
-            if bool(flags.any()):
-                self._bad_mask[self._bad_flags[int(flags.nonzero()[0])][0]] = True
+    def first_nonfinite(self) -> torch.Tensor:
+        """1 + the first parameter that held a non-finite gradient this step, or 0 if none: an
+        int64 scalar on the device, left for the step's agreement to read (agree_nonfinite)."""
+        if self._bad_flags:  # one scatter for the whole step instead of one per fold
+            owners = torch.tensor([pi for pi, _ in self._bad_flags], device=self.device)
+            self._bad_mask.index_put_((owners,), torch.stack([f for _, f in self._bad_flags]).reshape(-1), accumulate=True)
             self._bad_flags = []
-        bad_params = self._bad_mask.nonzero()
-        return int(bad_params[0]) if bad_params.numel() else None
+        # countdown[i] = n - i: the largest marked countdown is the first marked parameter's.
+        n = self._countdown.numel()
+        last = (self._bad_mask * self._countdown).amax() if n else torch.zeros((), dtype=torch.int64, device=self.device)
+        return torch.where(last > 0, n + 1 - last, 0)
 
     def _compiled_fold_bytes(self, n: int) -> int:
         """Temporaries of one compiled fold of ``n`` values: the new payload, then per block its scale, max and min (fp32)."""

@@ -26,12 +26,17 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` is finite, without a tensor-sized mask or copy.
+    """Whether every element of ``t`` is finite, without a tensor-sized mask or copy (a host read: see :func:`nonfinite_flag`)."""
+    return not bool(nonfinite_flag(t))
+
+
+def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
+    """1.0 (fp64, on ``t``'s device) where ``t`` holds a NaN or Inf, else 0.0, without a host read.
 
     Squares of fp32/bf16/fp16 values stay below 1.2e77, so their fp64 sum is finite for any count
     unless an element is NaN or Inf.
     """
-    return bool(torch.isfinite(sum_of_squares(t)))
+    return (~torch.isfinite(sum_of_squares(t))).to(torch.float64)
 
 
 def step_in_groups(
@@ -132,16 +137,17 @@ class GradReader:
         for pi in self.layout.bucket_order():
             yield self.names[pi], self.params[pi], self.grad(pi)
 
-    def grad_norm(self) -> float:
-        """L2 norm of the stored gradients (padding holds zeros), accumulated in fp64.
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of the stored gradients (padding holds zeros): an fp64 scalar on the
+        buffer's device, never read by the host here (the trainer reads it once per step, with the loss).
 
-        Compiled CPU code reads each bucket in one pass; elsewhere a piece of a bucket is
-        dequantized at a time, so that the fp32 temporaries stay a few hundred KiB.
+        Compiled CPU code reads each bucket row in one pass; elsewhere a piece of a row is
+        dequantized at a time (GradLayout.piece: cache-sized on a CPU, most of a row on a GPU).
         """
         self.check_readable()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         one_pass = getattr(backend.kernels(self.device, self.layout.fmt), "sum_of_squares", None)
-        piece = self.layout.piece
+        piece = self.layout.piece(self.device)
         for b in self.buckets:
             for r in range(b.layout.world_size):
                 row = b.row(r)
@@ -150,7 +156,11 @@ class GradReader:
                     continue
                 for start in range(0, row.numel, piece):
                     total += sum_of_squares(dequantize(row.blocks(start, piece)))
-        return float(total.sqrt())
+        return total
+
+    def grad_norm(self) -> float:
+        """L2 norm of the stored gradients, accumulated in fp64 (reads :meth:`grad_sq_norm` on the host)."""
+        return float(self.grad_sq_norm().sqrt())
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> None:
         """Run ``optimizer`` once per bucket on the parameters that bucket completes (see GradLayout.params_ending_in)."""

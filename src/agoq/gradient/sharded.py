@@ -24,7 +24,7 @@ from agoq.gradient.collectives import Group, own_rank
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
-from agoq.gradient.readback import all_finite, sum_of_squares
+from agoq.gradient.readback import nonfinite_flag, sum_of_squares
 from agoq.gradient.sync import GradientSync, QuantizedBufferState, WireChoice, quantized_buffer
 
 
@@ -83,6 +83,7 @@ class ShardedGradientSync(GradientSync):
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: Group, buckets: list[ShardedBucket], counter: CommCounter) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.group = group
         self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
         self.buckets = buckets
@@ -102,19 +103,24 @@ class ShardedGradientSync(GradientSync):
         """This rank's reduced fp32 shard of every bucket (``chunk`` values each), after reduce()."""
         return self._shards
 
-    def local_grad_sq_norm(self) -> float:
-        return float(sum(sum_of_squares(s) for s in self._shards)) if self._shards else 0.0
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        return self._sum(sum_of_squares(s) for s in self._shards)
 
-    def params_sq_norm(self, indices: set[int]) -> float:
-        total = 0.0
-        for bucket, shard in zip(self.buckets, self._shards):
-            for piece in bucket.pieces:
-                if piece.param in indices:
-                    total += float(sum_of_squares(shard[piece.shard_offset : piece.shard_offset + piece.numel]))
-        return total
+    def params_sq_norm(self, indices: set[int]) -> torch.Tensor:
+        return self._sum(
+            sum_of_squares(shard[piece.shard_offset : piece.shard_offset + piece.numel])
+            for bucket, shard in zip(self.buckets, self._shards)
+            for piece in bucket.pieces
+            if piece.param in indices
+        )
 
     def units(self) -> list[tuple[int, int]]:
         return [(b, shard.numel()) for b, shard in enumerate(self._shards)]
+
+    def _sum(self, terms: Iterable[torch.Tensor]) -> torch.Tensor:
+        """The sum of fp64 scalars on the gradients' device (zero for none)."""
+        terms = list(terms)
+        return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def read(self, unit: int) -> torch.Tensor:
         return self._shards[unit]
@@ -149,8 +155,10 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
         for s in self._where[i]:
             self.flat[s.bucket][s.offset : s.offset + s.numel].add_(g[s.param_offset : s.param_offset + s.numel])
 
-    def reduce(self) -> bool:
-        ok = all(all_finite(f) for f in self.flat)
+    def reduce(self) -> torch.Tensor:
+        # The one host read of this sync: whether this rank's own gradients were non-finite, before
+        # the reduce-scatter spreads them, so that the warning names the parameter where it went bad.
+        ok = not bool(self._sum(nonfinite_flag(f) for f in self.flat))
         self._nonfinite = []
         if not ok:
             bad = [
@@ -171,7 +179,7 @@ class Fp32ShardedGradientSync(ShardedGradientSync):
                 shard = flat
             self.counter.record("grad_reduce_scatter_fp32", (self.world - 1) * b.chunk * 4)
             self._shards.append(shard)
-        return ok and all(all_finite(s) for s in self._shards)
+        return self._sum(nonfinite_flag(s) for s in self._shards) + (0.0 if ok else 1.0)
 
     def finish_step(self) -> None:
         for f in self.flat:
@@ -195,10 +203,10 @@ class QuantizedShardedGradientSync(QuantizedBufferState, ShardedGradientSync):
         super().start_step()
         self.buffer.zero_grad()
 
-    def reduce(self) -> bool:
-        ok = self.buffer.finish()
+    def reduce(self) -> torch.Tensor:
+        ok = self.buffer.finish()  # agrees on non-finite gradients over the dp group: the step's one read of it
         self._shards = [shard[: b.chunk] for b, (_, _, _, shard) in zip(self.buckets, self.buffer.local_shards())] if ok else []
-        return ok
+        return torch.full((), 0.0 if ok else 1.0, dtype=torch.float64, device=self.buffer.device)
 
     def finish_step(self) -> None:
         self.buffer.zero_grad()

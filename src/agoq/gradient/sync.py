@@ -61,12 +61,14 @@ class GradientSync:
     def start_step(self) -> None:
         """Prepare to receive one step's gradients."""
 
-    def reduce(self) -> bool:
-        """Reduce over dp; False if this dp group saw a non-finite gradient (the trainer agrees over all ranks)."""
+    def reduce(self) -> torch.Tensor:
+        """Reduce over dp. Returns an fp64 scalar on the gradients' device, nonzero if this dp group
+        saw a non-finite gradient: the trainer agrees on it over all ranks and reads it once, with
+        the norm and the loss, so that nothing here waits for the device."""
         raise NotImplementedError
 
-    def local_grad_sq_norm(self) -> float:
-        """Sum of squares of this rank's reduced gradients."""
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's reduced gradients: an fp64 scalar on their device."""
         raise NotImplementedError
 
     _nonfinite: list[tuple[int, str]] = []
@@ -77,9 +79,9 @@ class GradientSync:
         buffer), else this rank alone."""
         return list(self._nonfinite)
 
-    def params_sq_norm(self, indices: set[int]) -> float:
+    def params_sq_norm(self, indices: set[int]) -> torch.Tensor:
         """Sum of squares of this rank's reduced gradients of the parameters ``indices`` only (all of
-        each for a full sync, this rank's pieces of them for a sharded one), after reduce()."""
+        each for a full sync, this rank's pieces of them for a sharded one), after reduce(): an fp64 scalar on their device."""
         raise NotImplementedError
 
     def units(self) -> list[tuple[int, int]]:
@@ -181,8 +183,8 @@ class ParameterGradientSync(GradientSync):
         for unit, _ in self.units():
             yield unit, self.read(unit)
 
-    def params_sq_norm(self, indices: set[int]) -> float:
-        return float(sum(float(sum_of_squares(self.read(i))) for i in sorted(indices)))
+    def params_sq_norm(self, indices: set[int]) -> torch.Tensor:
+        return torch.stack([sum_of_squares(self.read(i)) for i in sorted(indices)]).sum()
 
 
 class PlainGradientSync(ParameterGradientSync):
@@ -219,7 +221,9 @@ class PlainGradientSync(ParameterGradientSync):
             offset += p.numel()
         self._hooks = fold_on_accumulate(self.params, lambda i, grad: self.views[i].add_(grad))
 
-    def reduce(self) -> bool:
+    def reduce(self) -> torch.Tensor:
+        # The one host read of this sync: which rank's own gradients were non-finite, before the
+        # reduction spreads them, so that the warning names the parameter where it went bad.
         ok = all_finite(self.buffer)
         self._nonfinite = []
         if not ok:
@@ -230,14 +234,14 @@ class PlainGradientSync(ParameterGradientSync):
             self.counter.reset()
             all_reduce_hierarchical(self.buffer, "avg", self.nodes, intra_fmt=HIER_INTRA_FORMAT, inter_fmt=INT4_WIRE_FORMAT, counter=self.counter)
             self.wire_bytes_last_step = self.counter.bytes()
-            return ok and self._reduced_finite()
+            return self._nonfinite_flag(ok)
         if self.world > 1 and self.ring:
             from agoq.gradient.collectives import ring_all_reduce_8bit
 
             self.counter.reset()
             ring_all_reduce_8bit(self.buffer, "avg", self.group, counter=self.counter)
             self.wire_bytes_last_step = self.counter.bytes()
-            return ok and self._reduced_finite()
+            return self._nonfinite_flag(ok)
         if self.world > 1:
             # Issued whatever this rank saw: every dp rank must call the same collectives.
             if self.wire_dtype == torch.float32:
@@ -248,21 +252,21 @@ class PlainGradientSync(ParameterGradientSync):
                 self.buffer.copy_(low)
             self.buffer.div_(self.world)
         self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
-        return ok and self._reduced_finite()
+        return self._nonfinite_flag(ok)
 
     def link_bytes_last_step(self) -> dict[str, int]:
         if self.nodes is None:
             return {}
         return {"intra_node": self.counter.bytes(HOP_NAMES[0]) + self.counter.bytes(HOP_NAMES[2]), "inter_node": self.counter.bytes(HOP_NAMES[1])}
 
-    def _reduced_finite(self) -> bool:
+    def _nonfinite_flag(self, ok: bool) -> torch.Tensor:
         # One pass over the reduced gradients gives both their squared norm (kept for
-        # local_grad_sq_norm) and whether they are all finite.
+        # local_grad_sq_norm) and whether they are all finite (a peer's NaN arrives in the sum).
         self._sq_norm = sum_of_squares(self.buffer)
-        return bool(torch.isfinite(self._sq_norm))
+        return (~torch.isfinite(self._sq_norm)).to(torch.float64) + (0.0 if ok else 1.0)
 
-    def local_grad_sq_norm(self) -> float:
-        return float(self._sq_norm)
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        return self._sq_norm
 
     def units(self) -> list[tuple[int, int]]:
         return [(i, v.numel()) for i, v in enumerate(self.views)]
@@ -330,6 +334,8 @@ class QuantizedBufferState:
 class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
     """QuanGrad: an 8-bit block-wise buffer, bucketed 8-bit all-reduce started during backward."""
 
+    _ok: bool = True  # whether the last reduce() kept this step's gradients
+
     def __init__(
         self,
         params: list[tuple[str, nn.Parameter]],
@@ -350,13 +356,17 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
         self.counter.reset()
         self.buffer.zero_grad()
 
-    def reduce(self) -> bool:
-        ok = self.buffer.finish()
+    def reduce(self) -> torch.Tensor:
+        # finish() agrees on non-finite gradients over the dp group (the step's one read of the
+        # agreement); the flag is handed on as a device scalar like every sync's.
+        self._ok = self.buffer.finish()
         self.wire_bytes_last_step = self.counter.bytes()
-        return ok
+        return torch.full((), 0.0 if self._ok else 1.0, dtype=torch.float64, device=self.buffer.device)
 
-    def local_grad_sq_norm(self) -> float:
-        return self.buffer.grad_norm() ** 2
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        if not self._ok:  # a skipped step's buffer was reset: nothing to read
+            return torch.zeros((), dtype=torch.float64, device=self.buffer.device)
+        return self.buffer.grad_sq_norm()
 
     def link_bytes_last_step(self) -> dict[str, int]:
         if self.nodes is None:

@@ -567,15 +567,26 @@ def _vocab_loss_backward_op(
     for s in range(0, h.shape[0], chunk):
         h_c, own_c = h[s : s + chunk], own[s : s + chunk]
         g = (F.linear(h_c, weight).float() - lse[s : s + chunk].unsqueeze(1)).exp_()
-        rows = own_c.nonzero().squeeze(1)
-        g[rows, local[s : s + chunk][rows]] -= 1.0
+        # -1 at each owned target, +(-0.0) (no change) elsewhere: a scatter, where indexing the
+        # owned rows would read their count on the host every chunk.
+        at = torch.where(own_c, local[s : s + chunk], 0).unsqueeze(1)
+        g.scatter_add_(1, at, own_c.to(g.dtype).neg().unsqueeze(1))
         g = g.mul_(coef[s : s + chunk].unsqueeze(1)).to(h.dtype)
         torch.mm(g, weight, out=grad_h[s : s + chunk])
-        grad_w.addmm_(g.t().float(), h_c.float())
+        _add_weight_grad(grad_w, g, h_c)
     grad_h = grad_h.view(hidden.shape)
     if seq_sharded:
         grad_h = reduce_scatter_seq(grad_h, g_, c_)
     return grad_h, grad_w.to(weight.dtype)
+
+
+def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (fp32) += g.T @ h. On a GPU, bf16/fp16 inputs go to a GEMM that accumulates and
+    returns fp32 (an fp32 GEMM runs at a fraction of the rate); CPUs have no such GEMM."""
+    if g.device.type == "cuda" and g.dtype != torch.float32:
+        grad_w.add_(torch.mm(g.t(), h, out_dtype=torch.float32))
+    else:
+        grad_w.addmm_(g.t().float(), h.float())
 
 
 @_vocab_loss_backward_op.register_fake

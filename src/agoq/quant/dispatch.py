@@ -25,7 +25,11 @@ def quantize(
     generator: torch.Generator | None = None,
     nonfinite: str = "raise",
 ) -> QTensor:
-    """Quantize ``x`` (any shape; fp32/bf16/fp16) block-wise into a packed :class:`QTensor` (see agoq.quant.qtensor)."""
+    """Quantize ``x`` (any shape; fp32/bf16/fp16) block-wise into a packed :class:`QTensor` (see agoq.quant.qtensor).
+
+    ``nonfinite="raise"`` reads the scales on the host to raise where a block held NaN/Inf (on a
+    GPU, a wait for the queue); ``"propagate"``, which agoq's own hot paths pass, never does.
+    """
     fmt = check_quantize_args(x, fmt, rounding, nonfinite, generator)
     kernels = backend.kernels(x.device, fmt) if rounding == "nearest" else None
     if kernels is not None:

@@ -266,9 +266,11 @@ def quantize(
         absmax = block_absmax(yb)
         finite = torch.isfinite(absmax)
         bad = None
-        if not bool(finite.all()):
-            if nonfinite == "raise":
+        if nonfinite == "raise":
+            if not bool(finite.all()):  # raising needs the host to know: one read per slab
                 raise NonFiniteError(_nonfinite_message(x))
+        else:
+            # Masked whether or not a block is bad: a host read per slab would stall a GPU's queue.
             bad = ~finite
             yb.masked_fill_(bad[:, None], 0.0)
             absmax.masked_fill_(bad, 0.0)

@@ -268,12 +268,14 @@ def build_pipeline(cfg: TrainConfig, ctx: RankContext, modules: list[Llama], num
     return stages, build_schedule(p.schedule, stages, p.microbatches, loss, scale_grads=False)
 
 
-def _loss_terms(loss: float | None) -> list[float]:
-    """[loss sum, count] of this rank: the loss lives on the last pipeline stage only."""
-    return [0.0, 0.0] if loss is None else [loss, 1.0]
+def _loss_terms(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """[loss sum, count] of this rank in fp64 on ``device``: the loss lives on the last pipeline stage only."""
+    if loss is None:
+        return torch.zeros(2, dtype=torch.float64, device=device)
+    return torch.stack([loss.to(torch.float64), torch.ones((), dtype=torch.float64, device=device)])
 
 
-def _reduce_quietly(sync: GradientSync) -> bool:
+def _reduce_quietly(sync: GradientSync) -> torch.Tensor:
     """``sync.reduce()`` without its non-finite warning: every rank of a dp group would print one,
     where rank 0 reports the skipped step once, naming each rank that saw it (nonfinite_ranks)."""
     with warnings.catch_warnings():
@@ -345,8 +347,8 @@ class Trainer:
         in_forward, self._schedule_initializing = not self._schedule_initializing, False
         return self.last.loss(hidden, targets, divisor=self.cfg.parallel.microbatches, weight_grad_in_forward=in_forward)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Run every micro-batch forward and backward; the mean loss on the last stage, else None."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Run every micro-batch forward and backward; the mean loss on the last stage, else None (fp64, on the device)."""
         p = self.cfg.parallel
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         if self.pipelined:
@@ -354,18 +356,18 @@ class Trainer:
             first = 0 in self.ctx.stages
             args = (inputs,) if first else ()
             self.schedule.step(*args, target=targets if self.last is not None else None, losses=losses)
-            return float(torch.stack([l.detach().float() for l in losses]).sum()) if losses else None
-        total = 0.0
+            return torch.stack([l.detach().float() for l in losses]).sum().to(torch.float64) if losses else None
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         model = self.modules[0]
         for x, y in zip(inputs.chunk(p.microbatches), targets.chunk(p.microbatches)):
             loss = model(x, y)
             (loss / p.microbatches).backward()
-            total += float(loss.detach()) / p.microbatches
+            total += loss.detach().to(torch.float64) / p.microbatches
         return total
 
-    def _global_loss(self, loss: float | None) -> float:
+    def _global_loss(self, loss: torch.Tensor | None) -> float:
         """The mean over dp replicas of a loss known on the last stage, on every rank."""
-        t = torch.tensor(_loss_terms(loss), device=self.ctx.device, dtype=torch.float64)
+        t = _loss_terms(loss, self.ctx.device)
         dist.all_reduce(t)
         return float(t[0] / t[1])
 
@@ -405,20 +407,22 @@ class Trainer:
         with self.tracker:
             local_loss = self.forward_backward(inputs, targets)
         phase("gradient_sync")
-        reduced = _reduce_quietly(self.sync)
-        grad_sq = self.sync.local_grad_sq_norm() if reduced else 0.0
-        if reduced and self.replicated:
+        nonfinite = _reduce_quietly(self.sync)
+        grad_sq = self.sync.local_grad_sq_norm()
+        if self.replicated:
             # Each tp rank holds the whole of a replicated parameter's gradient: counted once over tp.
-            grad_sq -= (1 - 1 / self.ctx.tp) * self.sync.params_sq_norm(self.replicated)
+            grad_sq = grad_sq - (1 - 1 / self.ctx.tp) * self.sync.params_sq_norm(self.replicated)
         # One small all-reduce over every rank gives the global gradient norm, whether any pp
         # stage or dp group saw a non-finite gradient (all ranks then skip or step together), and
         # the step's loss. dp replicas hold identical reduced gradients, so their squares are
-        # divided out; ZeRO-1 shards are disjoint, so theirs add up to the full norm.
+        # divided out; ZeRO-1 shards are disjoint, so theirs add up to the full norm. Everything
+        # stays on the device until this one read: a host read waits for the device's queue.
         sq = grad_sq if self.sync.sharded else grad_sq / cfg.parallel.dp
-        agree = torch.tensor([sq, 0.0 if reduced else 1.0, *_loss_terms(local_loss)], device=self.ctx.device, dtype=torch.float64)
+        agree = torch.cat([torch.stack([sq, nonfinite]), _loss_terms(local_loss, self.ctx.device)])
         dist.all_reduce(agree)
-        loss = float(agree[2] / agree[3])
-        grad_norm = math.sqrt(agree[0].item()) if agree[1].item() == 0 and math.isfinite(agree[0].item()) else float("nan")
+        sq_sum, nonfinite_sum, loss_sum, loss_count = agree.tolist()
+        loss = loss_sum / loss_count
+        grad_norm = math.sqrt(sq_sum) if nonfinite_sum == 0 and math.isfinite(sq_sum) else float("nan")
         skipped = not math.isfinite(grad_norm)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         phase("optimizer")
@@ -499,9 +503,9 @@ class Trainer:
                 args = (x.to(self.ctx.device),) if 0 in self.ctx.stages else ()
                 self.schedule.eval(*args, target=y.to(self.ctx.device) if self.last is not None else None, losses=out)
                 self._schedule_initializing = True  # again at the next training step
-                local = float(torch.stack([l.float() for l in out]).sum()) if out else None
+                local = torch.stack([l.float() for l in out]).sum() if out else None
             else:
-                local = float(self.modules[0](x.to(self.ctx.device), y.to(self.ctx.device)))
+                local = self.modules[0](x.to(self.ctx.device), y.to(self.ctx.device))
             losses.append(self._global_loss(local))
         for m in self.modules:
             m.train()

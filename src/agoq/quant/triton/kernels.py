@@ -13,6 +13,9 @@ inputs are, on GPUs and under ``TRITON_INTERPRET=1``:
 - bf16 is read and written as raw 16-bit patterns with an explicit round-to-nearest-even, and
   every launch passes ``enable_fp_fusion=False`` so ``v * s + g`` is never contracted into an FMA
   (the torch path rounds the product first);
+- every offset (elements, bytes, blocks, rows) is int64: a program id or row index is widened
+  before it is multiplied, since int32 products wrap at 2**31, which a reduce-scatter's wire
+  buffer or a large activation passes;
 - loops over runtime bounds are ``while`` loops: the interpreter of triton < 3.7 turns a ``range()``
   bound into an int with ``int()`` of a one-element array, a TypeError since NumPy 2.4.
 
@@ -240,7 +243,7 @@ def _dequantize_tile(
 @triton.jit
 def _flat_tile(n, BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
     """This program's R blocks of a flat tensor of n values: block indices [R], element offsets and validity [R, BP]."""
-    blk = tl.program_id(0) * R + tl.arange(0, R)
+    blk = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     col = tl.arange(0, BP)
     e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
     valid = (col < BLOCK)[None, :] & (e < n)
@@ -363,7 +366,7 @@ def rms_norm_quantize_kernel(
     GBP: tl.constexpr,
 ):
     """h = RMSNorm(x) * w in x's dtype, and x quantized block-wise, from one read of x."""
-    t0 = tl.program_id(0) * RT
+    t0 = tl.program_id(0).to(tl.int64) * RT
     rows, col, e, valid = _row_tile(t0, T, H, HP, RT)
     x = _load_f32(x_ptr, e, valid, IN_BF16)
     _norm_store(x, w_ptr, col, h_ptr, e, valid, eps, H, IN_BF16)
@@ -422,7 +425,7 @@ def rms_norm_recompute_kernel(
     GBP: tl.constexpr,
 ):
     """From the quantized norm input: rstd (fp32) and the GEMM input RMSNorm(x) * w, in one pass."""
-    t0 = tl.program_id(0) * RT
+    t0 = tl.program_id(0).to(tl.int64) * RT
     rows, col, e, valid = _row_tile(t0, T, H, HP, RT)
     x = _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H, HP, RT, BLOCK, KIND, BITS, G, GB, GBP)
     rstd = _norm_store(x, w_ptr, col, h_ptr, e, valid, eps, H, OUT_BF16)
@@ -463,7 +466,7 @@ def rms_norm_backward_kernel(
     col = tl.arange(0, HP)
     w = tl.load(w_ptr + col, mask=col < H, other=0.0).to(tl.float32)
     gw = tl.zeros([HP], tl.float32)
-    t0 = (pid * RT).to(T.dtype)  # as range() would type it: int64 where T is
+    t0 = pid.to(tl.int64) * RT
     while t0 < T:  # not range(): see the module docstring
         rows, _, e, valid = _row_tile(t0, T, H, HP, RT)
         x = _dequantize_rows(pay_ptr, sc_ptr, val_ptr, t0, T, nbytes, valid, H, HP, RT, BLOCK, KIND, BITS, G, GB, GBP)
@@ -475,7 +478,7 @@ def rms_norm_backward_kernel(
         dot = tl.math.div_rn(tl.sum(gy * y, axis=1), tl.full([RT], H, tl.float32))
         _store_f(gx_ptr, e, rstd[:, None] * (gy - y * dot[:, None]), valid, OUT_BF16)
         gw += tl.sum(g * y, axis=0)
-        t0 += tl.num_programs(0) * RT
+        t0 += tl.num_programs(0).to(tl.int64) * RT
     if NEED_GW:
         tl.store(gw_ptr + pid.to(tl.int64) * H + col, gw, mask=col < H)
 
@@ -638,13 +641,13 @@ def reduce_rows_kernel(
     GBP: tl.constexpr,
 ):
     """Sum W quantized rows in fp32 in row order (optionally / W); store the sum and/or requantize it."""
-    blk = tl.program_id(0) * R + tl.arange(0, R)
+    blk = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     ok = blk < nblocks
     col = tl.arange(0, BP)
     e = blk.to(tl.int64)[:, None] * BLOCK + col[None, :]
     valid = (col < BLOCK)[None, :] & ok[:, None]
     acc = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
-    r = 1
+    r = tl.full([], 1, tl.int64)  # row r starts r * row_stride bytes in: 2**31 and more in a large reduce-scatter
     while r < W:  # not range(): see the module docstring
         acc += _dequantize_tile(pay_ptr + r * row_stride, sc_ptr + r * nblocks, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
         r += 1

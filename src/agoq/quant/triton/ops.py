@@ -8,6 +8,7 @@ scale for every block holding NaN/Inf); the caller turns that into an error wher
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from agoq.quant.packing import group_shape
 from agoq.quant.qtensor import (
     FLOAT_DTYPES,
     QTensor,
+    check_dequantize_args,
     dequantize_each_row,
     dequantize_padded_rows,
     quantize_each_row_into,
@@ -43,8 +45,17 @@ INTERPRETED = _interpreted()
 # the interpreter each program has a large fixed cost whatever its size, so tiles are larger there.
 GPU_TILE = 2048
 INTERPRETER_TILE = 16384
+GPU_WARPS = 8
 # Largest block the kernels take (one block is one row of a register tile).
 MAX_BLOCK = 8192
+# The norm kernels hold whole rows in registers, a row per program (several where rows are short).
+# Row values per thread: at 16, every norm kernel stays at or under 128 registers with no spills
+# (ptxas for sm_90, every format kind); a row of 8192 at 8 warps (32 a thread) took up to 240,
+# one 8-warp block per SM.
+NORM_VALUES_PER_THREAD = 16
+# Widest row the norm kernels take: at 16384 the quantize and backward kernels spill (72 to 260
+# bytes a thread) even at 32 warps, the most a block has; wider rows take the torch path.
+NORM_MAX_HIDDEN = 8192
 # Programs of the norm backward: enough to fill a GPU; each writes one [hidden] partial.
 NORM_BACKWARD_PROGRAMS = 264
 
@@ -136,42 +147,79 @@ def _as_kernel_float(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return flat, False
 
 
-def _out(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(the output tensor, what the kernel writes into, whether that is bf16 as int16 bits)."""
-    out = torch.empty(n, dtype=dtype, device=device)
-    return (out, out.view(torch.int16), True) if dtype == torch.bfloat16 else (out, out, False)
+def _out(n: int, dtype: torch.dtype, device: torch.device, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(the output tensor: ``into`` or a new one, what the kernel writes into, whether that is bf16 as int16 bits)."""
+    out = torch.empty(n, dtype=dtype, device=device) if into is None else into
+    flat = out.view(-1)
+    return (out, flat.view(torch.int16), True) if dtype == torch.bfloat16 else (out, flat, False)
 
 
-def _launch_options() -> dict:
+def _check_out(
+    name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype | None, device: torch.device, contiguous: bool = True
+) -> torch.Tensor:
+    """``t`` when it is a (contiguous) tensor of ``shape`` and ``dtype`` (None: any float dtype) on ``device``."""
+    ok = (
+        isinstance(t, torch.Tensor)
+        and tuple(t.shape) == tuple(shape)
+        and (t.dtype == dtype if dtype is not None else t.dtype in FLOAT_DTYPES)
+        and t.device == device
+        and (t.is_contiguous() or not contiguous)
+    )
+    if not ok:
+        want = ("a contiguous " if contiguous else "a ") + ("floating-point" if dtype is None else str(dtype))
+        if isinstance(t, torch.Tensor):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else ", not contiguous")
+        else:
+            got = type(t).__name__
+        raise ValueError(f"{name} must be {want} tensor of shape {tuple(shape)} on {device}, got {got}")
+    return t
+
+
+def _launch_options(num_warps: int = GPU_WARPS) -> dict:
     # GPUs must not contract v * s + g into an FMA (the reference rounds the product first); the
     # interpreter takes no compiler options.
-    return {} if INTERPRETED else dict(enable_fp_fusion=False, num_warps=8)
+    return {} if INTERPRETED else dict(enable_fp_fusion=False, num_warps=num_warps)
 
 
-def _launch_blocks(kernel: triton.JITFunction, constants: dict, nblocks: int, bp: int, *args, **flags) -> None:
+def _launch(kernel: triton.JITFunction, programs: int, device: torch.device, *args, num_warps: int = GPU_WARPS, **kwargs) -> None:
+    """Launch ``programs`` programs of ``kernel`` on ``device``, the GPU its tensors are on."""
+    # Triton launches on the current CUDA device, which need not hold the tensors (a model spread
+    # over GPUs by device_map="auto"): the kernel would read another GPU's addresses.
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        kernel[(programs,)](*args, **kwargs, **_launch_options(num_warps))
+
+
+def _launch_blocks(kernel: triton.JITFunction, constants: dict, nblocks: int, bp: int, device: torch.device, *args, **flags) -> None:
     """Launch a kernel over ``nblocks`` blocks (tile rows of ``bp`` lanes), as many a program as a tile holds."""
     r = _rows_per_program(bp)
-    kernel[(triton.cdiv(nblocks, r),)](*args, BP=bp, R=r, **flags, **constants, **_launch_options())
+    _launch(kernel, triton.cdiv(nblocks, r), device, *args, BP=bp, R=r, **flags, **constants)
 
 
 # ---- quantize / dequantize -------------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
-    """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf)."""
+def quantize(x: torch.Tensor, fmt: QuantFormat, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> QTensor:
+    """Block-wise nearest quantization of ``x`` (NaN scale for blocks holding NaN/Inf); its payload
+    and scales are ``out`` (contiguous uint8 bytes, fp32 scales) when given."""
     _check_device(x)
     spec = _spec(fmt, str(x.device))
     flat, bf16 = _as_kernel_float(stored_values(x, fmt))
     n = flat.numel()
     nblocks, nbytes = fmt.num_blocks(n), fmt.payload_bytes(n)
-    payload = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(nblocks, dtype=SCALE_DTYPE, device=x.device)
+    if out is None:
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(nblocks, dtype=SCALE_DTYPE, device=x.device)
+    else:
+        payload = _check_out("out[0] (the payload)", out[0], (nbytes,), torch.uint8, x.device)
+        scales = _check_out("out[1] (the scales)", out[1], (nblocks,), SCALE_DTYPE, x.device)
     if n:
         _launch_blocks(
             K.quantize_kernel,
             spec.constants(),
             nblocks,
             spec.bp,
+            x.device,
             flat,
             payload,
             scales,
@@ -186,15 +234,18 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); written into ``out`` when given."""
+    """The tensor ``q`` represents, in its shape and dtype (or ``dtype``); with ``out`` (q.numel
+    values of any float dtype and shape, as the reference takes), written there and ``out`` returned."""
+    if out is not None:
+        check_dequantize_args(q, dtype, out)
     if q.padded_rows:
         return dequantize_padded_rows(q, dtype, out, dequantize)
-    if out is not None:
+    if out is not None and not out.is_contiguous():
         return out.copy_(dequantize(q, out.dtype).view(out.shape))
     _check_device(q.payload)
     spec = _spec(q.fmt, str(q.device))
     n = q.numel
-    out, target, bf16 = _out(n, dtype or q.dtype, q.device)
+    result, target, bf16 = _out(n, (dtype or q.dtype) if out is None else out.dtype, q.device, out)
     if n:
         nblocks = q.scales.numel()
         _launch_blocks(
@@ -202,6 +253,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
             spec.unpacking(),
             nblocks,
             spec.bp,
+            q.device,
             q.payload,
             q.scales,
             spec.values,
@@ -211,42 +263,64 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
             q.payload.numel(),
             OUT_BF16=bf16,
         )
-    return out.view(q.shape)
+    return result.view(q.shape) if out is None else out
 
 
-def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:
-    """Writes into ``out`` ([W, n] values, n whole blocks) the values of W rows of ``fmt`` (payload
-    [W, bytes], scales [W, n / block], e.g. rows of a collective's wire buffer), a launch per row."""
-    dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
+def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> torch.Tensor:
+    """Writes into ``out`` (contiguous [W, n] values, n whole blocks, any float dtype) the values of
+    W rows of ``fmt`` (payload [W, bytes], scales [W, n / block], e.g. rows of a collective's wire
+    buffer) and returns it: one launch where the rows are contiguous, else a launch per row."""
+    w, nblocks = scale_rows.shape
+    n = nblocks * fmt.block_size
+    _check_out("out", out, (w, n), None, payload_rows.device)
+    if payload_rows.is_contiguous() and scale_rows.is_contiguous():
+        dequantize(QTensor(payload_rows.view(-1), scale_rows.view(-1), torch.Size([w * n]), out.dtype, fmt), out=out.view(-1))
+    else:
+        dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
+    return out
 
 
 def quantize_rows_into(x: torch.Tensor, payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: QuantFormat) -> None:
     """Quantizes ``x`` ([W, n] values, n whole blocks) into ``payload_rows`` ([W, bytes]) and
     ``scale_rows`` ([W, n / block]), any row stride (NaN scales for blocks holding NaN/Inf): one
-    launch, then copies into the rows."""
-    quantize_each_row_into(x, payload_rows, scale_rows, fmt, quantize)
+    launch, straight into them where both are contiguous, else followed by copies into the rows."""
+    rows, n = x.shape
+    if n % fmt.block_size:
+        raise ValueError(f"rows of {n} values are not whole blocks of {fmt.block_size} ({fmt.name})")
+    _check_out("payload_rows", payload_rows, (rows, fmt.payload_bytes(n)), torch.uint8, x.device, contiguous=False)
+    _check_out("scale_rows", scale_rows, (rows, n // fmt.block_size), SCALE_DTYPE, x.device, contiguous=False)
+    if payload_rows.is_contiguous() and scale_rows.is_contiguous():
+        quantize(x, fmt, out=(payload_rows.view(-1), scale_rows.view(-1)))
+    else:
+        # Not a launch per row: callers batch many short rows into one call, each launch a fixed cost.
+        quantize_each_row_into(x, payload_rows, scale_rows, fmt, quantize)
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
 
 
 def norm_supported(hidden: int, fmt: QuantFormat) -> bool:
-    """Whether the fused norm kernels take rows of ``hidden`` values in ``fmt``: whole power-of-two blocks per row."""
+    """Whether the fused norm kernels take rows of ``hidden`` values in ``fmt``: whole power-of-two blocks per row, at most NORM_MAX_HIDDEN."""
     b = fmt.block_size
-    return supports(fmt) and b & (b - 1) == 0 and hidden % b == 0 and hidden <= 65536
+    return supports(fmt) and b & (b - 1) == 0 and hidden % b == 0 and hidden <= NORM_MAX_HIDDEN
 
 
 def _check_norm(hidden: int, fmt: QuantFormat) -> None:
     if not norm_supported(hidden, fmt):
         raise ValueError(
-            f"the fused RMSNorm kernels need rows of whole power-of-two blocks; hidden={hidden} with {fmt.name} "
-            "is not; use the torch backend for this layer"
+            f"the fused RMSNorm kernels need rows of whole power-of-two blocks, at most {NORM_MAX_HIDDEN} values; "
+            f"hidden={hidden} with {fmt.name} is not; use the torch backend for this layer"
         )
 
 
 def _row_tiling(hidden: int) -> tuple[int, int]:
     hp = triton.next_power_of_2(hidden)
     return hp, _rows_per_program(hp)
+
+
+def norm_warps(hp: int) -> int:
+    """Warps of a norm kernel's program over rows of ``hp`` lanes: NORM_VALUES_PER_THREAD values of a row per thread."""
+    return max(GPU_WARPS, hp // (32 * NORM_VALUES_PER_THREAD))
 
 
 def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: QuantFormat) -> tuple[torch.Tensor, QTensor]:
@@ -263,7 +337,10 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Qu
     scales = torch.empty(fmt.num_blocks(n), dtype=SCALE_DTYPE, device=x.device)
     if n:
         hp, rt = _row_tiling(hidden)
-        K.rms_norm_quantize_kernel[(triton.cdiv(tokens, rt),)](
+        _launch(
+            K.rms_norm_quantize_kernel,
+            triton.cdiv(tokens, rt),
+            x.device,
             flat,
             weight.detach().contiguous(),
             target,
@@ -278,25 +355,33 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Qu
             H=hidden,
             HP=hp,
             RT=rt,
+            num_warps=norm_warps(hp),
             **spec.constants(),
-            **_launch_options(),
         )
     return h.view(x.shape), QTensor(payload, scales, x.shape, x.dtype, fmt)
 
 
-def rms_norm_recompute(q: QTensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x) * weight in out_dtype, fp32 rstd [..., 1]) of the x that ``q`` holds, in one pass."""
+def rms_norm_recompute(
+    q: QTensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x) * weight in out_dtype, written into ``out`` when given, and fp32 rstd [..., 1]) of
+    the x that ``q`` holds, in one pass."""
     _check_device(q.payload)
     hidden = q.shape[-1]
     _check_norm(hidden, q.fmt)
     spec = _spec(q.fmt, str(q.device))
     n = q.numel
     tokens = n // hidden
-    h, target, bf16 = _out(n, out_dtype, q.device)
+    if out is not None:
+        _check_out("out", out, q.shape, out_dtype, q.device)
+    h, target, bf16 = _out(n, out_dtype, q.device, out)
     rstd = torch.empty(tokens, dtype=torch.float32, device=q.device)
     if n:
         hp, rt = _row_tiling(hidden)
-        K.rms_norm_recompute_kernel[(triton.cdiv(tokens, rt),)](
+        _launch(
+            K.rms_norm_recompute_kernel,
+            triton.cdiv(tokens, rt),
+            q.device,
             q.payload,
             q.scales,
             spec.values,
@@ -310,16 +395,23 @@ def rms_norm_recompute(q: QTensor, weight: torch.Tensor, eps: float, out_dtype: 
             H=hidden,
             HP=hp,
             RT=rt,
+            num_warps=norm_warps(hp),
             **spec.unpacking(),
-            **_launch_options(),
         )
-    return h.view(q.shape), rstd.view(*q.shape[:-1], 1)
+    return h.view(q.shape) if out is None else out, rstd.view(*q.shape[:-1], 1)
 
 
 def rms_norm_backward(
-    grad_h: torch.Tensor, q: QTensor, rstd: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype, need_weight_grad: bool
+    grad_h: torch.Tensor,
+    q: QTensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    x_dtype: torch.dtype,
+    need_weight_grad: bool,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(grad of x in x_dtype, grad of weight in its dtype) of RMSNorm at the x that ``q`` holds."""
+    """(grad of x in x_dtype, written into ``out`` when given, grad of weight in its dtype) of
+    RMSNorm at the x that ``q`` holds."""
     _check_device(q.payload)
     hidden = q.shape[-1]
     _check_norm(hidden, q.fmt)
@@ -327,12 +419,17 @@ def rms_norm_backward(
     g, gbf16 = _as_kernel_float(grad_h)
     n = q.numel
     tokens = n // hidden
-    gx, target, bf16 = _out(n, x_dtype, q.device)
+    if out is not None:
+        _check_out("out", out, q.shape, x_dtype, q.device)
+    gx, target, bf16 = _out(n, x_dtype, q.device, out)
     hp, rt = _row_tiling(hidden)
     programs = max(1, min(triton.cdiv(tokens, rt), NORM_BACKWARD_PROGRAMS))
     partials = torch.empty(programs, hidden, dtype=torch.float32, device=q.device)
     if n:
-        K.rms_norm_backward_kernel[(programs,)](
+        _launch(
+            K.rms_norm_backward_kernel,
+            programs,
+            q.device,
             g,
             q.payload,
             q.scales,
@@ -349,13 +446,13 @@ def rms_norm_backward(
             H=hidden,
             HP=hp,
             RT=rt,
+            num_warps=norm_warps(hp),
             **spec.unpacking(),
-            **_launch_options(),
         )
     gw = partials.sum(0).to(weight.dtype) if need_weight_grad else None
     if gw is not None and not n:
         gw.zero_()
-    return gx.view(q.shape), gw
+    return gx.view(q.shape) if out is None else out, gw
 
 
 # ---- SwiGLU ----------------------------------------------------------------------------------------------
@@ -383,6 +480,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
             spec.constants(),
             nblocks,
             spec.bp,
+            gate.device,
             g,
             u,
             target,
@@ -400,20 +498,32 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
 
 
 def swiglu_backward(
-    grad_act: torch.Tensor, qg: QTensor, qu: QTensor, grad_dtype: torch.dtype, act_dtype: torch.dtype | None
+    grad_act: torch.Tensor,
+    qg: QTensor,
+    qu: QTensor,
+    grad_dtype: torch.dtype,
+    act_dtype: torch.dtype | None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up) from quantized gate and up."""
+    """(SiLU(gate) * up in act_dtype or None, grad of gate, grad of up) from quantized gate and up;
+    the gradients written into ``out`` (grad of gate, grad of up; apart from ``grad_act``) when given."""
     _check_device(qg.payload)
     if qg.shape != qu.shape or qg.fmt != qu.fmt or tuple(grad_act.shape) != tuple(qg.shape):
         raise ValueError(f"gate {tuple(qg.shape)} {qg.fmt}, up {tuple(qu.shape)} {qu.fmt} and the gradient {tuple(grad_act.shape)} must match")
     if act_dtype is not None and act_dtype != grad_dtype:
         raise ValueError(f"the recomputed product and the gradients share one dtype here, got {act_dtype} and {grad_dtype}")
+    if out is not None:
+        for i, what in enumerate(("gate", "up")):
+            _check_out(f"out[{i}] (the grad of {what})", out[i], qg.shape, grad_dtype, qg.device)
+        if qg.padded_rows:  # the kernel writes rows padded to whole blocks, which out has no room for
+            act, gg, gu = swiglu_backward(grad_act, qg, qu, grad_dtype, act_dtype)
+            return act, out[0].copy_(gg), out[1].copy_(gu)
     spec = _spec(qg.fmt, str(qg.device))
     # Rows that are not whole blocks run padded, as their codes are stored; the padding is dropped after.
     ga, gabf16 = _as_kernel_float(stored_values(grad_act, qg.fmt))
     n = qg.stored_numel
-    gg, gg_t, bf16 = _out(n, grad_dtype, qg.device)
-    gu, gu_t, _ = _out(n, grad_dtype, qg.device)
+    gg, gg_t, bf16 = _out(n, grad_dtype, qg.device, None if out is None else out[0])
+    gu, gu_t, _ = _out(n, grad_dtype, qg.device, None if out is None else out[1])
     act, act_t = (None, gg_t) if act_dtype is None else _out(n, act_dtype, qg.device)[:2]
     nblocks = qg.scales.numel()
     if n:
@@ -422,6 +532,7 @@ def swiglu_backward(
             spec.unpacking(),
             nblocks,
             spec.bp,
+            qg.device,
             ga,
             qg.payload,
             qg.scales,
@@ -438,7 +549,10 @@ def swiglu_backward(
             OUT_BF16=bf16,
             NEED_ACT=act is not None,
         )
-    return (None if act is None else unpadded_rows(act, qg.shape, qg.fmt)), unpadded_rows(gg, qg.shape, qg.fmt), unpadded_rows(gu, qg.shape, qg.fmt)
+    act = None if act is None else unpadded_rows(act, qg.shape, qg.fmt)
+    if out is not None:
+        return act, gg, gu
+    return act, unpadded_rows(gg, qg.shape, qg.fmt), unpadded_rows(gu, qg.shape, qg.fmt)
 
 
 # ---- QuanGrad ------------------------------------------------------------------------------------------
@@ -466,6 +580,7 @@ def accumulate_(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor,
             spec.constants(),
             nblocks,
             spec.bp,
+            payload.device,
             payload,
             scales,
             g,
@@ -520,6 +635,7 @@ def reduce_rows(
             spec.constants(),
             nblocks,
             spec.bp,
+            dev,
             payload_rows,
             payload_rows.stride(0),
             scale_rows,
