@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from agoq.activation.ops import _norm_backward, _norm_forward
 from agoq.compat import assert_on_device
+from agoq.quant.pieces import piece_values
 
 # A chunk's fp32 logits take at most this many bytes; the chunk's working set is about three times
 # that (the logits in the hidden dtype, their fp32 log-probs turned in place into the gradient, and
@@ -55,7 +56,8 @@ CHUNK_ROWS_PER_HIDDEN = 2
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Elements of the reused blocks through which a low-precision weight gradient reaches its fp32 sum.
+# Elements of the reused blocks through which a low-precision weight gradient reaches its fp32 sum
+# on a CPU (agoq.quant.pieces: a GPU's blocks are 2^24 elements, a 128K x 2048 head in 16 blocks, not 1,000).
 _BLOCK_ELEMENTS = 2**21
 
 
@@ -564,7 +566,7 @@ class _WeightGradSum:
         vocab, hidden = weight.shape
         # Low-precision products go through small reused blocks of vocab rows: one [vocab, hidden]
         # temporary per chunk, plus its mixed-dtype add, cost as much as the GEMM itself on CPU.
-        self.rows = min(vocab, max(1, _BLOCK_ELEMENTS // hidden))
+        self.rows = min(vocab, max(1, piece_values(weight.device, _BLOCK_ELEMENTS) // hidden))
 
     def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
         """Add one chunk's g.T @ h ([chunk, vocab] and [chunk, hidden])."""

@@ -212,23 +212,23 @@ def _norm_linear_backward(
     for r0, r1 in _row_chunks(grad_rows.shape[0], width, fmt.block_size, payload.device, NORM_CHUNK_VALUES):
         q_rows = q.rows(r0, r1)
         if kernels is not None:  # dequantize + norm recompute in one pass; fp32 x never exists
-            x = None
-            h, rstd = kernels.rms_norm_recompute(q_rows, norm_weight, eps, dtype)
+            x = None  # the kernels write h and the grad of x into their rows: no copy pass after
+            h, rstd = kernels.rms_norm_recompute(q_rows, norm_weight, eps, dtype, out=None if h_all is None else h_all[r0:r1])
         else:
             # Under the compiled backend the recompute is one fused loop (and so is the backward
             # below); its reductions may sum in another order: h agrees within dtype rounding.
             x = dequantize(q_rows, torch.float32)
             h, rstd = recompute(x, norm_weight)
-        if h_all is not None:
+        if h_all is not None and x is not None:
             h_all[r0:r1].copy_(h)
         grad_h = _norm_output_grad(outputs, dense, r0, r1, width)
         lora.add_rows(grad_h, h, r0)  # the adapters' shares of grad_h, and their gradients from h's rows
         del h
         if x is None:
-            gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight)
+            gx, gw = kernels.rms_norm_backward(grad_h, q_rows, rstd, norm_weight, dtype, need_norm_weight, out=grad_rows[r0:r1])
         else:
             gx, gw = norm_backward(grad_h, x, rstd, norm_weight)
-        grad_rows[r0:r1].copy_(gx)
+            grad_rows[r0:r1].copy_(gx)
         if gw is not None:
             grad_norm_weight = gw.float() if grad_norm_weight is None else grad_norm_weight.add_(gw)
         del gx, gw, grad_h, x
@@ -497,18 +497,19 @@ def _swiglu_linear_backward(
     a_inputs = [lora_grad_a_input(go, ad) for ad, *_ in adapters]
     for (ad, mask, _, _), ga_in in zip(adapters, a_inputs):
         lora_backward_rows(ad, mask, ga_in, 0, grad=grad_act)
+    into_rows = eager or kernels is not None  # the gradients written into their rows, not copied there
     for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
         grad_act_rows = grad_act[r0:r1]
         g_chunk, u_chunk = qg.rows(r0, r1), qu.rows(r0, r1)
-        if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass
-            act, gg, gu = kernels.swiglu_backward(grad_act_rows, g_chunk, u_chunk, gdtype, act_dtype)
+        if kernels is not None:  # dequantize, recompute SiLU(gate) * up and both gradients in one pass, into their rows
+            act, gg, gu = kernels.swiglu_backward(grad_act_rows, g_chunk, u_chunk, gdtype, act_dtype, out=(gate_rows[r0:r1], up_rows[r0:r1]))
         elif of_codes is not None and g_chunk.whole_blocks and u_chunk.whole_blocks:  # a chunk is, except maybe the last
             act, gg, gu = of_codes(grad_act_rows, g_chunk, u_chunk)
         else:
             # Arguments passed without names, so the formula can drop each after its last use.
             into = {"out": (gate_rows[r0:r1], up_rows[r0:r1])} if eager else {}
             act, gg, gu = formula(grad_act_rows, dequantize(g_chunk, torch.float32), dequantize(u_chunk, torch.float32), **into)
-        if not eager:
+        if not into_rows:
             gate_rows[r0:r1].copy_(gg)
             up_rows[r0:r1].copy_(gu)
         del gg, gu

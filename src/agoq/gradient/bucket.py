@@ -89,7 +89,11 @@ class Bucket:
         self.wire[:, pb:].view(torch.float32).copy_(q.scales.view(w, -1))
 
     def reset(self) -> None:
-        """Empty the bucket for the next step."""
+        """Empty the bucket for the next step, once any collective still in flight on it is done."""
+        if self.reduction is not None:
+            # Its all-to-all reads these rows and its all-gather writes them: zeroing them now
+            # would race with the peers' bytes arriving (a step abandoned mid-backward).
+            self.reduction.drain()
         # A zero scale makes every code decode to 0, whatever the payload holds.
         self.wire[:, self.layout.row_payload_bytes :].zero_()
         self.pending = len(self.segments)

@@ -154,14 +154,29 @@ def chunk_layout(numel: int, world_size: int, fmt: QuantFormat | str | None = No
 
 
 @contextmanager
-def timed_phase(timings: dict[str, float] | None, key: str) -> Iterator[None]:
-    """Add the seconds the block takes to ``timings[key]`` (nothing when ``timings`` is None)."""
+def timed_phase(timings: dict[str, float] | None, key: str, device: torch.device | None = None) -> Iterator[None]:
+    """Add the seconds the block takes to ``timings[key]`` (nothing when ``timings`` is None).
+
+    On a GPU (``device``) the seconds are the device's, between events recorded on its current
+    stream around the block: the host only enqueues kernels and NCCL work, so its clock would time
+    the enqueueing. The phase then waits for its end event (timings are for measuring only).
+    """
     if timings is None:
         yield
         return
-    t0 = time.perf_counter()
-    yield
-    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+    if device is not None and device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000  # elapsed_time is in milliseconds
+    else:
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+    timings[key] = timings.get(key, 0.0) + seconds
 
 
 def padded_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
@@ -304,9 +319,8 @@ class EightBitReduction:
     gathers into them (a QTensor's rows are copied into wire rows of its own). ``recv``: free
     rows (uint8 [W, row_bytes]) to receive the all-to-all into, e.g. :func:`receiving_rows` of the
     tensor the result replaces, in place of a new tensor; only for a reduction that owns its rows,
-    so that the gathered rows never land there. Construction starts the all-to-all (async).
-    Every rank must call the methods of its reductions in the same order, as for any
-    torch.distributed collective.
+    so that the gathered rows never land there. Construction starts the all-to-all (async). Every
+    rank calls the methods of its reductions in the same order, as for any collective.
     """
 
     def __init__(
@@ -340,9 +354,8 @@ class EightBitReduction:
         _check_rows(rows, layout)
         _check_recv(recv, layout, owns_rows)
         # One message per destination rank, payload then scales: a second all-to-all would cost a
-        # whole collective's latency again. A QTensor's
-        # rows are copied into that layout (1/4 of the fp32 tensor, until the all-to-all
-        # completes); a gradient bucket's storage is that layout and goes as it is.
+        # whole collective's latency again. A QTensor's rows are copied into that layout (1/4 of the
+        # fp32 tensor, until the all-to-all completes); a bucket's storage is that layout already.
         self._gather_work: dist.Work | None = None
         self._gather_send: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
@@ -365,7 +378,7 @@ class EightBitReduction:
         if owns_rows or not isinstance(rows, torch.Tensor):
             self._own_send = self._send
         self._recv = torch.empty_like(self._send) if recv is None else recv
-        with timed_phase(timings, "all_to_all"):
+        with timed_phase(timings, "all_to_all", self._device):
             self._a2a = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
             if timings is not None:
                 wait_for(self._a2a, self._poll)
@@ -385,7 +398,7 @@ class EightBitReduction:
             return rows.payload.view(1, -1), rows.scales.view(1, -1), None
         if self._recv is None:
             raise RuntimeError("this reduction was already reduced")
-        with timed_phase(self.timings, "all_to_all"):
+        with timed_phase(self.timings, "all_to_all", self._device):
             if self._a2a is not None:
                 wait_for(self._a2a, self._poll)
         self._a2a, self._send = None, None
@@ -421,7 +434,7 @@ class EightBitReduction:
         """This rank's chunk summed (or averaged) over ranks in fp32: [padded_chunk] values."""
         *recv, _ = self._take_received()
         self._own_send = None
-        with timed_phase(self.timings, "reduce"):
+        with timed_phase(self.timings, "reduce", self._device):
             kernels = backend.kernels(self._device, self.layout.fmt)
             if kernels is not None:
                 # Compiled or Triton: dequantize the W rows, sum in fp32 in rank order and
@@ -468,7 +481,7 @@ class EightBitReduction:
         )
         send = out[self.rank] if in_place else torch.empty(layout.row_bytes, dtype=torch.uint8, device=self._device)
         payload, scales = send[:pb], send[pb:].view(torch.float32)
-        with timed_phase(self.timings, "reduce"):
+        with timed_phase(self.timings, "reduce", self._device):
             kernels = backend.kernels(self._device, fmt)
             for start, end in self._pieces(fused=kernels is not None):
                 b0, b1 = start // fmt.block_size, end // fmt.block_size
@@ -487,7 +500,7 @@ class EightBitReduction:
     def start_gather(self, reduced: torch.Tensor) -> None:
         """Re-quantize this rank's reduced chunk and start the all-gather of every rank's chunk."""
         layout = self.layout
-        with timed_phase(self.timings, "reduce"):
+        with timed_phase(self.timings, "reduce", self._device):
             done, self._requantized = self._requantized, None
             fresh = done is not None and done[0] is reduced and reduced._version == done[1]  # not modified since
             q = done[2] if fresh else quantize(reduced, layout.fmt, nonfinite="propagate")
@@ -505,7 +518,7 @@ class EightBitReduction:
         if w == 1:
             self._gathered = send.view(1, layout.row_bytes)
             return
-        with timed_phase(self.timings, "all_gather"):
+        with timed_phase(self.timings, "all_gather", self._device):
             if self.nodes is not None:
                 # Step 1 of 2 (gathers_by_node): the chunks of this rank's peers on the other nodes.
                 flat = torch.empty(self.nodes.nodes * layout.row_bytes, dtype=torch.uint8, device=send.device)
@@ -524,12 +537,19 @@ class EightBitReduction:
             if self.timings is not None:
                 wait_for(self._gather_work, self._poll)
 
+    def drain(self) -> None:
+        """Wait for the collectives in flight and release the buffers, reducing nothing (their rows are to be reused)."""
+        for work in (w for w in (self._a2a, self._gather_work) if w is not None):
+            work.wait()
+        self._a2a = self._gather_work = self._send = self._recv = self._own_send = self._gather_send = None
+        self._gathered = self._rows = self._requantized = None
+
     def gathered(self) -> torch.Tensor:
         """The all-gathered wire bytes, uint8 [world_size, row_bytes], identical on every rank."""
         if self._gathered is None:
             raise RuntimeError("call start_gather() before gathered()")
         if self._gather_work is not None:
-            with timed_phase(self.timings, "all_gather"):
+            with timed_phase(self.timings, "all_gather", self._device):
                 wait_for(self._gather_work, self._poll)
                 self._gather_work = self._gather_send = None
                 if self.nodes is not None:
@@ -641,7 +661,7 @@ def _dequantize_gathered(r: EightBitReduction, flat: torch.Tensor) -> None:
     kernels in one call where the rows are whole chunks with no padding, else row by row."""
     wire = r.gathered()
     layout = r.layout
-    with timed_phase(r.timings, "dequantize"):
+    with timed_phase(r.timings, "dequantize", wire.device):
         kernels = backend.kernels(wire.device, layout.fmt)
         if kernels is not None and layout.unpadded and flat.dtype == torch.float32:
             pb = layout.row_payload_bytes
@@ -709,7 +729,7 @@ def start_reduction(
     own (:func:`quantize_to_wire`), its all-to-all started. ``consume``: the tensor's bytes receive
     the rows (:func:`receiving_rows`; the result replaces the tensor). ``kwargs``: the reduction's
     (counter, name, nodes)."""
-    with timed_phase(timings, "quantize"):
+    with timed_phase(timings, "quantize", tensor.device):
         rows = quantize_to_wire(tensor, layout)
     recv = receiving_rows(tensor, layout) if consume else None
     return EightBitReduction(rows, layout, op, group, timings=timings, owns_rows=True, recv=recv, **kwargs)

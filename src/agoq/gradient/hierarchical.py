@@ -117,15 +117,15 @@ def all_reduce_hierarchical(
     op = parse_op(op)
     counter = COMM_COUNTER if counter is None else counter
     layout = hierarchical_layout(tensor.numel(), groups.node_size, groups.nodes, intra_fmt, inter_fmt)
-    with timed_phase(timings, HOP_NAMES[0]):
+    with timed_phase(timings, HOP_NAMES[0], tensor.device):
         hop1 = start_reduction(tensor, layout.outer, op, groups.intra, consume=True, counter=counter, name=HOP_NAMES[0])
         partial = hop1.reduce()[: layout.outer.chunk]
-    with timed_phase(timings, HOP_NAMES[1]):
+    with timed_phase(timings, HOP_NAMES[1], tensor.device):
         hop2 = start_reduction(partial, layout.inner, op, groups.inter, consume=True, counter=counter, name=HOP_NAMES[1])
         del partial
         hop2.reduce_and_gather()
         chunk_bytes = hop2.gathered().reshape(-1)
-    with timed_phase(timings, HOP_NAMES[2]):
+    with timed_phase(timings, HOP_NAMES[2], tensor.device):
         inner = layout.inner
         counter.record(
             HOP_NAMES[2],
@@ -133,7 +133,7 @@ def all_reduce_hierarchical(
             (groups.node_size - 1) * inner.world_size * inner.row_scale_bytes,
         )
         wire = gather_within_node(chunk_bytes, groups)
-    with timed_phase(timings, "dequantize"):
+    with timed_phase(timings, "dequantize", tensor.device):
         flat = (
             tensor.view(-1)
             if tensor.is_contiguous() and tensor.dtype == torch.float32

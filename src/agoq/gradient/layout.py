@@ -19,18 +19,15 @@ import torch
 
 from agoq.quant import QuantFormat
 from agoq.quant.formats import round_up
+from agoq.quant.pieces import piece_values
 
 from agoq.gradient.collectives import ChunkLayout, chunk_layout
 
 # DDP's default bucket_cap_mb, counted like DDP: full-precision (fp32) gradient bytes per bucket.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 # Values folded or read back per call on a CPU (rounded to whole blocks): the fp32 temporaries
-# stay a few hundred KiB, within the core's cache, whatever the parameter's size.
+# stay a few hundred KiB, within the core's cache, whatever the parameter's size (agoq.quant.pieces).
 FOLD_PIECE = 1 << 15
-# The same on a GPU: each piece costs a few kernel launches, so pieces are as large as a bucket row
-# usually is (64 MiB of fp32 temporaries at most); 32K-value pieces would make a 1B model's
-# gradient norm some 190K launches.
-DEVICE_PIECE = 1 << 24
 
 Params = torch.nn.Module | Iterable[torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]]
 
@@ -183,7 +180,7 @@ class GradLayout:
 
     def piece(self, device: torch.device) -> int:
         """Values dequantized at once when folding or reading back on ``device``, in whole blocks."""
-        return self.whole_blocks(FOLD_PIECE if device.type == "cpu" else DEVICE_PIECE)
+        return self.whole_blocks(piece_values(device, FOLD_PIECE))
 
 
 def named_params(params: Params) -> tuple[list[str], list[torch.nn.Parameter]]:

@@ -6,11 +6,18 @@ the previous bucket's reduce and all-gather are issued right after, so every ran
 collectives in the same order. :meth:`BucketPipeline.finish` completes the rest, then agrees on
 non-finite gradients with one small all-reduce; a step that saw one anywhere is skipped on every
 rank and the buffer is emptied.
+
+On a GPU the buckets' collectives and the reduction kernels around them run on a side stream,
+which waits for the folds before each bucket starts: the backward's kernels on the default stream
+never queue behind a bucket's reduction, nor wait for its all-to-all on a slow link. The default
+stream waits for the side stream once, at finish().
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import ContextManager
 
 import torch
 
@@ -59,6 +66,8 @@ class BucketPipeline:
         self.world_size, self.rank = world_of(group)
         self.microbatches = microbatches
         self.peak_shard_bytes = 0
+        device = folder.device
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" and self.communicates else None
         self.skipped_steps = 0
         self.nonfinite: list[tuple[int, str]] = []
         self.reset()
@@ -74,6 +83,8 @@ class BucketPipeline:
             self.microbatches = microbatches
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if self._side is not None:  # a step abandoned before finish(): its kernels write the buckets
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
         for b in self.buckets:
             b.reset()
         if self.encoder is not None:
@@ -119,7 +130,10 @@ class BucketPipeline:
         """Complete every bucket's collective and agree on non-finite gradients; False = skip step."""
         if self.finished:
             return self.ok
-        self._complete_all()
+        with self._on_side():
+            self._complete_all()
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
         self.nonfinite = []
         flags = agree_nonfinite(self.folder.first_nonfinite(), self.group, device=self.folder.device, counter=self.counter)
         self.finished = True
@@ -136,14 +150,23 @@ class BucketPipeline:
         self._next = b + 1
         if not self.overlap:
             return
-        self._start(bucket)
-        # Keep at most three buckets' communication in flight (this one's all-to-all, the previous
-        # one's all-gather, and the one before it finishing): temporaries stay a few buckets' worth
-        # whatever the model size, and each collective had a whole bucket's time to complete.
-        if b > 0:
-            self._progress(self.buckets[b - 1])
-        if b > 1:
-            self._complete(self.buckets[b - 2])
+        with self._on_side():
+            self._start(bucket)
+            # Keep at most three buckets' communication in flight (this one's all-to-all, the previous
+            # one's all-gather, and the one before it finishing): temporaries stay a few buckets' worth
+            # whatever the model size, and each collective had a whole bucket's time to complete.
+            if b > 0:
+                self._progress(self.buckets[b - 1])
+            if b > 1:
+                self._complete(self.buckets[b - 2])
+
+    def _on_side(self) -> ContextManager[object]:
+        """The side stream as the current one, once it has waited for the work queued so far (the
+        folds into the buckets it sends); a no-op off the GPU or on one rank."""
+        if self._side is None:
+            return contextlib.nullcontext()
+        self._side.wait_stream(torch.cuda.current_stream(self._side.device))
+        return torch.cuda.stream(self._side)
 
     def _start(self, bucket: Bucket) -> None:
         if not self.communicates:

@@ -142,7 +142,7 @@ class GradReader:
         buffer's device, never read by the host here (the trainer reads it once per step, with the loss).
 
         Compiled CPU code reads each bucket row in one pass; elsewhere a piece of a row is
-        dequantized at a time (GradLayout.piece: cache-sized on a CPU, most of a row on a GPU).
+        dequantized at a time (GradLayout.piece: cache-sized for the CPU formulas, 2^24 values for the kernels).
         """
         self.check_readable()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
