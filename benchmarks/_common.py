@@ -89,8 +89,11 @@ def git_revision() -> str:
     """The current commit (with '-dirty' if tracked files other than results have changes), or 'unknown'.
 
     Result files are left out: one benchmark writing its JSON must not mark the next one's
-    revision as modified code.
+    revision as modified code. AGOQ_REVISION, where set, is the revision: a copy of the source
+    without its .git (the GPU machine's) gets it from whoever copied it there.
     """
+    if os.environ.get("AGOQ_REVISION"):
+        return os.environ["AGOQ_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         changed = subprocess.run(

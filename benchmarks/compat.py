@@ -231,7 +231,7 @@ def check(env: Env, venv: Path, tests: str, timeout: float, log, out_dir: Path |
     out["tests"] = {"selection": tests, "exit_code": rc, **_junit_counts(junit)}
     if not env.install_agoq:
         dry = (out_dir or RESULTS_DIR) / "gpu_image_dry_run"
-        rc = _run(["bash", "benchmarks/gpu/run_h200.sh", "--dry-run", str(venv / "gpu-dry-run")], log, env={**run_env, "PYTHON": py}, timeout=timeout)
+        rc = _run(["bash", "benchmarks/gpu/run.sh", "--dry-run", str(venv / "gpu-dry-run")], log, env={**run_env, "PYTHON": py}, timeout=timeout)
         out["gpu_check_dry_run"] = {"exit_code": rc, "log_folder": str(dry.relative_to(REPO) if dry.is_relative_to(REPO) else dry)}
         shutil.rmtree(dry, ignore_errors=True)
         shutil.copytree(venv / "gpu-dry-run", dry)
@@ -271,7 +271,7 @@ def readme_markdown(results: dict[str, Any]) -> str:
         dry = row.get("gpu_check_dry_run")
         if dry:
             skips.append(
-                f"- {row['env']}: the GPU check's dry run (`benchmarks/gpu/run_h200.sh --dry-run`) exited {dry['exit_code']}; its logs are in `{dry['log_folder']}/`"
+                f"- {row['env']}: the GPU check's dry run (`benchmarks/gpu/run.sh --dry-run`) exited {dry['exit_code']}; its logs are in `{dry['log_folder']}/`"
             )
     return "\n".join(lines) + ("\n\n" + "\n".join(skips) if skips else "")
 

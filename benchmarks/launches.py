@@ -431,7 +431,7 @@ SIZES = {
     "1b-half-2l": [*LLAMA_1B_WIDTHS, "--model.n_layers=2", "--model.hidden=1024", "--model.intermediate=4096"],
 }
 # The Triton kernels run under the interpreter here (about 1.5 ms a program): tiny, one rank only.
-TRITON_SIZES = ("tiny",)
+TRITON_SIZES = ("tiny", "1b-half-2l", "1b-2l")
 
 
 def _layout(text: str) -> tuple[int, int]:

@@ -1,22 +1,25 @@
-"""The single-GPU check of agoq: kernel bandwidth, one llama3-8b decoder layer, a llama3.2-1b training run.
+"""The single-GPU check of agoq, one phase per call (benchmarks/gpu/run.sh runs each in a process of its own).
 
-Writes kernels.json (+ .png), layer.json and train.json into --out-dir. Every phase compares the
-modes side by side in one run:
+- nccl: a 1-rank NCCL group through every collective agoq calls, by the names it calls them
+  (agoq.compat), and agoq's 8-bit all-reduce, reduce-scatter and bucket pipeline: nccl.json;
+- kernels: each kernel's GB/s against a same-bytes device copy (benchmarks/kernels.py): kernels.json, .png;
+- layer: one llama3-8b decoder layer, forward + backward, bf16 against agoq on the torch and
+  Triton paths: median times, activation bytes kept, peak memory above the inputs: layer.json;
+- train: a llama3.2-1b-sized model stepped as ``agoq train`` steps it (the loss summed on the device
+  and read once a step with the gradient norm, the optimizer in groups of bounded bytes) in five
+  modes: bf16, bf16 with every layer checkpointed, agoq activations only, agoq gradients only, and
+  full agoq. Per mode: losses, per-phase times from CUDA events, max_memory_allocated and
+  _reserved, the largest micro-batch that fits, and for full agoq one profiled step (top
+  operators, kernel count): train.json, rewritten after each mode.
 
-- layer: one decoder layer with llama3-8b dimensions, forward + backward, for the bf16 baseline,
-  agoq on the torch path and agoq on the Triton path: median times, the activation bytes kept
-  between forward and backward, and the peak of torch.cuda.max_memory_allocated above the weights;
-- train: a llama3.2-1b-sized model (agoq.models preset) for a few dozen AdamW steps on bytes of
-  the standard library's pydoc topics text, bf16 baseline vs full agoq (4-bit activations, 8-bit
-  gradient buffer, Triton backend): loss per step, tokens/s after warm-up, peak memory.
-
-``--dry-run`` shrinks every size so the whole script runs in a minute on CPU (Triton under
-TRITON_INTERPRET=1); its numbers mean nothing.
+``--dry-run`` shrinks every size so that each phase runs in a minute on CPU (Triton under
+TRITON_INTERPRET=1, gloo for NCCL); it exercises every phase's code, and its numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-# agoq from this checkout's src/, and the benchmarks package at its root (run_h200.sh also sets PYTHONPATH).
+# agoq from this checkout's src/, and the benchmarks package at its root (run.sh also sets PYTHONPATH).
 for folder in (ROOT, ROOT / "src"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
@@ -145,17 +148,139 @@ def _text_tokens() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """A few dozen AdamW steps of a llama3.2-1b-sized model, bf16 baseline vs full agoq."""
-    import copy
+# name: (activation policy, gradient path, every layer under activation checkpointing)
+TRAIN_MODES = {
+    "bf16": ("bf16", "fp32", False),
+    "bf16+ac": ("bf16", "fp32", True),
+    "agoq-activations": ("agoq", "fp32", False),
+    "agoq-gradients": ("bf16", "int8", False),
+    "agoq": ("agoq", "int8", False),
+}
+STEP_PHASES = ("forward_backward", "gradient_sync", "optimizer")
 
-    from agoq.activation import make_policy
+
+class _PhaseClock:
+    """Marks between a step's phases: CUDA events on the device (the device's time, read once the
+    step is done), the host clock on a CPU dry run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks (waits for the last one)."""
+        if self.device.type == "cuda":
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+class _TrainStep:
+    """One mode's model, gradient path and optimizer, stepped as ``agoq train`` steps them: the loss
+    summed on the device, one host read per step (the non-finite flag, the norm and the loss), the
+    optimizer in groups of bounded gradient bytes."""
+
+    def __init__(self, template: torch.nn.Module, mode: str, micro: int, args: argparse.Namespace, device: torch.device) -> None:
+        import copy
+
+        from agoq.activation import make_policy
+        from agoq.gradient.sync import PlainGradientSync, QuantizedGradientSync
+        from agoq.train.config import OptimSection
+        from agoq.train.optim import MasterWeightOptimizer
+
+        acts, grads, recompute = TRAIN_MODES[mode]
+        self.model = copy.deepcopy(template)
+        self.model.set_policy(make_policy(acts))
+        if recompute:
+            self.model.recompute = set(range(len(self.model.layers)))
+        named = list(self.model.named_parameters())
+        self.opt = MasterWeightOptimizer(named, OptimSection(lr=args.lr, min_lr=args.lr, warmup_steps=0, weight_decay=0.0))
+        # The trainer's gradient paths: Megatron-style fp32 main grads, or QuanGrad's 8-bit buffer.
+        int8 = grads == "int8"
+        self.sync = QuantizedGradientSync(named, None, micro, 256) if int8 else PlainGradientSync(named, None, device, torch.float32)
+        self.device, self.micro, self.clip = device, micro, args.clip
+
+    def run(self, batches: list[torch.Tensor], clock: _PhaseClock | None = None) -> float:
+        from agoq.train.optim import step_group_bytes
+
+        mark = clock.mark if clock is not None else (lambda: None)
+        mark()
+        self.sync.start_step()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in batches:
+            loss = self.model(batch[:, :-1], batch[:, 1:])
+            (loss / self.micro).backward()
+            total += loss.detach().to(torch.float64) / self.micro
+        mark()
+        flag = torch.stack([self.sync.reduce(), self.sync.local_grad_sq_norm(), total])
+        mark()
+        nonfinite, sq, loss_value = flag.tolist()  # the step's one host read
+        if nonfinite or not math.isfinite(sq):
+            raise SystemExit("non-finite gradient")
+        norm = math.sqrt(sq)
+        coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
+        self.sync.step_optimizer(self.opt, coef, step_group_bytes(self.device))
+        self.sync.finish_step()
+        mark()
+        return loss_value
+
+
+def _largest_microbatch(template: torch.nn.Module, mode: str, tokens: torch.Tensor, args: argparse.Namespace, device: torch.device) -> int | None:
+    """The largest sequences per micro-batch (doubling from 1, up to --max-microbatch) with which one
+    step of ``mode`` fits in the GPU's memory (a dry run tries 1 and 2: nothing runs out there)."""
+    fits, b = 0, 1
+    while b <= args.max_microbatch:
+        step = None
+        try:
+            step = _TrainStep(template, mode, 1, args, device)
+            step.run([_windows(tokens, b, args.train_seq, seed=b).to(device)])
+            fits = b
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            del step
+            torch.cuda.empty_cache()
+        b *= 2
+    return fits
+
+
+def _windows(tokens: torch.Tensor, rows: int, seq: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, tokens.numel() - seq - 1, (rows,), generator=gen)
+    return tokens[starts[:, None] + torch.arange(seq + 1)]
+
+
+def _profile_step(step: _TrainStep, batches: list[torch.Tensor], device: torch.device, top: int = 15) -> dict[str, Any]:
+    """One profiled step: its top operators by device time (host time on a CPU) and its kernel count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step.run(batches)
+        _sync(device)
+    events = prof.key_averages()
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    rows = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
+    kernels = sum(1 for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    return {
+        "sorted_by": key,
+        "kernels": kernels if device.type == "cuda" else None,
+        "top": [{"op": e.key, "calls": e.count, "ms": getattr(e, key, 0.0) / 1e3} for e in rows],
+    }
+
+
+def train_check(args: argparse.Namespace, device: torch.device, out: Path | None = None, command: str = "") -> dict[str, Any]:
+    """A few dozen AdamW steps of a llama3.2-1b-sized model in each mode, on the trainer's step."""
     from agoq.models.config import get_config
     from agoq.models.llama import Llama
-    from agoq.train.config import OptimSection
-    from agoq.gradient.sync import PlainGradientSync, QuantizedGradientSync
-    from agoq.train.optim import MasterWeightOptimizer
-    from agoq.train.saved import SavedActivationTracker
 
     overrides: dict[str, Any] = dict(max_seq_len=args.train_seq)
     if args.dry_run:
@@ -164,95 +289,130 @@ def train_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     steps = 3 if args.dry_run else args.train_steps
     micro, mb, seq = args.train_microbatches, args.train_batch, args.train_seq
     tokens = _text_tokens()
-    gen = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, tokens.numel() - seq - 1, (steps, micro, mb), generator=gen)
     template = Llama(cfg).to(device=device, dtype=torch.bfloat16)
-    optim_cfg = OptimSection(lr=args.lr, min_lr=args.lr, warmup_steps=0, weight_decay=0.0)
     # The Triton path wherever it can run (on CPU only a dry run under the interpreter).
-    agoq_backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
-    results = []
-    for mode in ("bf16", "agoq"):
-        model = copy.deepcopy(template)
-        model.set_policy(make_policy(mode))
-        named = list(model.named_parameters())
-        opt = MasterWeightOptimizer(named, optim_cfg)
-        # The trainer's gradient paths: Megatron-style fp32 main grads, or QuanGrad's 8-bit buffer.
-        sync = QuantizedGradientSync(named, None, micro, 256) if mode == "agoq" else PlainGradientSync(named, None, device, torch.float32)
-        losses, times = [], []
-        _sync(device)
-        _reset_peak(device)
-        counted: dict[str, int | None] = {}
-        with backend.use_backend(agoq_backend if mode == "agoq" else "torch"):
-            for step in range(steps):
-                # The second step is counted tensor by tensor, as the trainer does on every device
-                # (agoq.train.saved), beside CUDA's own peak over the same step: the check that the
-                # CPU-measured temporaries and totals mean what a GPU allocator reports.
-                probe = step == 1
-                if probe:
-                    _sync(device)
-                    before, earlier_peak = _allocated(device), _peak(device)
-                    _reset_peak(device)
-                    allocations = SavedActivationTracker().temporaries()
-                    allocations.__enter__()
-                t0 = time.perf_counter()
-                sync.start_step()
-                loss_sum = 0.0
-                for m in range(micro):
-                    idx = starts[step, m][:, None] + torch.arange(seq + 1)
-                    batch = tokens[idx].to(device)
-                    loss = model(batch[:, :-1], batch[:, 1:]) / micro
-                    loss.backward()
-                    loss_sum += float(loss.detach())
-                nonfinite, sq = torch.stack([sync.reduce(), sync.local_grad_sq_norm()]).tolist()  # one host read
-                if nonfinite:
-                    raise SystemExit(f"{mode}: non-finite gradient at step {step}")
-                norm = math.sqrt(sq)
-                clip = min(1.0, args.clip / (norm + 1e-6)) if args.clip > 0 else 1.0
-                for i, g in sync.gradients():
-                    opt.set_grad(i, g * clip)
-                opt.step()
-                sync.finish_step()
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-                losses.append(loss_sum)
-                if probe:
-                    allocations.__exit__(None, None, None)
-                    step_peak = _peak(device)
-                    counted = {"counted_step_peak_bytes": allocations.peak_bytes, "cuda_step_peak_bytes": _sub(step_peak, before)}
-        timed = times[args.warmup :] or times
-        results.append(
-            {
-                "mode": mode,
-                "quant_backend": agoq_backend if mode == "agoq" else None,
-                "steps": steps,
-                "losses": losses,
-                "final_loss_mean_last5": statistics.mean(losses[-5:]),
-                "step_s_median": statistics.median(timed),
-                "tokens_per_s": micro * mb * seq / statistics.median(timed),
-                "peak_bytes": None if device.type != "cuda" else max(_peak(device), earlier_peak if steps > 1 else 0),
-                "grad_buffer_bytes": sync.buffer_bytes(),
-                **counted,
-            }
-        )
-        del model, named, opt, sync
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    base = results[0]
-    for r in results:
-        r["tokens_per_s_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["peak_vs_bf16"] = None if r["peak_bytes"] is None else r["peak_bytes"] / base["peak_bytes"]
-        r["final_loss_minus_bf16"] = r["final_loss_mean_last5"] - base["final_loss_mean_last5"]
-    return {
+    quant_backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    res: dict[str, Any] = {
         "model": "llama3.2-1b" + (" (dry run: shrunk)" if args.dry_run else ""),
         "config": cfg.to_dict(),
         "parameters": cfg.num_parameters(),
         "tokens_per_step": micro * mb * seq,
-        "data": "UTF-8 bytes of pydoc_data.topics as token ids, random windows, same order in both modes",
-        "optimizer": f"AdamW on fp32 masters, lr {args.lr}, global-norm clip {args.clip}",
-        "gradients": "bf16: fp32 main-grad buffer; agoq: int8/256 block-wise buffer (QuanGrad), micro-batch folds",
+        "data": "UTF-8 bytes of pydoc_data.topics as token ids, random windows, same order in every mode",
+        "optimizer": f"AdamW on fp32 masters in groups of bounded bytes (the trainer's), lr {args.lr}, global-norm clip {args.clip}",
+        "modes": {m: {"activations": a, "gradients": g, "activation_checkpointing": r} for m, (a, g, r) in TRAIN_MODES.items()},
+        "quant_backend": quant_backend,
         "unigram_entropy_nats": _entropy(tokens),
-        "rows": results,
+        "rows": [],
     }
+    modes = [m for m in args.train_modes.split(",") if m]
+    for mode in modes:
+        with backend.use_backend(quant_backend if "agoq" in mode else "torch"):
+            res["rows"].append(_train_mode(template, mode, tokens, args, device, steps))
+        _finish_rows(res["rows"])
+        if out is not None:  # written after every mode: a fault in a later one keeps these
+            write_result("train", res, command=command, out_dir=out)
+    return res
+
+
+def _train_mode(
+    template: torch.nn.Module, mode: str, tokens: torch.Tensor, args: argparse.Namespace, device: torch.device, steps: int
+) -> dict[str, Any]:
+    micro, mb, seq = args.train_microbatches, args.train_batch, args.train_seq
+    step = _TrainStep(template, mode, micro, args, device)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    _reset_peak(device)
+    losses, phases = [], []
+    for i in range(steps):
+        clock = _PhaseClock(device)
+        losses.append(step.run([_windows(tokens, mb, seq, seed=i * micro + m).to(device) for m in range(micro)], clock))
+        phases.append(clock.seconds())
+    row: dict[str, Any] = {"mode": mode, "steps": steps, "losses": losses, "final_loss_mean_last5": statistics.mean(losses[-5:])}
+    timed = phases[args.warmup :] or phases
+    row["phase_s_median"] = {p: statistics.median(t[k] for t in timed) for k, p in enumerate(STEP_PHASES)}
+    row["step_s_median"] = statistics.median(sum(t) for t in timed)
+    row["tokens_per_s"] = micro * mb * seq / row["step_s_median"]
+    if device.type == "cuda":
+        row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        row["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
+    row["grad_buffer_bytes"] = step.sync.buffer_bytes()
+    if mode == "agoq":
+        row["profile"] = _profile_step(step, [_windows(tokens, mb, seq, seed=10**6 + m).to(device) for m in range(micro)], device)
+    del step
+    row["largest_microbatch"] = _largest_microbatch(template, mode, tokens, args, device)
+    return row
+
+
+def _finish_rows(rows: list[dict[str, Any]]) -> None:
+    base = next((r for r in rows if r["mode"] == "bf16"), None)
+    if base is None:
+        return
+    for r in rows:
+        r["tokens_per_s_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if "max_memory_allocated" in r:
+            r["max_memory_allocated_vs_bf16"] = r["max_memory_allocated"] / base["max_memory_allocated"]
+        r["final_loss_minus_bf16"] = r["final_loss_mean_last5"] - base["final_loss_mean_last5"]
+
+
+# ---- NCCL: every collective agoq uses, on one rank ----------------------------------------------------------
+
+
+def nccl_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """A 1-rank process group (NCCL on a GPU, gloo on a dry run) through every collective agoq
+    calls, by the names agoq calls them (agoq.compat), each checked against its expected value."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from agoq import compat
+    from agoq.gradient import QuantGradBuffer, all_reduce_8bit, reduce_scatter_8bit
+
+    name = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        init = f"file://{f.name}"
+    dist.init_process_group(name, init_method=init, rank=0, world_size=1)
+    x = torch.arange(4096, dtype=torch.float32, device=device) / 4096
+    checks: dict[str, Any] = {}
+
+    def check(what: str, fn: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            ok = bool(fn())
+            checks[what] = {"ok": ok, "seconds": time.perf_counter() - t0}
+        except Exception as e:  # noqa: BLE001  (every collective is reported, whatever fails)
+            checks[what] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+    def same(fn: Any) -> Any:
+        def run() -> bool:
+            out = torch.empty_like(x)
+            fn(out, x.clone())
+            _sync(device)
+            return torch.equal(out, x)
+
+        return run
+
+    check("all_reduce", lambda: (lambda t: (dist.all_reduce(t), torch.equal(t, x))[1])(x.clone()))
+    check("broadcast", lambda: (lambda t: (dist.broadcast(t, 0), torch.equal(t, x))[1])(x.clone()))
+    check("all_to_all_single", same(lambda o, i: dist.all_to_all_single(o, i)))
+    check("all_gather_single (agoq.compat)", same(lambda o, i: compat.all_gather_single(o, i)))
+    check("reduce_scatter_single (agoq.compat)", same(lambda o, i: compat.reduce_scatter_single(o, i)))
+    check("all_gather_into_tensor", same(lambda o, i: dist.all_gather_into_tensor(o, i)))
+    check("async all_to_all_single + wait", same(lambda o, i: dist.all_to_all_single(o, i, async_op=True).wait()))
+    # agoq's own: one rank's 8-bit all-reduce and reduce-scatter are a quantize round trip.
+    bound = float(x.abs().max()) / 127
+    check("all_reduce_8bit", lambda: (lambda t: (all_reduce_8bit(t, "sum"), float((t - x).abs().max()) <= bound)[1])(x.clone()))
+    check("reduce_scatter_8bit", lambda: float((reduce_scatter_8bit(x.clone(), "sum")[: x.numel()] - x).abs().max()) <= bound)
+
+    def buffer() -> bool:
+        model = torch.nn.Linear(64, 64, device=device)
+        buf = QuantGradBuffer(model, microbatches=1)
+        model(torch.randn(8, 64, device=device)).square().sum().backward()
+        return buf.finish()
+
+    check("QuantGradBuffer.finish (bucket collectives, side stream)", buffer)
+    dist.destroy_process_group()
+    return {"backend": name, "world_size": 1, "torch": torch.__version__, "checks": checks, "all_ok": all(c["ok"] for c in checks.values())}
 
 
 def _entropy(tokens: torch.Tensor) -> float:
@@ -285,18 +445,21 @@ def _markdown_train(res: dict[str, Any]) -> str:
     lines = [
         f"{res['model']} ({res['parameters'] / 1e9:.2f} B parameters), {res['tokens_per_step']} tokens/step",
         "",
-        "| mode | steps | final loss (last 5) | tokens/s | x bf16 | peak GiB | x bf16 | step peak GiB, counted | step peak GiB, CUDA |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | final loss (last 5) | tokens/s | x bf16 | fwd+bwd ms | sync ms | optimizer ms | max allocated GiB | x bf16 | reserved GiB | largest micro-batch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def gib(v: int | None) -> str:
-        return "-" if v is None else f"{v / 2**30:.3f}"
+        return "-" if v is None else f"{v / 2**30:.2f}"
 
     for r in res["rows"]:
-        pv = "-" if r["peak_vs_bf16"] is None else f"{r['peak_vs_bf16']:.3f}"
+        ph = r["phase_s_median"]
+        ratio = r.get("max_memory_allocated_vs_bf16")
         lines.append(
-            f"| {r['mode']} | {r['steps']} | {r['final_loss_mean_last5']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_bf16']:.3f} | "
-            f"{gib(r['peak_bytes'])} | {pv} | {gib(r.get('counted_step_peak_bytes'))} | {gib(r.get('cuda_step_peak_bytes'))} |"
+            f"| {r['mode']} | {r['final_loss_mean_last5']:.4f} | {r['tokens_per_s']:.0f} | {r.get('tokens_per_s_vs_bf16', float('nan')):.3f} | "
+            + " | ".join(f"{1e3 * ph[p]:.1f}" for p in STEP_PHASES)
+            + f" | {gib(r.get('max_memory_allocated'))} | {'-' if ratio is None else f'{ratio:.3f}'} | {gib(r.get('max_memory_reserved'))} "
+            + f"| {r['largest_microbatch'] if r['largest_microbatch'] is not None else '-'} |"
         )
     return "\n".join(lines)
 
@@ -305,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the phases asked for and write their JSON into --out-dir."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results" / "gpu"))
-    p.add_argument("--phases", default="kernels,layer,train", help="comma-separated: kernels, layer, train")
+    p.add_argument(
+        "--phases", default="nccl,kernels,layer,train", help="comma-separated: nccl, kernels, layer, train (run.sh runs each in a process of its own)"
+    )
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on whatever device there is (numbers meaningless)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--kernel-numel", type=int, default=64 * 2**20)
@@ -313,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer-seqs", default="4096,8192")
     p.add_argument("--layer-batch", type=int, default=1)
     p.add_argument("--layer-repeats", type=int, default=5)
-    p.add_argument("--train-steps", type=int, default=30)
+    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--train-modes", default=",".join(TRAIN_MODES), help=f"comma-separated, from: {', '.join(TRAIN_MODES)}")
+    p.add_argument("--max-microbatch", type=int, default=64, help="the largest micro-batch tried when searching what fits")
     p.add_argument("--train-batch", type=int, default=2, help="sequences per micro-batch")
     p.add_argument("--train-microbatches", type=int, default=2)
     p.add_argument("--train-seq", type=int, default=2048)
@@ -324,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda" and not args.dry_run:
         raise SystemExit("no GPU here: run with --dry-run to check the script on CPU")
     if args.dry_run:
-        args.train_seq, args.train_batch, args.warmup, args.layer_repeats = 64, 2, 1, 1
+        args.train_seq, args.train_batch, args.warmup, args.layer_repeats, args.max_microbatch = 64, 2, 1, 1, 2
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/gpu/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -352,14 +519,19 @@ def main(argv: list[str] | None = None) -> int:
             res = layer_check(args, device)
             write_result("layer", res, command=command, out_dir=out)
             print(_markdown_layer(res))
+        elif phase == "nccl":
+            res = nccl_check(args, device)
+            write_result("nccl", res, command=command, out_dir=out)
+            print(json.dumps(res["checks"], indent=1))
+            if not res["all_ok"]:
+                raise SystemExit("a collective failed its check (nccl.json names it)")
         elif phase == "train":
-            res = train_check(args, device)
-            write_result("train", res, command=command, out_dir=out)
+            res = train_check(args, device, out, command)
             print(_markdown_train(res))
             if any(not math.isfinite(r["final_loss_mean_last5"]) for r in res["rows"]):
                 raise SystemExit("training produced a non-finite loss")
         else:
-            raise SystemExit(f"--phases: unknown phase {phase!r}; use kernels, layer, train")
+            raise SystemExit(f"--phases: unknown phase {phase!r}; use nccl, kernels, layer, train")
         print(f"[{phase}: {time.perf_counter() - t0:.1f} s]\n", flush=True)
     return 0
 
