@@ -46,6 +46,7 @@ from agoq.activation.meter import meter_scope
 from agoq.compat import outer_saved_tensor_hooks
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 from agoq.quant.formats import stored_row
+from agoq.quant.pieces import sized_for_kernels
 
 # Set on an attention output whose storage the attention core itself keeps unquantized for
 # backward; saved_input_linear then saves a view of it instead of a quantized copy.
@@ -663,7 +664,7 @@ def chunk_rows(rows: int, width: int, block: int, device: torch.device, budgets:
     """Rows per chunk of ``rows`` x ``width`` values (SWIGLU_CHUNK_VALUES or NORM_CHUNK_VALUES as
     ``budgets``): whole quantization blocks, about the device's budget of values (on a CPU, the
     eager one, or with ``fused`` kernels or compiled formulas the fused one)."""
-    budget = budgets["device" if device.type != "cpu" else "cpu_fused" if fused else "cpu"]
+    budget = budgets["device" if sized_for_kernels(device) else "cpu_fused" if fused else "cpu"]
     # A chunk starts on a block boundary (rows are stored in whole blocks) and on a byte boundary.
     unit = math.lcm(block, 8)
     align = unit // math.gcd(stored_row(width, block), unit)

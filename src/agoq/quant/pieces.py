@@ -1,4 +1,4 @@
-"""How many values one call works on: the one rule behind agoq's piecewise loops.
+"""How many values one call works on: the one rule behind agoq's piecewise loops and their sizes.
 
 A loop over pieces bounds its temporaries to a piece whatever the tensor's size. Where the CPU
 formulas run (the torch reference or compiled code), a piece is sized to stay within the core's
@@ -17,7 +17,12 @@ from agoq.quant import backend
 DEVICE_PIECE = 1 << 24
 
 
+def sized_for_kernels(device: torch.device) -> bool:
+    """Whether loops over ``device``'s tensors take a GPU's sizes (pieces, chunks, optimizer groups):
+    on a GPU, or wherever the Triton kernels run; else the CPU formulas run, sized for the cache."""
+    return device.type != "cpu" or backend.resolve(device) == "triton"
+
+
 def piece_values(device: torch.device, cpu_values: int) -> int:
     """Values per call on ``device``: ``cpu_values`` where the CPU formulas run, DEVICE_PIECE elsewhere."""
-    cpu_formulas = device.type == "cpu" and backend.resolve(device) != "triton"
-    return cpu_values if cpu_formulas else DEVICE_PIECE
+    return DEVICE_PIECE if sized_for_kernels(device) else cpu_values
