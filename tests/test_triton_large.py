@@ -4,7 +4,7 @@ On a GPU each kernel runs on 2^31 + 5 values (a tail block short of whole, about
 at once), and the blocks at both ends and across the 2^31 boundary are compared bit for bit with
 the torch reference on CPU: block-wise quantization is local, so a slice's reference is the
 reference of the whole. Without a GPU the same code runs under Triton's interpreter at
-AGOQ_LARGE_NUMEL values (2^17 + 5 unless set): it checks the test, not the offsets. The GPU check
+AGOQ_TEST_LARGE_NUMEL values (2^17 + 5 unless set): it checks the test, not the offsets. The GPU check
 (benchmarks/gpu/run.sh) runs this file on the GPU.
 """
 
@@ -27,7 +27,7 @@ from agoq.quant import QTensor, backend, dequantize, parse_format, quantize  # n
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 if not ON_GPU and not tq.INTERPRETED:
     pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run these tests in their own process", allow_module_level=True)
-N = int(os.environ.get("AGOQ_LARGE_NUMEL", 0)) or (2**31 + 5 if ON_GPU else 2**17 + 5)
+N = int(os.environ.get("AGOQ_TEST_LARGE_NUMEL", 0)) or (2**31 + 5 if ON_GPU else 2**17 + 5)
 BOUNDARY = 2**31 if N > 2**31 else N // 2  # the value where int32 offsets wrap (on the GPU)
 
 

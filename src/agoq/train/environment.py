@@ -63,7 +63,14 @@ VARIABLES = (
     Variable(LAUNCHER_ENV, "(internal)", "set by the local launcher for what it starts: its pid, so that they die with it", _launcher_only),
 )
 # Read by a checkout's benchmarks and tests, never by the agoq package: no notice names them.
-CHECKOUT_VARIABLES = ("AGOQ_RESULTS_DIR", "AGOQ_NETNS_TAG", "AGOQ_TEST_DATA_CACHE", "AGOQ_TEST_TRITON_DEVICE")
+CHECKOUT_VARIABLES = (
+    "AGOQ_RESULTS_DIR",
+    "AGOQ_REVISION",
+    "AGOQ_NETNS_TAG",
+    "AGOQ_TEST_DATA_CACHE",
+    "AGOQ_TEST_TRITON_DEVICE",
+    "AGOQ_TEST_LARGE_NUMEL",
+)
 
 
 def environment_problem(env: Mapping[str, str] | None = None) -> str | None:
