@@ -812,6 +812,11 @@ NO_SYNC_PHASES = ("forward", "backward", "gradient_sync")
 MAX_STEP_SYNCS = 2  # the agreement on non-finite gradients and the logged loss
 
 
+def _claim(claim: str, holds: bool, measured: str) -> dict[str, Any]:
+    """One budget line of the result: what is claimed, whether the counts meet it, and the figures read."""
+    return {"claim": claim, "holds": holds, "measured": measured}
+
+
 def acceptance(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Each budget line, whether the counts meet it, and the figures it reads."""
     rows, hf = results["trainer"], {r["variant"]: r for r in results["hf"]}
@@ -821,39 +826,39 @@ def acceptance(results: dict[str, Any]) -> list[dict[str, Any]]:
         if half and full:
             change = full["device_ops_total"] / half["device_ops_total"] - 1
             lines.append(
-                {
-                    "claim": f"agoq's device ops per step change by at most 10% when hidden doubles (fixed layers and vocabulary; {what})",
-                    "holds": abs(change) <= 0.10,
-                    "measured": f"{half['device_ops_total']} -> {full['device_ops_total']} ({change:+.1%})",
-                }
+                _claim(
+                    f"agoq's device ops per step change by at most 10% when hidden doubles (fixed layers and vocabulary; {what})",
+                    abs(change) <= 0.10,
+                    f"{half['device_ops_total']} -> {full['device_ops_total']} ({change:+.1%})",
+                )
             )
         for size in ("1b-2l", "1b-4l"):
             a, b = _row(rows, size=size, config=agoq), _row(rows, size=size, config=bf16)
             if a and b:
                 ratio = a["device_ops_total"] / b["device_ops_total"]
                 lines.append(
-                    {
-                        "claim": f"agoq's device ops per step at most 1.5x the bf16 policy's ({size}; {what})",
-                        "holds": ratio <= 1.5,
-                        "measured": f"{a['device_ops_total']} vs {b['device_ops_total']} ({ratio:.2f}x)",
-                    }
+                    _claim(
+                        f"agoq's device ops per step at most 1.5x the bf16 policy's ({size}; {what})",
+                        ratio <= 1.5,
+                        f"{a['device_ops_total']} vs {b['device_ops_total']} ({ratio:.2f}x)",
+                    )
                 )
     for r in rows:
         if r["config"].startswith("agoq") and r["dp"] >= 2:
             in_phases = {p: r["host_syncs"].get(p, 0) for p in NO_SYNC_PHASES}
             lines.append(
-                {
-                    "claim": f"agoq train pp={r['pp']} dp={r['dp']} ({r['size']}, {r['config']}): no host sync in forward, backward or gradient sync",
-                    "holds": not any(in_phases.values()),
-                    "measured": ", ".join(f"{p} {n}" for p, n in in_phases.items()),
-                }
+                _claim(
+                    f"agoq train pp={r['pp']} dp={r['dp']} ({r['size']}, {r['config']}): no host sync in forward, backward or gradient sync",
+                    not any(in_phases.values()),
+                    ", ".join(f"{p} {n}" for p, n in in_phases.items()),
+                )
             )
             lines.append(
-                {
-                    "claim": f"agoq train pp={r['pp']} dp={r['dp']} ({r['size']}, {r['config']}): at most {MAX_STEP_SYNCS} host syncs per step",
-                    "holds": r["host_syncs_total"] <= MAX_STEP_SYNCS,
-                    "measured": f"{r['host_syncs_total']} ({', '.join(f'{p} {n}' for p, n in r['host_syncs'].items() if n)})",
-                }
+                _claim(
+                    f"agoq train pp={r['pp']} dp={r['dp']} ({r['size']}, {r['config']}): at most {MAX_STEP_SYNCS} host syncs per step",
+                    r["host_syncs_total"] <= MAX_STEP_SYNCS,
+                    f"{r['host_syncs_total']} ({', '.join(f'{p} {n}' for p, n in r['host_syncs'].items() if n)})",
+                )
             )
     base = hf.get("unpatched")
     for variant in ("default", "triton"):
@@ -861,18 +866,18 @@ def acceptance(results: dict[str, Any]) -> list[dict[str, Any]]:
         if base and r:
             ratio = r["device_ops_total"] / base["device_ops_total"]
             lines.append(
-                {
-                    "claim": f"patched HF forward + backward ({variant}): at most 1.5x the unpatched device ops",
-                    "holds": ratio <= 1.5,
-                    "measured": f"{r['device_ops_total']} vs {base['device_ops_total']} ({ratio:.2f}x)",
-                }
+                _claim(
+                    f"patched HF forward + backward ({variant}): at most 1.5x the unpatched device ops",
+                    ratio <= 1.5,
+                    f"{r['device_ops_total']} vs {base['device_ops_total']} ({ratio:.2f}x)",
+                )
             )
             lines.append(
-                {
-                    "claim": f"patched HF forward + backward ({variant}): no more host syncs than unpatched",
-                    "holds": r["host_syncs_total"] <= base["host_syncs_total"],
-                    "measured": f"{r['host_syncs_total']} vs {base['host_syncs_total']}",
-                }
+                _claim(
+                    f"patched HF forward + backward ({variant}): no more host syncs than unpatched",
+                    r["host_syncs_total"] <= base["host_syncs_total"],
+                    f"{r['host_syncs_total']} vs {base['host_syncs_total']}",
+                )
             )
     return lines
 

@@ -84,7 +84,7 @@ CASES = [
     (
         "dequantize_kernel",
         dict(pay_ptr=PTR, sc_ptr="*fp32", val_ptr="*fp32", out_ptr="*i16", n="i32", nblocks="i32", nbytes="i32"),
-        dict(OUT_BF16=True, BP=128, **{k: v for k, v in INT4.items() if k not in ("NBND", "MAXV")}),
+        dict(OUT_BF16=True, BP=128, **_unpacking(INT4)),
     ),
     (
         "dequantize_kernel",

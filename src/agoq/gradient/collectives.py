@@ -39,7 +39,7 @@ from agoq.compat import all_gather_single
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
 from agoq.quant.dispatch import quantize_rows_into
 from agoq.quant.formats import DEFAULT_GRADIENT_BLOCK, SCALE_BYTES
-from agoq.quant.pieces import sized_for_kernels
+from agoq.quant.pieces import size_key
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.nodes import Group, NodeGroups, gather_within_node
@@ -220,7 +220,7 @@ FUSED_REDUCE_PIECE = {"cpu": 1 << 20, "device": 1 << 20}
 
 def reduce_piece(device: torch.device, fused: bool = False) -> int:
     """Values per piece of the reduction's sum on ``device``: eager (REDUCE_PIECE), or by the kernels (FUSED_REDUCE_PIECE)."""
-    return (FUSED_REDUCE_PIECE if fused else REDUCE_PIECE)["device" if sized_for_kernels(device) else "cpu"]
+    return (FUSED_REDUCE_PIECE if fused else REDUCE_PIECE)[size_key(device)]
 
 
 def gathers_by_all_to_all(group: Group = None) -> bool:
@@ -600,7 +600,7 @@ def quantize_to_wire(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     flat = x.detach().reshape(-1)
     fmt, pb, w = layout.fmt, layout.row_payload_bytes, layout.world_size
     wire = torch.empty(w, layout.row_bytes, dtype=torch.uint8, device=x.device)
-    step = max(1, QUANTIZE_PIECE["device" if sized_for_kernels(x.device) else "cpu"] // fmt.block_size) * fmt.block_size
+    step = max(1, QUANTIZE_PIECE[size_key(x.device)] // fmt.block_size) * fmt.block_size
     if layout.unpadded and layout.chunk <= step:
         # Rows of whole blocks with nothing to pad: as many rows as a piece holds per call (each
         # call has a fixed dispatch cost), their codes written where they go.

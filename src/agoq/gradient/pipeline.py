@@ -83,8 +83,7 @@ class BucketPipeline:
             self.microbatches = microbatches
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
-        if self._side is not None:  # a step abandoned before finish(): its kernels write the buckets
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+        self._join_side()  # a step abandoned before finish(): the side stream's kernels write the buckets
         for b in self.buckets:
             b.reset()
         if self.encoder is not None:
@@ -132,8 +131,7 @@ class BucketPipeline:
             return self.ok
         with self._on_side():
             self._complete_all()
-        if self._side is not None:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+        self._join_side()
         self.nonfinite = []
         flags = agree_nonfinite(self.folder.first_nonfinite(), self.group, device=self.folder.device, counter=self.counter)
         self.finished = True
@@ -159,6 +157,11 @@ class BucketPipeline:
                 self._progress(self.buckets[b - 1])
             if b > 1:
                 self._complete(self.buckets[b - 2])
+
+    def _join_side(self) -> None:
+        """Order the current stream after everything queued on the side stream (no-op without one)."""
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
 
     def _on_side(self) -> ContextManager[object]:
         """The side stream as the current one, once it has waited for the work queued so far (the

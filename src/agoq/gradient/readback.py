@@ -36,7 +36,17 @@ def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
     Squares of fp32/bf16/fp16 values stay below 1.2e77, so their fp64 sum is finite for any count
     unless an element is NaN or Inf.
     """
-    return (~torch.isfinite(sum_of_squares(t))).to(torch.float64)
+    return nonfinite_of_sum(sum_of_squares(t))
+
+
+def nonfinite_of_sum(sq: torch.Tensor) -> torch.Tensor:
+    """1.0 (fp64) where the sum of squares ``sq`` is not finite (a NaN or Inf went into it), else 0.0."""
+    return (~torch.isfinite(sq)).to(torch.float64)
+
+
+def skip_flag(ok: bool, device: torch.device) -> torch.Tensor:
+    """The non-finite flag of a sync that already knows on the host whether its step is kept: 0.0 or 1.0 (fp64, on ``device``)."""
+    return torch.full((), 0.0 if ok else 1.0, dtype=torch.float64, device=device)
 
 
 def step_in_groups(

@@ -24,7 +24,7 @@ from agoq.gradient.collectives import Group, own_rank
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.layout import DEFAULT_BUCKET_BYTES, Segment, plan_buckets
-from agoq.gradient.readback import nonfinite_flag, sum_of_squares
+from agoq.gradient.readback import nonfinite_flag, skip_flag, sum_of_squares
 from agoq.gradient.sync import GradientSync, QuantizedBufferState, WireChoice, quantized_buffer
 
 
@@ -206,7 +206,7 @@ class QuantizedShardedGradientSync(QuantizedBufferState, ShardedGradientSync):
     def reduce(self) -> torch.Tensor:
         ok = self.buffer.finish()  # agrees on non-finite gradients over the dp group: the step's one read of it
         self._shards = [shard[: b.chunk] for b, (_, _, _, shard) in zip(self.buckets, self.buffer.local_shards())] if ok else []
-        return torch.full((), 0.0 if ok else 1.0, dtype=torch.float64, device=self.buffer.device)
+        return skip_flag(ok, self.buffer.device)
 
     def finish_step(self) -> None:
         self.buffer.zero_grad()

@@ -20,7 +20,7 @@ from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.hierarchical import HOP_NAMES, all_reduce_hierarchical
 from agoq.gradient.nodes import NodeGroups, node_groups
-from agoq.gradient.readback import all_finite, step_in_groups, sum_of_squares
+from agoq.gradient.readback import all_finite, nonfinite_of_sum, skip_flag, step_in_groups, sum_of_squares
 
 if TYPE_CHECKING:  # buffer.py is imported where a buffer is built (it pulls in the whole bucket pipeline)
     from agoq.gradient.buffer import QuantGradBuffer
@@ -263,7 +263,7 @@ class PlainGradientSync(ParameterGradientSync):
         # One pass over the reduced gradients gives both their squared norm (kept for
         # local_grad_sq_norm) and whether they are all finite (a peer's NaN arrives in the sum).
         self._sq_norm = sum_of_squares(self.buffer)
-        return (~torch.isfinite(self._sq_norm)).to(torch.float64) + (0.0 if ok else 1.0)
+        return nonfinite_of_sum(self._sq_norm) + (0.0 if ok else 1.0)
 
     def local_grad_sq_norm(self) -> torch.Tensor:
         return self._sq_norm
@@ -361,7 +361,7 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
         # agreement); the flag is handed on as a device scalar like every sync's.
         self._ok = self.buffer.finish()
         self.wire_bytes_last_step = self.counter.bytes()
-        return torch.full((), 0.0 if self._ok else 1.0, dtype=torch.float64, device=self.buffer.device)
+        return skip_flag(self._ok, self.buffer.device)
 
     def local_grad_sq_norm(self) -> torch.Tensor:
         if not self._ok:  # a skipped step's buffer was reset: nothing to read

@@ -23,6 +23,11 @@ def sized_for_kernels(device: torch.device) -> bool:
     return device.type != "cpu" or backend.resolve(device) == "triton"
 
 
+def size_key(device: torch.device) -> str:
+    """ "device" or "cpu": which entry of a by-device table of sizes applies to ``device`` (see sized_for_kernels)."""
+    return "device" if sized_for_kernels(device) else "cpu"
+
+
 def piece_values(device: torch.device, cpu_values: int) -> int:
     """Values per call on ``device``: ``cpu_values`` where the CPU formulas run, DEVICE_PIECE elsewhere."""
     return DEVICE_PIECE if sized_for_kernels(device) else cpu_values

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw
 
-from agoq.quant.pieces import sized_for_kernels
+from agoq.quant.pieces import size_key
 from agoq.train.config import OptimSection
 
 # fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
@@ -22,7 +22,7 @@ STEP_GROUP_BYTES = {"cpu": 2 * 2**20, "device": 64 * 2**20}
 
 def step_group_bytes(device: torch.device) -> int:
     """fp32 gradient bytes per partial optimizer step on ``device`` (see STEP_GROUP_BYTES)."""
-    return STEP_GROUP_BYTES["device" if sized_for_kernels(device) else "cpu"]
+    return STEP_GROUP_BYTES[size_key(device)]
 
 
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
