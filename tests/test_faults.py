@@ -387,8 +387,8 @@ def test_a_ctrl_c_inside_a_weakref_callback_is_raised_between_steps_not_printed(
     assert "Traceback" not in capfd.readouterr().err
 
 
-def _listening() -> set[tuple[str, str]]:
-    """(local address, port) of every TCP socket listening on this machine, hex as /proc/net/tcp* writes them."""
+def _listening() -> set[tuple[str, str, str]]:
+    """(local address, port, socket inode) of every TCP socket listening on this machine, hex as /proc/net/tcp* writes them."""
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -398,8 +398,39 @@ def _listening() -> set[tuple[str, str]]:
         for line in lines:
             fields = line.split()
             if fields[3] == "0A":  # LISTEN
-                found.add(tuple(fields[1].split(":")))
+                found.add((*fields[1].split(":"), fields[9]))
     return found
+
+
+def _own_socket_inodes() -> set[str]:
+    """Inodes of the sockets that this process and its descendants (the run's launcher, fork server
+    and workers) hold: another test running beside this one may listen anywhere it likes."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grown = {os.getpid()}, True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grown = bool(children)
+    inodes = set()
+    for pid in tree:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    return inodes
 
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
@@ -417,7 +448,10 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, capsys):
 
     def watch() -> None:
         while not done.is_set():
-            seen.update(_listening() - before)
+            new = _listening() - before
+            if new:
+                own = _own_socket_inodes()
+                seen.update((addr, port) for addr, port, inode in new if inode in own)
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
