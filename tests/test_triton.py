@@ -292,6 +292,14 @@ def test_every_launch_runs_on_the_gpu_of_its_tensors(monkeypatch: pytest.MonkeyP
         tq.quantize_rows_into(torch.empty(4, 1024, device=dev), rows, row_scales, fmt8)
         tq.dequantize_rows(rows, row_scales, fmt8, torch.empty(4, 1024, device=dev))
         tq.reduce_rows(rows, row_scales, fmt8, average=True, requantize=True)
+        from agoq.quant.spans import Span, span_table
+
+        storage, flag = torch.empty(2 * (1024 + 16), dtype=torch.uint8, device=dev), torch.empty(1, dtype=torch.uint8, device=dev)
+        spans = span_table([Span(0, 1024, 0, 1024), Span(1024, 1024, 1040, 2064)], fmt8, dev)
+        tq.accumulate_spans_(storage, spans, torch.empty(2048, device=dev), flag, first=False)
+        tq.dequantize_spans(storage, spans, torch.empty(2048, device=dev))
+        tq.sum_of_squares_spans(storage, spans)
+        tq.zero_scales_spans_(storage, spans)
     assert sorted({name for name, _ in launches}) == names
     assert [(name, d) for name, d in launches if d != 1] == []
 
@@ -464,21 +472,58 @@ def test_accumulate_dequantize_add_requantize_equals_torch(grad_dtype: torch.dty
     assert torch.isnan(scales.cpu()).nonzero().flatten().tolist() == [0]
 
 
-def test_gradient_buffer_folds_identically_under_both_backends() -> None:
+def _buffer_both_backends(rank: int, world_size: int) -> dict:
+    """Three micro-batches into a buffer whose first weight spans three buckets, under each backend:
+    the wire bytes, the read-back gradients and the norm after finish(), then a step with a NaN."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 200), torch.nn.GELU(), torch.nn.Linear(200, 50)).to(DEVICE)
-    batches = [torch.randn(8, 96, device=DEVICE) for _ in range(3)]
-    stored = {}
+    batches = [torch.randn(8, 96, device=DEVICE, generator=None) * (rank + 1) for _ in range(3)]
+    out = {}
     for name in ("torch", "triton"):
         with backend.use_backend(name):
             buf = QuantGradBuffer(model, microbatches=3, bucket_numel=8192)
+            assert len({s.bucket for s in buf.layout.segments[buf.names.index("0.weight")]}) == 3
             for b in batches:
                 model(b).square().mean().backward()
             assert buf.finish()
-            stored[name] = [bk.wire.cpu().clone() for bk in buf.buckets]
+            wire = [bk.wire.cpu().clone() for bk in buf.buckets]
+            grads = {n: buf.grad(n).cpu() for n in buf.names}
+            head = buf.grad_slice("0.weight", 256, 19000).cpu()
+            norm = float(buf.grad_sq_norm())
+            buf.zero_grad()
+            cleared = all(bool((bk.wire[:, bk.layout.row_payload_bytes :] == 0).all()) for bk in buf.buckets)
+            with pytest.warns(RuntimeWarning, match="non-finite gradient in '0.weight'"):
+                for i, b in enumerate(batches):
+                    (model(b).square().mean() * (float("nan") if i == 1 and rank == world_size - 1 else 1.0)).backward()
+                assert not buf.finish()
+            out[name] = dict(wire=wire, grads=grads, head=head, norm=norm, cleared=cleared, nonfinite=buf.pipeline.nonfinite)
             buf.remove_hooks()
-    for a, b in zip(stored["torch"], stored["triton"]):
-        assert torch.equal(a, b)
+    return out
+
+
+def _assert_buffers_agree(out: dict) -> None:
+    a, b = out["torch"], out["triton"]
+    assert all(torch.equal(x, y) for x, y in zip(a["wire"], b["wire"]))
+    assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+    assert torch.equal(a["head"], b["head"]) and torch.equal(a["head"], a["grads"]["0.weight"].reshape(-1)[256:19000])
+    # The torch path sums squares of fp32 values per piece in fp64; the kernels in another order.
+    assert b["norm"] == pytest.approx(a["norm"], rel=1e-12)
+    assert a["cleared"] and b["cleared"] and a["nonfinite"] == b["nonfinite"] != []
+
+
+def _buffers_agree(rank: int, world_size: int) -> bool:
+    _assert_buffers_agree(_buffer_both_backends(rank, world_size))
+    return True
+
+
+def test_gradient_buffer_folds_reads_and_skips_identically_under_both_backends() -> None:
+    assert _buffers_agree(0, 1)
+
+
+@pytest.mark.skipif(ON_GPU, reason="gloo ranks run on CPU tensors: the kernels need the interpreter there")
+def test_gradient_buffer_on_three_ranks_is_identical_under_both_backends() -> None:
+    # Three rows per bucket: a parameter's spans are cut at row boundaries as well as bucket ones.
+    assert run_distributed(_buffers_agree, 3) == [True] * 3
 
 
 @pytest.mark.parametrize("average", (False, True))
@@ -544,3 +589,74 @@ def _all_reduce_both_backends(rank: int, world_size: int) -> list[bool]:
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks run on CPU tensors: the kernels need the interpreter there")
 def test_all_reduce_8bit_on_three_ranks_is_identical_under_both_backends() -> None:
     assert run_distributed(_all_reduce_both_backends, 3) == [[True, True]] * 3
+
+
+# ---- spans of one storage: a parameter over many buckets, every row of every bucket, one launch each ----
+
+
+def _span_storage(fmt, region_blocks: list[int]):
+    """A storage of regions of whole blocks end to end (codes, then scales, each), and each region's Span."""
+    from agoq.quant.formats import SCALE_BYTES
+    from agoq.quant.spans import Span
+
+    spans, offset, first = [], 0, 0
+    for blocks in region_blocks:
+        n = blocks * fmt.block_size
+        spans.append(Span(first, n, offset, offset + fmt.payload_bytes(n)))
+        offset += fmt.payload_bytes(n) + SCALE_BYTES * blocks
+        first += n
+    return torch.zeros(offset, dtype=torch.uint8, device=DEVICE), spans
+
+
+def _region(storage, span, fmt) -> QTensor:
+    n = span.values
+    return QTensor(
+        storage[span.payload_byte : span.payload_byte + fmt.payload_bytes(n)],
+        storage[span.scale_byte : span.scale_byte + 4 * fmt.num_blocks(n)].view(torch.float32),
+        torch.Size([n]),
+        torch.float32,
+        fmt,
+    )
+
+
+@pytest.mark.parametrize("spec", ("int8/256", "int4/64", "fp8"))
+def test_span_kernels_fold_read_and_sum_every_region_in_one_launch_as_per_region_kernels_do(spec: str) -> None:
+    from agoq.quant.spans import Span, span_table
+
+    fmt = parse_format(spec)
+    # Regions of uneven sizes, the last one's tail short of a block: a parameter spread over buckets.
+    blocks = [3, 1, 7, 2]
+    storage, whole = _span_storage(fmt, blocks)
+    k = sum(blocks) * fmt.block_size - 5
+    spans = whole[:-1] + [Span(whole[-1].first, k - whole[-1].first, whole[-1].payload_byte, whole[-1].scale_byte)]
+    table = span_table(spans, fmt, DEVICE)
+    assert table.count == len(blocks) and table.most_blocks == max(blocks)
+    flag = torch.zeros(1, dtype=torch.uint8, device=DEVICE)
+    one_by_one = [
+        (torch.zeros(fmt.payload_bytes(w.values), dtype=torch.uint8, device=DEVICE), torch.zeros(fmt.num_blocks(w.values), device=DEVICE))
+        for w in whole
+    ]
+    for i in range(3):
+        g = (torch.randn(k) * 10.0 ** (i - 1)).to(DEVICE)
+        tq.accumulate_spans_(storage, table, g, flag, first=i == 0)
+        for s, (pay, sc) in zip(spans, one_by_one):
+            tq.accumulate_(pay, sc, g[s.first : s.first + s.values], fmt, first=i == 0)
+        for w, (pay, sc) in zip(whole, one_by_one):
+            _assert_same_q(_region(storage, w, fmt), QTensor(pay, sc, torch.Size([w.values]), torch.float32, fmt))
+    assert flag.item() == 0
+    # Read back into one flat tensor, and the sum of squares of every value (exact squares in fp64).
+    out = tq.dequantize_spans(storage, table, torch.full((k,), float("nan"), device=DEVICE))
+    want = torch.cat([dequantize(QTensor(pay, sc, torch.Size([w.values]), torch.float32, fmt)) for w, (pay, sc) in zip(whole, one_by_one)])
+    assert torch.equal(out.cpu(), want[:k].cpu())
+    rows = span_table([Span(0, w.values, w.payload_byte, w.scale_byte) for w in whole], fmt, DEVICE)
+    ref = sum(float((dequantize(_region(storage, s, fmt)).double() ** 2).sum()) for s in whole)
+    assert tq.sum_of_squares_spans(storage, rows).item() == pytest.approx(ref, rel=1e-12)
+    # A NaN in one region: that block's scale becomes 0 (off the wire) and the flag is set.
+    g = torch.zeros(k, device=DEVICE)
+    g[spans[2].first + fmt.block_size + 3] = float("nan")
+    tq.accumulate_spans_(storage, table, g, flag, first=False)
+    scales = _region(storage, whole[2], fmt).scales.cpu()
+    assert flag.item() == 1 and scales[1].item() == 0.0 and torch.isfinite(scales).all()
+    tq.zero_scales_spans_(storage, rows)
+    assert tq.sum_of_squares_spans(storage, rows).item() == 0.0
+    assert all((_region(storage, s, fmt).scales == 0).all() for s in whole)

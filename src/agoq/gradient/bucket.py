@@ -18,7 +18,9 @@ from typing import Iterator
 import torch
 
 from agoq.quant import QTensor
+from agoq.quant.formats import SCALE_BYTES
 from agoq.quant.qtensor import quantize as reference_quantize
+from agoq.quant.spans import Span, SpanTable, span_table
 
 from agoq.gradient.collectives import ChunkLayout, EightBitReduction
 from agoq.gradient.layout import GradLayout, Segment
@@ -36,6 +38,8 @@ class Bucket:
     state: str = "open"  # open -> launched -> reducing -> done
     reduction: EightBitReduction | None = None
     shard: torch.Tensor | None = None
+    storage: torch.Tensor | None = None  # the buffer's one flat storage, which ``wire`` is a view of (allocate_buckets)
+    byte_offset: int = 0  # where ``wire`` starts in it
 
     @property
     def numel(self) -> int:
@@ -75,6 +79,21 @@ class Bucket:
         for a, b in self.ranges(lo + shift, hi - lo, piece):
             yield a, a - shift, b - shift
 
+    def span(self, start: int, numel: int, first: int) -> Span:
+        """Values start..start+numel (within one row, ``start`` on a block) as a span of the shared
+        storage, its first value at ``first`` of the flat tensor beside it (agoq.quant.spans)."""
+        r, offset = divmod(start, self.layout.padded_chunk)
+        if offset + numel > self.layout.padded_chunk:
+            raise ValueError(f"values {start}..{start + numel} of bucket {self.index} cross a row boundary; cut them with ranges()")
+        row = self.byte_offset + r * self.layout.row_bytes
+        fmt = self.layout.fmt
+        return Span(first, numel, row + fmt.payload_bytes(offset), row + self.layout.row_payload_bytes + SCALE_BYTES * (offset // fmt.block_size))
+
+    def row_spans(self) -> list[Span]:
+        """Every row of the bucket as a span of the shared storage (values counted from 0 in each)."""
+        chunk = self.layout.padded_chunk
+        return [self.span(r * chunk, chunk, 0) for r in range(self.layout.world_size)]
+
     def flat(self) -> QTensor:
         """A copy of the whole bucket as one flat QTensor (every row's codes, then every row's scales)."""
         rows = [self.row(r) for r in range(self.layout.world_size)]
@@ -88,14 +107,16 @@ class Bucket:
         self.wire[:, :pb].copy_(q.payload.view(w, pb))
         self.wire[:, pb:].view(torch.float32).copy_(q.scales.view(w, -1))
 
-    def reset(self) -> None:
-        """Empty the bucket for the next step, once any collective still in flight on it is done."""
+    def reset(self, clear: bool = True) -> None:
+        """Empty the bucket for the next step, once any collective still in flight on it is done
+        (``clear=False``: its scales are zeroed by the caller, all buckets at once)."""
         if self.reduction is not None:
             # Its all-to-all reads these rows and its all-gather writes them: zeroing them now
             # would race with the peers' bytes arriving (a step abandoned mid-backward).
             self.reduction.drain()
-        # A zero scale makes every code decode to 0, whatever the payload holds.
-        self.wire[:, self.layout.row_payload_bytes :].zero_()
+        if clear:
+            # A zero scale makes every code decode to 0, whatever the payload holds.
+            self.wire[:, self.layout.row_payload_bytes :].zero_()
         self.pending = len(self.segments)
         self.state = "open"
         self.reduction = None
@@ -108,9 +129,50 @@ def allocate_buckets(layout: GradLayout, device: torch.device | str = "cpu") -> 
     # The code of 0.0, from the reference quantizer: one block through a compiled one would
     # compile (or load) a one-block variant in every process before the first step.
     zero = reference_quantize(torch.zeros(fmt.block_size), fmt).payload[:1].to(device)
-    buckets = []
+    # One storage holds every bucket end to end (each a whole number of fp32 words: codes of whole
+    # blocks, then scales), so a kernel can address any of them from one pointer: a parameter
+    # spread over many buckets is folded and read in one launch (agoq.quant.spans).
+    sizes = [chunks.world_size * chunks.row_bytes for chunks in layout.chunks]
+    storage = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+    buckets, offset = [], 0
     for b, (chunks, segs) in enumerate(zip(layout.chunks, layout.bucket_segments)):
-        wire = torch.zeros(chunks.world_size, chunks.row_bytes, dtype=torch.uint8, device=device)
+        wire = storage[offset : offset + sizes[b]].view(chunks.world_size, chunks.row_bytes)
         wire[:, : chunks.row_payload_bytes] = zero
-        buckets.append(Bucket(b, chunks, wire, segs))
+        buckets.append(Bucket(b, chunks, wire, segs, storage=storage, byte_offset=offset))
+        offset += sizes[b]
     return buckets
+
+
+class StorageSpans:
+    """Span tables over the buckets' one storage, each built on first use and kept: a parameter's
+    values (or a slice of them) wherever its segments lie, and every row of every bucket. The
+    Triton path folds, reads back, takes the norm of and empties the buffer with one launch per
+    table (agoq.quant.spans), where bucket by bucket it took one per bucket or segment."""
+
+    def __init__(self, layout: GradLayout, buckets: list[Bucket], device: torch.device) -> None:
+        self.layout = layout
+        self.buckets = buckets
+        self.device = device
+        self.storage = buckets[0].storage if buckets else None
+        self._tables: dict[tuple[int, int, int] | None, SpanTable] = {}
+
+    def of_param(self, pi: int, start: int = 0, end: int | None = None) -> SpanTable:
+        """Parameter ``pi``'s values start..end (default all; ``start`` on a block), each span's
+        ``first`` counted from ``start``."""
+        end = self.layout.numels[pi] if end is None else end
+        key = (pi, start, end)
+        table = self._tables.get(key)
+        if table is None:
+            spans = []
+            for seg in self.layout.segments[pi]:
+                bucket = self.buckets[seg.bucket]
+                spans += [bucket.span(a, hi - lo, lo - start) for a, lo, hi in bucket.spans(seg, lo=start, hi=end)]
+            table = self._tables[key] = span_table(spans, self.layout.fmt, self.device)
+        return table
+
+    def rows(self) -> SpanTable:
+        """Every row of every bucket."""
+        table = self._tables.get(None)
+        if table is None:
+            table = self._tables[None] = span_table([s for b in self.buckets for s in b.row_spans()], self.layout.fmt, self.device)
+        return table

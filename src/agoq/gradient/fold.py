@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from agoq.quant import backend, dequantize, quantize
 from agoq.quant.formats import round_up
 
-from agoq.gradient.bucket import Bucket
+from agoq.gradient.bucket import Bucket, StorageSpans
 from agoq.gradient.layout import GradLayout
 
 # Values per compiled fold call. The compiled fold is one fused loop with no per-value fp32
@@ -64,14 +64,18 @@ class EightBitFolder:
         self.fmt = layout.fmt
         self.buckets = buckets
         self.device = device
+        self.spans = StorageSpans(layout, buckets, device)
         self._region_cache: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         self.peak_fp_grad_bytes = 0
+        # Per parameter, whether a block of it went non-finite this step; kept in place (the Triton
+        # fold writes it from the kernel) and emptied at reset.
+        self._bad_mask = torch.zeros(len(self.layout.segments), dtype=torch.bool, device=self.device)
+        self._countdown = torch.arange(len(self.layout.segments), 0, -1, device=self.device)
         self.reset()
 
     def reset(self) -> None:
         """Forget the non-finite marks of the last step."""
-        self._bad_mask = torch.zeros(len(self.layout.segments), dtype=torch.bool, device=self.device)
-        self._countdown = torch.arange(len(self.layout.segments), 0, -1, device=self.device)
+        self._bad_mask.zero_()
         self._bad_flags: list[tuple[int, torch.Tensor]] = []  # (parameter, "a block went non-finite") per compiled fold
 
     def fold(self, pi: int, grad: torch.Tensor, first: bool) -> None:
@@ -79,7 +83,13 @@ class EightBitFolder:
         flat = grad.detach().reshape(-1)
         kernels = backend.kernels(self.device, self.fmt)
         fold_ = getattr(kernels, "fold_", None)
-        if fold_ is not None:
+        fold_spans_ = getattr(kernels, "accumulate_spans_", None)
+        if fold_spans_ is not None:
+            # Triton: every segment of the parameter in one launch, which zeroes a non-finite
+            # block's scale and marks the parameter itself (no fp32 temporaries).
+            fold_spans_(self.spans.storage, self.spans.of_param(pi), flat, self._bad_mask.view(torch.uint8)[pi : pi + 1], first=first)
+            scratch = 0
+        elif fold_ is not None:
             # Compiled path: one call per piece into precomputed region views; the call zeroes a
             # non-finite block's scale itself and hands back a flag, collected for first_nonfinite().
             for start, end, pay, sc in self._regions(pi):
@@ -87,15 +97,13 @@ class EightBitFolder:
             scratch = self._compiled_fold_bytes(min(flat.numel(), COMPILED_FOLD_PIECE))
         else:
             piece = self.layout.piece(self.device)
-            if kernels is not None:
-                piece = max(piece, flat.numel())  # the Triton fold has no fp32 temporaries: one launch per segment
             scratch = 0
             for seg in self.layout.segments[pi]:
                 bucket = self.buckets[seg.bucket]
                 # Piece by piece (whole blocks, so the result is the same): quantize's fp32 temporaries
                 # stay a fixed size however large the parameter is.
                 for a, p0, p1 in bucket.spans(seg, piece):
-                    scratch = max(scratch, self._fold_piece(kernels, pi, bucket, a, flat[p0:p1], first))
+                    scratch = max(scratch, self._fold_piece(pi, bucket, a, flat[p0:p1], first))
         self.peak_fp_grad_bytes = max(self.peak_fp_grad_bytes, flat.numel() * flat.element_size() + scratch)
 
     def first_nonfinite(self) -> torch.Tensor:
@@ -131,18 +139,12 @@ class EightBitFolder:
             self._region_cache[pi] = cached
         return cached
 
-    def _fold_piece(self, kernels: object, pi: int, bucket: Bucket, offset: int, g: torch.Tensor, first: bool) -> int:
+    def _fold_piece(self, pi: int, bucket: Bucket, offset: int, g: torch.Tensor, first: bool) -> int:
         """Fold k gradient values into the bucket region that starts at ``offset`` (a block boundary); returns its fp32 scratch bytes."""
         block, k = self.fmt.block_size, g.numel()
         n = round_up(k, block)
         region = bucket.blocks(offset, n)
         pay, sc = region.payload, region.scales
-        if kernels is not None:  # Triton (the compiled path has fold_): dequantize, add, requantize in one pass
-            kernels.accumulate_(pay, sc, g, self.fmt, first=first)  # type: ignore[attr-defined]
-            bad = torch.isnan(sc)
-            sc.masked_fill_(bad, 0.0)
-            self._bad_mask[pi] |= bad.any()
-            return 0
         if first and k == n:
             x = g
         elif first:

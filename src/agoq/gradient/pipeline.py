@@ -21,6 +21,8 @@ from typing import ContextManager
 
 import torch
 
+from agoq.quant import backend
+
 from agoq.gradient.bucket import Bucket
 from agoq.gradient.collectives import EightBitReduction, Group, agree_nonfinite, global_rank, world_of
 from agoq.gradient.counter import CommCounter
@@ -70,6 +72,7 @@ class BucketPipeline:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and self.communicates else None
         self.skipped_steps = 0
         self.nonfinite: list[tuple[int, str]] = []
+        self._clean = False  # whether nothing happened since the last reset (a second reset has nothing to do)
         self.reset()
 
     @property
@@ -83,9 +86,14 @@ class BucketPipeline:
             self.microbatches = microbatches
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if self._clean:  # the trainer empties the buffer after a step and before the next
+            return
         self._join_side()  # a step abandoned before finish(): the side stream's kernels write the buckets
+        zero_scales = getattr(backend.kernels(self.folder.device, self.folder.fmt), "zero_scales_spans_", None)
         for b in self.buckets:
-            b.reset()
+            b.reset(clear=zero_scales is None)
+        if zero_scales is not None:  # Triton: every bucket's scales in one launch
+            zero_scales(self.folder.spans.storage, self.folder.spans.rows())
         if self.encoder is not None:
             self.encoder.discard()  # residuals staged by a step that was not finished
         self.folder.reset()
@@ -93,6 +101,7 @@ class BucketPipeline:
         self._next = 0
         self.finished = False
         self.ok = True
+        self._clean = True
 
     def fold(self, pi: int, grad: torch.Tensor) -> None:
         """Fold one micro-batch's gradient of parameter ``pi``; its buckets may then be ready (see launch_ready)."""
@@ -110,6 +119,7 @@ class BucketPipeline:
                 f"for microbatches={self.microbatches}; call finish() and zero_grad() between steps, or "
                 "pass the right count to zero_grad(microbatches=...)"
             )
+        self._clean = False
         self.folder.fold(pi, grad, first=self._folds[pi] == 0)
         self._folds[pi] += 1
         if self._folds[pi] == self.microbatches:
@@ -129,6 +139,7 @@ class BucketPipeline:
         """Complete every bucket's collective and agree on non-finite gradients; False = skip step."""
         if self.finished:
             return self.ok
+        self._clean = False
         with self._on_side():
             self._complete_all()
         self._join_side()
@@ -143,6 +154,7 @@ class BucketPipeline:
         return self.ok
 
     def _launch(self, b: int) -> None:
+        self._clean = False
         bucket = self.buckets[b]
         bucket.state = "launched"
         self._next = b + 1
@@ -230,4 +242,4 @@ class BucketPipeline:
             stacklevel=4,  # past this, BucketPipeline.finish and QuantGradBuffer.finish: the code that finished the step
         )
         self.reset()
-        self.finished, self.ok = True, False
+        self.finished, self.ok, self._clean = True, False, False

@@ -128,6 +128,10 @@ class GradReader:
         return self._read(pi, start, end, dtype)
 
     def _read(self, pi: int, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        read_spans = getattr(backend.kernels(self.device, self.layout.fmt), "dequantize_spans", None)
+        if read_spans is not None:  # Triton: every bucket the values lie in, in one launch
+            spans = self.pipeline.folder.spans
+            return read_spans(spans.storage, spans.of_param(pi, start, end), torch.empty(end - start, dtype=dtype, device=self.device))
         # Segments start on block boundaries of the parameter (GradLayout) and bucket rows are
         # whole blocks, so a start on a block boundary is one in every part read below.
         parts = []  # (bucket, its start, parameter values lo..hi) of each span within one bucket row
@@ -151,12 +155,17 @@ class GradReader:
         """Sum of squares of the stored gradients (padding holds zeros): an fp64 scalar on the
         buffer's device, never read by the host here (the trainer reads it once per step, with the loss).
 
-        Compiled CPU code reads each bucket row in one pass; elsewhere a piece of a row is
-        dequantized at a time (GradLayout.piece: cache-sized for the CPU formulas, 2^24 values for the kernels).
+        The Triton kernels read every bucket row in one launch, compiled CPU code each row in one
+        pass; the torch formulas dequantize a cache-sized piece of a row at a time (GradLayout.piece).
         """
         self.check_readable()
+        kernels = backend.kernels(self.device, self.layout.fmt)
+        every_row = getattr(kernels, "sum_of_squares_spans", None)
+        if every_row is not None:  # Triton: every row of every bucket in one launch
+            spans = self.pipeline.folder.spans
+            return every_row(spans.storage, spans.rows())
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        one_pass = getattr(backend.kernels(self.device, self.layout.fmt), "sum_of_squares", None)
+        one_pass = getattr(kernels, "sum_of_squares", None)
         piece = self.layout.piece(self.device)
         for b in self.buckets:
             for r in range(b.layout.world_size):

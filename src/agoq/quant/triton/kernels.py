@@ -657,3 +657,126 @@ def reduce_rows_kernel(
         tl.store(acc_ptr + e, acc, mask=valid)
     if REQUANT:
         _quantize_store(acc, valid, blk, ok, out_pay_ptr, out_sc_ptr, bnd_ptr, code_ptr, nbytes, R, BP, BLOCK, KIND, BITS, NBND, MAXV, G, GB, GBP)
+
+
+# ---- spans of one byte storage: a launch covers many regions (the 8-bit gradient buckets) ----------
+#
+# A span table (agoq.quant.spans) is int64 [S, 5]: per span its first value in the flat tensor
+# read or written beside the storage, its value count, the byte offset of its packed codes in the
+# storage, the fp32 index of its first scale in the storage seen as fp32, and its block count. The
+# grid is (programs per span, S): axis 1 picks the span, so a parameter spread over many buckets,
+# or every row of every bucket, is one launch; programs past a span's end only load masked lanes.
+
+
+@triton.jit
+def _span_tile(table_ptr, BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
+    """This program's span (value offset, value count, payload byte offset, scale index, blocks) and its R blocks of it."""
+    row = table_ptr + tl.program_id(1).to(tl.int64) * 5
+    first = tl.load(row)
+    k = tl.load(row + 1)
+    pay = tl.load(row + 2)
+    sc = tl.load(row + 3)
+    nblocks = tl.load(row + 4)
+    blk = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    ok = blk < nblocks
+    col = tl.arange(0, BP)
+    e = blk[:, None] * BLOCK + col[None, :]
+    valid = (col < BLOCK)[None, :] & ok[:, None]
+    return first, k, pay, sc, nblocks, blk, ok, e, valid
+
+
+@triton.jit
+def accumulate_spans_kernel(
+    storage_ptr,
+    scales_ptr,
+    table_ptr,
+    g_ptr,
+    flag_ptr,
+    val_ptr,
+    bnd_ptr,
+    code_ptr,
+    FIRST: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    NBND: tl.constexpr,
+    MAXV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
+    """accumulate_kernel over every span of a table, the gradient's values first..first+k going to
+    span s. A block that turns non-finite gets scale 0 (it stays off the wire) and sets the flag."""
+    first, k, pay, sc, nblocks, blk, ok, e, valid = _span_tile(table_ptr, BLOCK, BP, R)
+    pay_ptr = storage_ptr + pay
+    sc_ptr = scales_ptr + sc
+    nbytes = nblocks * (BLOCK * BITS // 8)
+    g = _load_f32(g_ptr + first, e, valid & (e < k), IN_BF16)
+    if FIRST:
+        x = g
+    else:
+        x = _dequantize_tile(pay_ptr, sc_ptr, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP) + g
+    codes, s = _quantize_tile(x, valid, bnd_ptr, code_ptr, KIND, BITS, NBND, MAXV)
+    _store_codes(pay_ptr, codes, blk, nbytes, R, BP, BLOCK, BITS, G, GB, GBP)
+    bad = (s != s) & ok
+    tl.store(sc_ptr + blk, tl.where(bad, 0.0, s), mask=ok)
+    tl.store(flag_ptr, tl.full([], 1, tl.uint8), mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+
+
+@triton.jit
+def dequantize_spans_kernel(
+    storage_ptr,
+    scales_ptr,
+    table_ptr,
+    val_ptr,
+    out_ptr,
+    OUT_BF16: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
+    """Span s's first k values into out[first : first + k]."""
+    first, k, pay, sc, nblocks, blk, ok, e, valid = _span_tile(table_ptr, BLOCK, BP, R)
+    nbytes = nblocks * (BLOCK * BITS // 8)
+    v = _dequantize_tile(storage_ptr + pay, scales_ptr + sc, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
+    _store_f(out_ptr + first, e, v, valid & (e < k), OUT_BF16)
+
+
+@triton.jit
+def sum_of_squares_spans_kernel(
+    storage_ptr,
+    scales_ptr,
+    table_ptr,
+    val_ptr,
+    partial_ptr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    GBP: tl.constexpr,
+):
+    """Each program's fp64 sum of squares of its blocks' values (0 past its span) into partial[s, program]."""
+    first, k, pay, sc, nblocks, blk, ok, e, valid = _span_tile(table_ptr, BLOCK, BP, R)
+    nbytes = nblocks * (BLOCK * BITS // 8)
+    v = _dequantize_tile(storage_ptr + pay, scales_ptr + sc, val_ptr, blk, ok, nbytes, R, BP, BLOCK, KIND, BITS, G, GB, GBP)
+    v = tl.where(valid & (e < k), v, 0.0).to(tl.float64)
+    total = tl.sum(tl.sum(v * v, axis=1), axis=0)
+    tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0), total)
+
+
+@triton.jit
+def zero_scales_spans_kernel(scales_ptr, table_ptr, BLOCK: tl.constexpr, BP: tl.constexpr, R: tl.constexpr):
+    """Every scale of every span := 0 (each code then decodes to 0, whatever the payload holds)."""
+    first, k, pay, sc, nblocks, blk, ok, e, valid = _span_tile(table_ptr, BLOCK, BP, R)
+    tl.store(scales_ptr + sc + blk, tl.zeros([R], tl.float32), mask=ok)

@@ -18,6 +18,7 @@ import triton
 
 from agoq.quant.formats import SCALE_DTYPE, QuantFormat, codebook_tables
 from agoq.quant.packing import group_shape
+from agoq.quant.spans import SpanTable
 from agoq.quant.qtensor import (
     FLOAT_DTYPES,
     QTensor,
@@ -181,13 +182,14 @@ def _launch_options(num_warps: int = GPU_WARPS) -> dict:
     return {} if INTERPRETED else dict(enable_fp_fusion=False, num_warps=num_warps)
 
 
-def _launch(kernel: triton.JITFunction, programs: int, device: torch.device, *args, num_warps: int = GPU_WARPS, **kwargs) -> None:
-    """Launch ``programs`` programs of ``kernel`` on ``device``, the GPU its tensors are on."""
+def _launch(kernel: triton.JITFunction, programs: int | tuple[int, ...], device: torch.device, *args, num_warps: int = GPU_WARPS, **kwargs) -> None:
+    """Launch ``programs`` programs (or a grid of them) of ``kernel`` on ``device``, the GPU its tensors are on."""
     # Triton launches on the current CUDA device, which need not hold the tensors (a model spread
     # over GPUs by device_map="auto"): the kernel would read another GPU's addresses.
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    grid = programs if isinstance(programs, tuple) else (programs,)
     with guard:
-        kernel[(programs,)](*args, **kwargs, **_launch_options(num_warps))
+        kernel[grid](*args, **kwargs, **_launch_options(num_warps))
 
 
 def _launch_blocks(kernel: triton.JITFunction, constants: dict, nblocks: int, bp: int, device: torch.device, *args, **flags) -> None:
@@ -654,3 +656,111 @@ def reduce_rows(
         )
     q = QTensor(out_pay, out_sc, torch.Size([n]), torch.float32, fmt) if requantize else None
     return acc, q
+
+
+# ---- spans of one byte storage (agoq.quant.spans) -------------------------------------------------
+
+
+def _span_grid(spans: SpanTable, bp: int) -> tuple[tuple[int, int], int]:
+    """((programs per span, spans), blocks per program) of a launch over every span of ``spans``."""
+    r = _rows_per_program(bp)
+    return (max(1, triton.cdiv(spans.most_blocks, r)), spans.count), r
+
+
+def _check_storage(storage: torch.Tensor, spans: SpanTable) -> torch.Tensor:
+    """The storage as fp32 (where the scales are read), after checking it can be."""
+    _check_device(storage)
+    if storage.dtype != torch.uint8 or storage.dim() != 1 or not storage.is_contiguous() or storage.numel() % 4:
+        raise ValueError(f"a span storage is a contiguous flat uint8 tensor of whole fp32 words, got {storage.dtype} {tuple(storage.shape)}")
+    if spans.table.device != storage.device:
+        raise ValueError(f"the span table is on {spans.table.device}, the storage on {storage.device}: build the table on the storage's device")
+    return storage.view(SCALE_DTYPE)
+
+
+def accumulate_spans_(storage: torch.Tensor, spans: SpanTable, grad: torch.Tensor, flag: torch.Tensor, *, first: bool) -> None:
+    """accumulate_ into every span of ``spans`` in one launch: span (f, k, ...) takes grad values
+    f..f+k. Blocks that end up holding NaN/Inf get scale 0 and set ``flag`` (one uint8) to 1."""
+    scales = _check_storage(storage, spans)
+    if spans.count == 0:
+        return
+    if flag.dtype != torch.uint8 or flag.numel() != 1 or flag.device != storage.device:
+        raise ValueError(f"flag must be one uint8 on {storage.device}, got {flag.dtype} {tuple(flag.shape)} on {flag.device}")
+    spec = _spec(spans.fmt, str(storage.device))
+    g, bf16 = _as_kernel_float(grad)
+    grid, r = _span_grid(spans, spec.bp)
+    _launch(
+        K.accumulate_spans_kernel,
+        grid,
+        storage.device,
+        storage,
+        scales,
+        spans.table,
+        g,
+        flag,
+        spec.values,
+        spec.boundaries,
+        spec.codes,
+        FIRST=first,
+        IN_BF16=bf16,
+        BP=spec.bp,
+        R=r,
+        **spec.constants(),
+    )
+
+
+def dequantize_spans(storage: torch.Tensor, spans: SpanTable, out: torch.Tensor) -> torch.Tensor:
+    """Every span's values into ``out`` (contiguous, any float dtype), span (f, k, ...) at out[f : f + k], in one launch; returns ``out``."""
+    scales = _check_storage(storage, spans)
+    _check_out("out", out, tuple(out.shape), None, storage.device)
+    if spans.count:
+        spec = _spec(spans.fmt, str(storage.device))
+        _, target, bf16 = _out(out.numel(), out.dtype, storage.device, out)
+        grid, r = _span_grid(spans, spec.bp)
+        _launch(
+            K.dequantize_spans_kernel,
+            grid,
+            storage.device,
+            storage,
+            scales,
+            spans.table,
+            spec.values,
+            target,
+            OUT_BF16=bf16,
+            BP=spec.bp,
+            R=r,
+            **spec.unpacking(),
+        )
+    return out
+
+
+def sum_of_squares_spans(storage: torch.Tensor, spans: SpanTable) -> torch.Tensor:
+    """The fp64 sum of squares of every span's values, a device scalar (each square is exact in fp64)."""
+    scales = _check_storage(storage, spans)
+    if spans.count == 0:
+        return torch.zeros((), dtype=torch.float64, device=storage.device)
+    spec = _spec(spans.fmt, str(storage.device))
+    grid, r = _span_grid(spans, spec.bp)
+    partial = torch.empty(grid[1], grid[0], dtype=torch.float64, device=storage.device)  # every program writes its own
+    _launch(
+        K.sum_of_squares_spans_kernel,
+        grid,
+        storage.device,
+        storage,
+        scales,
+        spans.table,
+        spec.values,
+        partial,
+        BP=spec.bp,
+        R=r,
+        **spec.unpacking(),
+    )
+    return partial.sum()
+
+
+def zero_scales_spans_(storage: torch.Tensor, spans: SpanTable) -> None:
+    """Every scale of every span := 0, in one launch (each of their codes then decodes to 0)."""
+    scales = _check_storage(storage, spans)
+    if spans.count:
+        spec = _spec(spans.fmt, str(storage.device))
+        grid, r = _span_grid(spans, spec.bp)
+        _launch(K.zero_scales_spans_kernel, grid, storage.device, scales, spans.table, BLOCK=spec.block, BP=spec.bp, R=r)
