@@ -156,7 +156,15 @@ def start_early() -> None:
         return
     with workers_environment():
         if start_method() == "forkserver":
-            multiprocessing.forkserver.ensure_running()
+            # The server starts ignoring Ctrl-C (an ignored signal stays ignored across its exec):
+            # pressed while it imports multiprocessing itself, before guard_fork_server can run, it
+            # printed a KeyboardInterrupt traceback beside the launcher's one line. The guard then
+            # sets the handler its workers inherit, as before.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                signal.signal(signal.SIGINT, previous)
 
 
 _PR_SET_PDEATHSIG = 1
