@@ -287,14 +287,35 @@ def _layer_projections(layer: nn.Module) -> list[_Projection] | str:
 # ---- patched forwards ----------------------------------------------------------------------------
 
 
+def _checkpointed(layer: nn.Module) -> bool:
+    """Whether HF's gradient checkpointing is on for ``layer`` in this call (gradient_checkpointing_enable, training)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
 def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The decoder layer through agoq's fused ops; the model's own forward without autograd or where a projection cannot be fused."""
-    projections = _layer_projections(self) if torch.is_grad_enabled() and not args else None
+    """The decoder layer through agoq's fused ops; the model's own forward without autograd or where a projection cannot be fused.
+
+    Under HF's gradient checkpointing the layer keeps only its input and its recompute runs the
+    fused ops again, so backward holds one layer's 4-bit tensors at a time. transformers up to 5.17
+    checkpoints in the layer's ``__call__``, around this forward; later releases wrap the class's
+    ``forward``, which this instance forward replaces, so it checkpoints itself there.
+    """
+    checkpointed = _checkpointed(self)
+    # A reentrant checkpoint runs its first forward without autograd: the fused ops run there too,
+    # so the output and its recompute are the same values.
+    fused = (torch.is_grad_enabled() or checkpointed) and not args
+    projections = _layer_projections(self) if fused else None
     if not isinstance(projections, list):
         if isinstance(projections, str) and not self.__dict__.get("_agoq_warned"):
             self._agoq_warned = True
             warnings.warn(f"agoq: decoder layer {self._agoq_index} runs unpatched (no saving): {projections} agoq cannot fuse", stacklevel=2)
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    if checkpointed and torch.is_grad_enabled() and hasattr(type(self).forward, "__wrapped__"):
+        return self._gradient_checkpointing_func(functools.partial(_fused_layer, self, projections, **kwargs), hidden_states)
+    return _fused_layer(self, projections, hidden_states, **kwargs)
+
+
+def _fused_layer(self: nn.Module, projections: list[_Projection], hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     q, k, v, o, gate_proj, up_proj, down_proj = projections
     p = self._agoq_policy.layer(self._agoq_index)
     attn = self.self_attn
