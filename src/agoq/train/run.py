@@ -474,6 +474,39 @@ def report_finished(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     return summary
 
 
+class _NativeStderrToLog:
+    """The worker's stderr (fd 2) into ``path`` until :meth:`restore`: while it joins the process group.
+
+    A peer that dies while the group forms (a Ctrl-C to one worker) leaves the others retrying their
+    connections to it in gloo's C++, which writes a line per retry to stderr until the launcher
+    stops them; the launcher's one line says what happened, and these go to the rank's logs.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.saved = path, None
+        try:
+            fd = open_in_place(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        except (OSError, ConfigError):
+            return  # stderr stays where it is
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def restore(self) -> None:
+        if self.saved is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.saved = None
+        try:
+            if self.path.stat().st_size == 0:
+                self.path.unlink()
+        except OSError:
+            pass
+
+
 class _RankLog:
     """``out_dir/logs/rank<R>.log`` (a failure's traceback) and ``rank<R>.error`` (its time and last line).
 
@@ -625,7 +658,13 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
     try:
         if launcher_pid is not None:
             join_run_lock(cfg.train.out_dir)
-        result = train_worker(cfg, choices, group_ready=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+        native = _NativeStderrToLog(Path(cfg.train.out_dir) / "logs" / f"rank{rank}.join.log")
+
+        def group_ready() -> None:
+            native.restore()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        result = train_worker(cfg, choices, group_ready=group_ready)
     except BaseException as e:
         interrupted = isinstance(e, KeyboardInterrupt)
         # The launcher signals its workers again while they exit (with the signal it got: SIGINT
