@@ -28,7 +28,8 @@ import torch.nn as nn
 
 # Kinds of saved tensors, in report order. "gemm_input": the input of a GEMM that is not one of the
 # kinds above (the QKV and FFN1 inputs, i.e. RMSNorm outputs, and the FFN2 input SiLU(gate) * up).
-METER_KINDS = ("attention", "norm_input", "act_input", "out_proj_input", "gemm_input", "other")
+# "layer_input": what a compressed checkpoint keeps of a checkpointed layer (agoq.activation.checkpoint).
+METER_KINDS = ("attention", "norm_input", "act_input", "out_proj_input", "gemm_input", "layer_input", "other")
 
 _active: list["SavedBytesMeter"] = []
 _scopes: list[tuple[int | None, str | None]] = []

@@ -44,6 +44,9 @@ class ActivationPolicy:
     layer_bits: tuple[int, ...] | None = None
     # Chunked LM head + cross-entropy that never keeps [tokens, vocab] logits.
     fused_loss: bool = False
+    # The format a checkpointed decoder layer keeps its input in (agoq.activation.checkpoint); None
+    # keeps it as plain activation checkpointing does, in its dtype.
+    checkpoint_input: QuantFormat | None = None
     # The fused loss's backward path, private: agoq's own trainer (and its planner) choose it for
     # their pipeline through with_loss_path; any other caller keeps the defaults.
     # Recompute each chunk's logits in backward instead of keeping a precomputed [vocab, hidden]
@@ -81,6 +84,7 @@ def make_policy(
     fused_loss: bool | None = None,
     fmt: str | QuantFormat = DEFAULT_ACTIVATION_FORMAT,
     *,
+    checkpoint_format: str | QuantFormat | None = None,
     overrides: dict[str, str | QuantFormat | None] | None = None,
 ) -> ActivationPolicy:
     """Build a named policy ('bf16', 'agoq', 'uniform4'), with per-kind format overrides and layer bits.
@@ -88,7 +92,8 @@ def make_policy(
     This is the one place that says which saved tensors a policy quantizes: 'agoq' the norm inputs,
     SwiGLU's gate and up and the out-projection input, 'uniform4' attention's as well, each at
     ``fmt``; ``formats`` then sets single kinds (e.g. ``{"act_input": "fp4/128"}``; None or 'bf16'
-    keeps a kind unquantized). ``overrides`` is the deprecated spelling of ``formats``.
+    keeps a kind unquantized). ``checkpoint_format`` (e.g. 'int8/128'): the format checkpointed
+    layers keep their input in (None: their dtype). ``overrides`` is the deprecated spelling of ``formats``.
     """
     if overrides is not None:
         if formats is not None:
@@ -118,6 +123,7 @@ def make_policy(
         formats=precision,
         layer_bits=layer_bits,
         fused_loss=(name != "bf16") if fused_loss is None else fused_loss,
+        checkpoint_input=None if checkpoint_format in (None, "bf16", "none") else parse_format(checkpoint_format),
     )
 
 

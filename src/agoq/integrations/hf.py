@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from agoq.activation.checkpoint import checkpoint_layer
 from agoq.activation.lora import LoraAdapter
 from agoq.activation.loss import normed_lm_head_cross_entropy
 from agoq.activation.ops import rms_norm, rms_norm_linear, saved_input_linear, swiglu_linear
@@ -89,6 +90,7 @@ def apply_agoq(
     formats: dict[str, str | None] | None = None,
     layer_bits: list[int] | tuple[int, ...] | None = None,
     fused_loss: bool | None = None,
+    checkpoint_format: str | None = None,
 ) -> AgoqPatch:
     """Patch a transformers causal LM (or its base model) in place; returns the patch (``.remove()`` undoes it).
 
@@ -96,14 +98,17 @@ def apply_agoq(
     through the same code), 'uniform4', or an :class:`ActivationPolicy`. ``formats`` overrides a
     kind's format (e.g. ``{"act_input": "fp4/128"}``); ``layer_bits`` gives each decoder layer its
     integer bit width (16 keeps it unquantized), as ``agoq train``'s stage bits do.
+    ``checkpoint_format`` (e.g. 'int8/128'): compressed checkpoints. Every decoder layer is then
+    checkpointed while training, keeping only its input, in that format, and running again from
+    it in backward (HF's ``gradient_checkpointing_enable()`` is not needed for it).
     """
     _refuse_nested(model)
     outer, model = model, _unwrap_peft(model)
     layers = _decoder_layers(model)
     if isinstance(policy, str):
-        policy = make_policy(policy, formats=formats, layer_bits=layer_bits, fused_loss=fused_loss)
-    elif formats is not None or layer_bits is not None or fused_loss is not None:
-        raise ValueError("formats, layer_bits and fused_loss configure a policy by name; an ActivationPolicy already carries them")
+        policy = make_policy(policy, formats=formats, layer_bits=layer_bits, fused_loss=fused_loss, checkpoint_format=checkpoint_format)
+    elif formats is not None or layer_bits is not None or fused_loss is not None or checkpoint_format is not None:
+        raise ValueError("formats, layer_bits, fused_loss and checkpoint_format configure a policy by name; an ActivationPolicy already carries them")
     if policy.layer_bits is not None and len(policy.layer_bits) != len(layers):
         raise ValueError(f"layer_bits has {len(policy.layer_bits)} entries but the model has {len(layers)} decoder layers")
     for index, layer in layers.items():
@@ -287,6 +292,10 @@ def _layer_projections(layer: nn.Module) -> list[_Projection] | str:
 # ---- patched forwards ----------------------------------------------------------------------------
 
 
+# A decoder layer's key/value cache arguments across transformers releases.
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
 def _checkpointed(layer: nn.Module) -> bool:
     """Whether HF's gradient checkpointing is on for ``layer`` in this call (gradient_checkpointing_enable, training)."""
     return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
@@ -310,7 +319,20 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **k
             self._agoq_warned = True
             warnings.warn(f"agoq: decoder layer {self._agoq_index} runs unpatched (no saving): {projections} agoq cannot fuse", stacklevel=2)
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    if checkpointed and torch.is_grad_enabled() and hasattr(type(self).forward, "__wrapped__"):
+    own_checkpoint = hasattr(type(self).forward, "__wrapped__")
+    compressed = self._agoq_policy.checkpoint_input
+    if compressed is not None and self.training and torch.is_grad_enabled():
+        if checkpointed and not own_checkpoint and not self.__dict__.get("_agoq_warned"):
+            self._agoq_warned = True
+            warnings.warn(
+                "agoq: checkpoint_format checkpoints the decoder layers itself, and this transformers release checkpoints "
+                "around the layer call as well, so each layer runs a third time; call gradient_checkpointing_disable()",
+                stacklevel=2,
+            )
+        # The recompute must not write the key/value cache a second time (HF's checkpoint drops it too).
+        kwargs = {k: (None if k in _CACHE_ARGUMENTS else v) for k, v in kwargs.items() if k != "use_cache"}
+        return checkpoint_layer(functools.partial(_fused_layer, self, projections, **kwargs), hidden_states, compressed, self.parameters())
+    if checkpointed and torch.is_grad_enabled() and own_checkpoint:
         return self._gradient_checkpointing_func(functools.partial(_fused_layer, self, projections, **kwargs), hidden_states)
     return _fused_layer(self, projections, hidden_states, **kwargs)
 

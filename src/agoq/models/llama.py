@@ -7,6 +7,7 @@ index, so a stage's state dict uses the same names as the full model's.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Any
@@ -26,6 +27,7 @@ from agoq.activation import (
     saved_input_linear,
     swiglu_linear,
 )
+from agoq.activation.checkpoint import checkpoint_layer
 from agoq.models.config import LlamaConfig
 
 IGNORE_INDEX = -100
@@ -188,8 +190,13 @@ class Llama(nn.Module):
         cos, sin = self._rope_for(x.shape[1], x.device)
         for layer in self.layers.values():
             if layer.index in self.recompute and torch.is_grad_enabled():
-                # Keeps only the layer input; the whole layer runs again in backward.
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, self.policy, use_reentrant=False)
+                # Keeps only the layer input (in the policy's checkpoint format where it has one);
+                # the whole layer runs again in backward.
+                if self.policy.checkpoint_input is not None:
+                    run = functools.partial(layer, cos=cos, sin=sin, policy=self.policy)
+                    x = checkpoint_layer(run, x, self.policy.checkpoint_input, layer.parameters())
+                else:
+                    x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, self.policy, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, self.policy)
         if self.norm is not None:

@@ -73,6 +73,7 @@ class PrecisionSection:
     # (the environment variable AGOQ_QUANT_BACKEND, if set, decides instead).
     quant_backend: str = "auto"
     recompute_layers: int = 0  # activation checkpointing of the first N decoder layers of each stage (the baseline's way to fit)
+    checkpoint_format: str = "none"  # none: recomputed layers keep their input in the compute dtype; int8/128: compressed checkpoints
 
 
 @dataclass
@@ -489,6 +490,11 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
             raise ConfigError(f"parallel.node_size={p.node_size} must divide parallel.dp={p.dp} (ranks per node; 0 reads LOCAL_WORLD_SIZE)")
     if p.node_size < 0 or (0 < p.node_size < p.dp and p.dp % p.node_size):
         raise ConfigError(f"parallel.node_size={p.node_size} must divide parallel.dp={p.dp} (ranks per node; 0 reads LOCAL_WORLD_SIZE)")
+    if pr.checkpoint_format not in ("none", "bf16") and not pr.recompute_layers:
+        raise ConfigError(
+            f"precision.checkpoint_format={pr.checkpoint_format!r} is the format of recomputed layers' inputs, but precision.recompute_layers=0; "
+            "set precision.recompute_layers to the layers per stage to checkpoint"
+        )
     if pr.recompute_layers and p.tp > 1:
         raise ConfigError(f"precision.recompute_layers={pr.recompute_layers} is not supported with parallel.tp > 1; set it to 0")
     from agoq.quant.backend import BACKENDS
@@ -502,6 +508,7 @@ def _validate_precision(pr: PrecisionSection, p: ParallelSection, o: OptimSectio
 
     for key, check in (
         ("activation_format", lambda: parse_format(pr.activation_format)),
+        ("checkpoint_format", lambda: pr.checkpoint_format in ("none", "bf16") or parse_format(pr.checkpoint_format)),
         ("gradient_block", lambda: int8_gradient_format(pr.gradient_block)),
     ):
         try:

@@ -93,7 +93,9 @@ def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None)
     from agoq.parallel.inflight import loss_recompute_needed, loss_weight_grad_in_forward
 
     recompute = loss_recompute_needed(cfg.parallel.pp)
-    policy = make_policy(pr.activations, fmt=pr.activation_format, layer_bits=layer_bits, fused_loss=pr.fused_loss)
+    policy = make_policy(
+        pr.activations, fmt=pr.activation_format, layer_bits=layer_bits, fused_loss=pr.fused_loss, checkpoint_format=pr.checkpoint_format
+    )
     return with_loss_path(policy, recompute=recompute, weight_grad_in_forward=loss_weight_grad_in_forward(cfg.parallel.pp, cfg.parallel.tp))
 
 
