@@ -250,3 +250,16 @@ def test_an_all_reduce_sends_from_the_tensor_and_gathers_into_the_rows_it_receiv
         assert r["sizes"].count(r["wire_bytes"]) == 1, r["sizes"]
         assert r["row_bytes"] not in r["sizes"], r["sizes"]
     assert results[0]["sha256"] == results[1]["sha256"]
+
+
+def test_a_gpus_optimizer_groups_hold_a_whole_decoder_layer_within_a_bound() -> None:
+    from agoq.train.optim import STEP_GROUP_BYTES, STEP_GROUP_MAX_BYTES, step_group_bytes
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device type is all the rule reads
+    # A CPU keeps its cache-sized groups whatever the layer (the CPU formulas run there).
+    assert step_group_bytes(cpu, 60_000_000) == step_group_bytes(cpu) == STEP_GROUP_BYTES["cpu"]
+    # llama3.2-1b's layer (60.8M values) is one group of its fp32 gradients; a narrow layer gets
+    # the floor, a 70B layer (856M values) the bound.
+    assert step_group_bytes(gpu, 60_817_408) == 4 * 60_817_408
+    assert step_group_bytes(gpu, 1_000) == STEP_GROUP_BYTES["device"] == 64 * 2**20
+    assert step_group_bytes(gpu, 855_654_400) == STEP_GROUP_MAX_BYTES == 2**30

@@ -202,6 +202,7 @@ class _TrainStep:
         if recompute:
             self.model.recompute = set(range(len(self.model.layers)))
         named = list(self.model.named_parameters())
+        self.layer_values = max(sum(p.numel() for p in layer.parameters()) for layer in self.model.layers.values())
         self.opt = MasterWeightOptimizer(named, OptimSection(lr=args.lr, min_lr=args.lr, warmup_steps=0, weight_decay=0.0))
         # The trainer's gradient paths: Megatron-style fp32 main grads, or QuanGrad's 8-bit buffer.
         int8 = grads == "int8"
@@ -227,7 +228,7 @@ class _TrainStep:
             raise SystemExit("non-finite gradient")
         norm = math.sqrt(sq)
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
-        self.sync.step_optimizer(self.opt, coef, step_group_bytes(self.device))
+        self.sync.step_optimizer(self.opt, coef, step_group_bytes(self.device, self.layer_values))
         self.sync.finish_step()
         mark()
         return loss_value

@@ -378,7 +378,7 @@ class TemporaryBytes:
             # Gradients read back from 8 bits in fp32 for one group of parameters, at most
             # step_group_bytes: fused AdamW steps a larger tensor a slice at a time
             # (MasterWeightOptimizer.step_slices), the 8-bit AdamW steps it whole.
-            group = step_group_bytes(self.shape.device)
+            group = step_group_bytes(self.shape.device, sum(self.states.layer_numels))
             optimizer = max(group, 4 * largest) if setup.optimizer else group
         if setup.optimizer:
             optimizer += ADAM_MOMENTS * 4 * largest  # one tensor's moments dequantized for its update

@@ -18,11 +18,19 @@ from agoq.train.config import OptimSection
 # the device is not left waiting on the host: by estimate (not measured on a GPU), AdamW's memory
 # traffic for 64 MiB (28 bytes a value) lasts about as long as the host's Python work for one group.
 STEP_GROUP_BYTES = {"cpu": 2 * 2**20, "device": 64 * 2**20}
+# On a GPU a group also holds a whole decoder layer's gradients, up to this bound: the groups, and
+# the launches each costs, then grow with the layers, not with the parameters (a wider model has
+# fewer groups per value), and the temporaries stay within one layer's fp32 gradients.
+STEP_GROUP_MAX_BYTES = 2**30
 
 
-def step_group_bytes(device: torch.device) -> int:
-    """fp32 gradient bytes per partial optimizer step on ``device`` (see STEP_GROUP_BYTES)."""
-    return STEP_GROUP_BYTES[size_key(device)]
+def step_group_bytes(device: torch.device, layer_values: int = 0) -> int:
+    """fp32 gradient bytes per partial optimizer step on ``device`` (see STEP_GROUP_BYTES);
+    ``layer_values``: the parameters of the largest decoder layer the optimizer steps."""
+    base = STEP_GROUP_BYTES[size_key(device)]
+    if size_key(device) == "cpu":
+        return base
+    return min(max(base, 4 * layer_values), STEP_GROUP_MAX_BYTES)
 
 
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
