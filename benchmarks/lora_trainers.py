@@ -3,7 +3,8 @@
 Every run is ``examples/lora_finetune.py`` under ``torchrun --nproc-per-node=2`` (same base model,
 data, steps and seed on every side; several seeds each): plain LoRA under transformers' Trainer,
 agoq's LoRA under ``AgoqTrainer``-style ``AgoqMixin`` with transformers' Trainer and with TRL's
-``SFTTrainer``, and plain LoRA under ``SFTTrainer``. Reported: validation loss (mean and spread over
+``SFTTrainer``, plain LoRA under ``SFTTrainer``, and agoq's LoRA with compressed checkpoints
+(``checkpoint_format="int8/128"``) under transformers' Trainer. Reported: validation loss (mean and spread over
 seeds), the median step time after the first three steps, and the gradient bytes each rank sends.
 Memory and saved bytes of the same fine-tune are :mod:`benchmarks.lora`'s.
 """
@@ -31,10 +32,12 @@ RUNS = {
     "agoq": [],
     "plain_sft": ["--plain", "--trainer", "sft"],
     "agoq_sft": ["--trainer", "sft"],
+    # Compressed checkpoints: every layer checkpointed, its input kept at 8 bits.
+    "agoq_ckpt8": ["--checkpoint-format", "int8/128"],
 }
 # Each run against its reference: agoq against plain LoRA under the same Trainer, and the two
 # plain runs against each other (what the Trainer alone changes).
-COMPARED = {"agoq": "plain", "agoq_sft": "plain_sft", "plain_sft": "plain"}
+COMPARED = {"agoq": "plain", "agoq_sft": "plain_sft", "plain_sft": "plain", "agoq_ckpt8": "plain"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--trainer", choices=("hf", "sft"), default="hf", help="transformers' Trainer or TRL's SFTTrainer")
     p.add_argument("--plain", action="store_true", help="no AGoQ: the unpatched LoRA model and fp32 gradients")
+    p.add_argument(
+        "--checkpoint-format", default=None, help="compressed checkpoints: every layer checkpointed, its input kept in this format (e.g. int8/128)"
+    )
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--dropout", type=float, default=0.05)
     p.add_argument("--seq-len", type=int, default=64)
@@ -107,7 +110,7 @@ def _training_args(args: argparse.Namespace, cls: type) -> TrainingArguments:
 
 def trainer_for(args: argparse.Namespace, model, tokenizer, train, val) -> Trainer:
     """The chosen trainer, given AGoQ through :class:`AgoqMixin` unless ``--plain``."""
-    agoq = {} if args.plain else {"agoq_policy": "agoq", "agoq_gradients": "int8"}
+    agoq = {} if args.plain else {"agoq_policy": "agoq", "agoq_gradients": "int8", "agoq_checkpoint_format": args.checkpoint_format}
     if args.trainer == "hf":
         base, config_cls, data = Trainer, TrainingArguments, {"train_dataset": train, "eval_dataset": val}
         extra = {}

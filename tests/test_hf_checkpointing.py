@@ -268,3 +268,15 @@ def test_agoq_train_takes_the_checkpoint_format_for_its_recomputed_layers_and_na
         load_config(None, [f"--precision.checkpoint_format={INT8}"])
     with pytest.raises(ConfigError, match=r"precision.checkpoint_format='int9/128' is invalid"):
         load_config(None, ["--precision.recompute_layers=1", "--precision.checkpoint_format=int9/128"])
+
+
+def test_the_trainer_mixin_passes_the_checkpoint_format_to_the_patch(tmp_path):
+    from transformers import TrainingArguments
+
+    from agoq.integrations.hf import agoq_patch
+    from agoq.integrations.hf_trainer import AgoqTrainer
+
+    model = _model()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    AgoqTrainer(model=model, args=args, agoq_checkpoint_format=INT8)
+    assert agoq_patch(model).policy.checkpoint_input == parse_format(INT8)

@@ -56,8 +56,8 @@ def use_8bit_gradients(model: nn.Module, counter: CommCounter | None = None, fmt
 class AgoqMixin:
     """AGoQ's saved activations, loss and 8-bit gradient reduction for a ``transformers.Trainer`` subclass listed after it.
 
-    ``agoq_policy``, ``agoq_formats``, ``agoq_layer_bits`` and ``agoq_fused_loss`` are
-    :func:`apply_agoq`'s ``policy``, ``formats``, ``layer_bits`` and ``fused_loss`` (the Trainer's
+    ``agoq_policy``, ``agoq_formats``, ``agoq_layer_bits``, ``agoq_fused_loss`` and ``agoq_checkpoint_format`` are
+    :func:`apply_agoq`'s ``policy``, ``formats``, ``layer_bits``, ``fused_loss`` and ``checkpoint_format`` (the Trainer's
     keyword arguments carry an ``agoq_`` prefix); ``agoq_policy=None`` leaves the model unpatched. ``agoq_gradients``: 'int8' (default) or 'fp32'
     (the wrapper's own all-reduce). ``agoq_comm`` counts the bytes the 8-bit reduction sends.
     """
@@ -69,6 +69,7 @@ class AgoqMixin:
         agoq_formats: dict[str, str | None] | None = None,
         agoq_layer_bits: list[int] | None = None,
         agoq_fused_loss: bool | None = None,
+        agoq_checkpoint_format: str | None = None,
         agoq_gradients: str = "int8",
         **kwargs: Any,
     ) -> None:
@@ -76,7 +77,14 @@ class AgoqMixin:
             raise ValueError(f"agoq_gradients={agoq_gradients!r}; use one of {', '.join(GRADIENTS)}")
         super().__init__(*args, **kwargs)
         if agoq_policy is not None and agoq_patch(self.model) is None:
-            apply_agoq(self.model, agoq_policy, formats=agoq_formats, layer_bits=agoq_layer_bits, fused_loss=agoq_fused_loss)
+            apply_agoq(
+                self.model,
+                agoq_policy,
+                formats=agoq_formats,
+                layer_bits=agoq_layer_bits,
+                fused_loss=agoq_fused_loss,
+                checkpoint_format=agoq_checkpoint_format,
+            )
         self.agoq_gradients = agoq_gradients
         self.agoq_comm = CommCounter()
         self._agoq_wrapped: nn.Module | None = None
