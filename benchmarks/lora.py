@@ -21,6 +21,10 @@ measures the same at a width where the work itself dominates (``lora_hidden1024.
   float8_e5m2. Its defaults only take bf16 tensors of 100 MB or more, so it is given fp32 and
   size 0: every saved tensor qualifies;
 - ``agoq_lora``: ``apply_agoq`` on the PEFT model;
+- ``agoq_lora_ckpt``: ``apply_agoq`` and transformers' checkpointing as in ``lora_ckpt``: each
+  layer keeps its input and recomputes through agoq's fused ops;
+- ``agoq_lora_ckpt8``: ``apply_agoq(checkpoint_format="int8/128")``, compressed checkpoints:
+  every layer checkpointed by agoq, its input kept at 8 bits;
 - ``qlora``: the base model saved with ``save_pretrained`` and loaded back with bitsandbytes nf4
   (fp32 compute), ``prepare_model_for_kbit_training`` without checkpointing, then LoRA;
 - ``agoq_qlora``: that QLoRA model under ``apply_agoq``.
@@ -60,17 +64,29 @@ from benchmarks._common import add_out_dir, command_line, same_round_ratio
 DESCRIPTION = "LoRA / QLoRA fine-tune: agoq against plain, checkpointing, offload and inductor's fp8 pass (memory, RSS, speed, loss)"
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lora_finetune.py"
-VARIANTS = ("lora", "lora_ckpt", "lora_ckpt_offload", "lora_inductor_fp8", "agoq_lora", "qlora", "agoq_qlora")
+VARIANTS = (
+    "lora",
+    "lora_ckpt",
+    "lora_ckpt_offload",
+    "lora_inductor_fp8",
+    "agoq_lora",
+    "agoq_lora_ckpt",
+    "agoq_lora_ckpt8",
+    "qlora",
+    "agoq_qlora",
+)
 WHAT = {
     "lora": "plain PEFT LoRA",
     "lora_ckpt": "LoRA + activation checkpointing (every layer, non-reentrant)",
     "lora_ckpt_offload": "LoRA + checkpointing with offload=True (save_on_cpu)",
     "lora_inductor_fp8": "LoRA, layers compiled with inductor's activation quantization pass (fp8 e5m2)",
     "agoq_lora": "apply_agoq on the LoRA model",
+    "agoq_lora_ckpt": "apply_agoq + activation checkpointing (every layer, non-reentrant)",
+    "agoq_lora_ckpt8": "apply_agoq with compressed checkpoints (every layer, input at int8/128)",
     "qlora": "plain QLoRA (bitsandbytes nf4 base weights)",
     "agoq_qlora": "apply_agoq on the QLoRA model",
 }
-CHECKPOINTED = ("lora_ckpt", "lora_ckpt_offload")
+CHECKPOINTED = ("lora_ckpt", "lora_ckpt_offload", "agoq_lora_ckpt")
 # Peers that depend on what this machine and these versions offer: where one fails, its row is a
 # note with the error instead of figures (every other failure stops the benchmark).
 MAY_FAIL = ("lora_ckpt_offload", "lora_inductor_fp8")
@@ -149,7 +165,7 @@ def _model(spec: dict[str, Any], tmp: Path) -> Any:
     if variant.startswith("agoq_"):
         from agoq.integrations.hf import apply_agoq
 
-        apply_agoq(model)
+        apply_agoq(model, checkpoint_format="int8/128" if variant == "agoq_lora_ckpt8" else None)
     if variant == "lora_inductor_fp8":
         for layer in model.get_base_model().model.layers:
             layer.compile()
@@ -359,7 +375,14 @@ def run(args: argparse.Namespace) -> int:
             row[key], row[f"{key}_std"] = _mean_std([r[key] for r in rs])
         rows[v] = row
     ratios = {}
-    for a, b in (("agoq_lora", "lora"), ("agoq_qlora", "qlora"), ("agoq_lora", "lora_ckpt")):
+    compared = (
+        ("agoq_lora", "lora"),
+        ("agoq_qlora", "qlora"),
+        ("agoq_lora", "lora_ckpt"),
+        ("agoq_lora_ckpt", "lora_ckpt"),
+        ("agoq_lora_ckpt8", "lora_ckpt"),
+    )
+    for a, b in compared:
         if "note" not in rows.get(a, {"note": ""}) and "note" not in rows.get(b, {"note": ""}):
             ratios[f"{a}/{b}"] = _ratios(rows, runs, a, b)
     results = {
