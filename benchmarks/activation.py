@@ -99,7 +99,7 @@ def measure(model_name: str, batch: int, seq: int, dtype_name: str, layers: int,
     base = out["policies"]["bf16"]["layer_total_bytes"]
     for name in POLICIES:
         out["policies"][name]["ratio_to_bf16"] = out["policies"][name]["layer_total_bytes"] / base
-    out["kinds"] = list(METER_KINDS)
+    out["kinds"] = [k for k in METER_KINDS if k != "layer_input"]  # kept by compressed checkpoints only, none here
     return out
 
 

@@ -108,7 +108,7 @@ def test_the_trainers_loss_path_is_not_a_make_policy_argument():
     from agoq.activation.policy import make_policy, with_loss_path
 
     params = set(inspect.signature(make_policy).parameters)
-    assert params == {"name", "formats", "layer_bits", "fused_loss", "fmt", "overrides"}
+    assert params == {"name", "formats", "layer_bits", "fused_loss", "fmt", "checkpoint_format", "overrides"}
     policy = make_policy("agoq")
     assert (policy._loss_recompute, policy._loss_weight_grad_in_forward) == (True, False)  # a user's loop: recompute
     trainers = with_loss_path(policy, recompute=True, weight_grad_in_forward=True)
@@ -125,8 +125,8 @@ def test_apply_agoq_and_the_trainer_spell_formats_alike():
 
     patch_kwargs = [p for p in inspect.signature(apply_agoq).parameters if p not in ("model", "policy")]
     trainer_kwargs = [p for p in inspect.signature(AgoqTrainer.__init__).parameters if p.startswith("agoq_")]
-    assert patch_kwargs == ["formats", "layer_bits", "fused_loss"]
-    assert trainer_kwargs == ["agoq_policy", "agoq_formats", "agoq_layer_bits", "agoq_fused_loss", "agoq_gradients"]
+    assert patch_kwargs == ["formats", "layer_bits", "fused_loss", "checkpoint_format"]
+    assert trainer_kwargs == ["agoq_policy", "agoq_formats", "agoq_layer_bits", "agoq_fused_loss", "agoq_checkpoint_format", "agoq_gradients"]
 
 
 def test_ring8_is_refused_with_one_line_naming_its_new_home():

@@ -33,6 +33,11 @@ def step_group_bytes(device: torch.device, layer_values: int = 0) -> int:
     return min(max(base, 4 * layer_values), STEP_GROUP_MAX_BYTES)
 
 
+def largest_layer_values(modules: list[torch.nn.Module]) -> int:
+    """Parameters of the largest decoder layer among the stage modules' ``layers`` (0 if none)."""
+    return max((sum(p.numel() for p in layer.parameters()) for m in modules for layer in getattr(m, "layers", {}).values()), default=0)
+
+
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at total_steps (step counts from 0)."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:

@@ -30,7 +30,7 @@ from agoq.train.compute_dtype import ResolvedChoices, resolve_choices, worker_th
 from agoq.train.config import TrainConfig
 from agoq.gradient.sync import GradientSync, make_gradient_sync
 from agoq.train.metrics import JsonlWriter, peak_rss_bytes
-from agoq.train.optim import MasterWeightOptimizer, lr_at, step_group_bytes
+from agoq.train.optim import MasterWeightOptimizer, largest_layer_values, lr_at, step_group_bytes
 from agoq.train.saved import SavedActivationTracker, StepAllocations
 
 
@@ -328,8 +328,6 @@ class Trainer:
             self.stages, self.schedule = build_pipeline(cfg, ctx, self.modules, num_stages, self._stage_loss)
             self._schedule_initializing = True
         self.sync, self.optimizer = build_gradient_path(cfg, self.params, ctx)
-        layer_values = max((sum(p.numel() for p in layer.parameters()) for m in self.modules for layer in m.layers.values()), default=0)
-        self.step_group_bytes = step_group_bytes(ctx.device, layer_values)
         self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
         self.val = (
             validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
@@ -463,7 +461,7 @@ class Trainer:
         self.optimizer.set_lr(lr)
         # Step in groups of at most step_group_bytes of gradients (a larger tensor a slice at a
         # time where the optimizer can), so fp32 gradients read back from 8 bits never all exist at once.
-        self.sync.step_optimizer(self.optimizer, coef, self.step_group_bytes)  # each step drops the gradients it was handed
+        self.sync.step_optimizer(self.optimizer, coef, step_group_bytes(self.ctx.device, largest_layer_values(self.modules)))
 
     def measure_baseline(self) -> dict[str, Any]:
         """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
