@@ -40,9 +40,14 @@ def test_inductors_own_default_cache_folder_set_after_the_server_started_changes
 def test_the_workers_environment_is_the_launchers_plus_the_local_variables(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("SOMETHING_OF_THE_USER", "x")
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
     before = dict(os.environ)
     with forkserver.workers_environment():
         inside = dict(os.environ)
+        # What torch's elastic launcher sets in the launching process: kept, it made every later
+        # launch of this process differ from the fork server's environment and spawn.
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        os.environ["SOMETHING_OF_THE_USER"] = "changed during the launch"
     assert dict(os.environ) == before
     added = {k: v for k, v in inside.items() if before.get(k) != v}
     assert added == forkserver.local_worker_env() and added[forkserver.LOOPBACK_ENV] == "1"

@@ -104,17 +104,22 @@ def local_worker_env() -> dict[str, str]:
 
 @contextmanager
 def workers_environment() -> Iterator[None]:
-    """This process's environment plus :func:`local_worker_env` for the block, then as it was."""
-    extra = local_worker_env()
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    """This process's environment plus :func:`local_worker_env` for the block, then as it was.
+
+    As it was whole, not only the added variables: torch's elastic launcher sets
+    TORCHELASTIC_SIGNALS_TO_HANDLE in the environment of the process that launches, and left there
+    it made every later launch of a long-lived process (a notebook, a test session) differ from its
+    fork server's environment, so each of them spawned its workers and imported torch in every one.
+    """
+    saved = dict(os.environ)
+    os.environ.update(local_worker_env())
     try:
         yield
     finally:
+        for k in [k for k in os.environ if k not in saved]:
+            del os.environ[k]
         for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
+            if os.environ.get(k) != v:
                 os.environ[k] = v
 
 
