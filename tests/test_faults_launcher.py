@@ -45,6 +45,9 @@ def _args(out: Path, *extra: str) -> list[str]:
         f"--train.out_dir={out}",
         "--precision.quant_backend=torch",  # eager: what is checked is the launch, not compiling
         "--train.log_every=1000000",
+        # Two workers (dp=2): what is checked is how the launcher and its workers stop, which one
+        # peer shows as well as three; four processes on a test machine's two cores only take longer.
+        "--parallel.pp=1",
         *extra,
     ]
 
@@ -152,7 +155,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_they_held_the_folder(tm
     try:
         _wait_for_steps(proc, out)
         workers = _workers(proc.pid)
-        assert sorted(workers) == [0, 1, 2, 3], workers
+        assert sorted(workers) == [0, 1], workers
         # Forked from the fork server that agoq train started early (agoq.train.forkserver), which
         # serves the launch only if the workers' environment is still the one it started in.
         assert all(int(_stat(pid)[1]) != proc.pid for pid in workers.values())
@@ -338,7 +341,7 @@ def test_sigint_to_one_worker_names_that_worker(tmp_path):
     try:
         _wait_for_steps(proc, out)
         workers = _workers(proc.pid)
-        os.kill(workers[2], signal.SIGINT)
+        os.kill(workers[1], signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -346,13 +349,13 @@ def test_sigint_to_one_worker_names_that_worker(tmp_path):
             proc.wait()
     assert proc.returncode == 130, err
     lines = _lines(err)
-    assert lines == [f"agoq train: rank 2 (pid {workers[2]}) was interrupted (SIGINT), and the run stopped with it"], err
+    assert lines == [f"agoq train: rank 1 (pid {workers[1]}) was interrupted (SIGINT), and the run stopped with it"], err
     _assert_no_leak_report(err)
-    assert "KeyboardInterrupt" in (out / "logs" / "rank2.log").read_text()
+    assert "KeyboardInterrupt" in (out / "logs" / "rank1.log").read_text()
 
 
 @linux_only
-@pytest.mark.parametrize("target", ["group", "rank 2"])
+@pytest.mark.parametrize("target", ["group", "rank 1"])
 def test_a_ctrl_c_while_the_workers_join_their_group_stops_at_once_with_one_line(tmp_path, target):
     """A worker joining the process group waits in C++, where no Python handler runs: interrupted
     there, each used to wait for peers that never came until the launcher killed them 30 s later,
@@ -361,18 +364,18 @@ def test_a_ctrl_c_while_the_workers_join_their_group_stops_at_once_with_one_line
     proc = _start(out, "--train.steps=100000", "--checkpoint.every=0")
     try:
         deadline = time.time() + 180
-        while len(workers := _workers(proc.pid)) < 4 and time.time() < deadline and proc.poll() is None:
+        while len(workers := _workers(proc.pid)) < 2 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.005)  # every worker has begun: its rank log is open
-        assert len(workers) == 4, proc.poll()
+        assert len(workers) == 2, proc.poll()
         started = time.time()
-        os.killpg(proc.pid, signal.SIGINT) if target == "group" else os.kill(workers[2], signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT) if target == "group" else os.kill(workers[1], signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 130, err
-    line = "agoq train: interrupted; checkpoints" if target == "group" else f"agoq train: rank 2 (pid {workers[2]}) was interrupted (SIGINT)"
+    line = "agoq train: interrupted; checkpoints" if target == "group" else f"agoq train: rank 1 (pid {workers[1]}) was interrupted (SIGINT)"
     lines = _lines(err)
     assert len(lines) == 1 and lines[0].startswith(line), err
     _assert_no_leak_report(err)
@@ -386,7 +389,7 @@ def test_sigterm_to_the_launcher_stops_every_process_with_one_line(tmp_path):
     try:
         _wait_for_steps(proc, out)
         everything = _descendants(proc.pid)
-        assert len(_workers(proc.pid)) == 4
+        assert len(_workers(proc.pid)) == 2
         os.kill(proc.pid, signal.SIGTERM)  # what a job scheduler sends the launcher alone
         _, err = proc.communicate(timeout=120)
     finally:
