@@ -389,6 +389,23 @@ def loss_saved_bytes(
     return tokens * hidden * es + vocab * hidden * es
 
 
+def loss_work_bytes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, fused: bool) -> int:
+    """The most the LM head + cross-entropy's backward holds at once beside what it keeps (no label smoothing).
+
+    Plain (``F.cross_entropy(logits.float())``): while the log-softmax's backward runs, the nll's
+    fp32 gradient and its own, [tokens, vocab] each, beside the kept log-softmax. Fused: one chunk's
+    fp32 logits and log-probabilities (a low-precision logits tensor is freed by its upcast, and the
+    gradient is made in place of the log-probabilities), beside the whole hidden-state gradient.
+    """
+    if min(tokens, hidden, vocab) < 0:
+        raise ValueError(f"tokens, hidden and vocab must be >= 0, got {tokens}, {hidden}, {vocab}")
+    if not fused:
+        return 2 * tokens * vocab * 4
+    es = torch.empty((), dtype=dtype).element_size()
+    rows = min(tokens, default_chunk_size(vocab, hidden)) if tokens else 0
+    return 2 * rows * vocab * 4 + tokens * hidden * es
+
+
 def _precomputed_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -65,6 +65,24 @@ QUANT_OVERHEAD = (0.02, 0.03)
 BACKWARD_OVER_FORWARD = 2.0  # backward does two GEMMs per forward GEMM
 
 
+def layer_backward_bytes(tokens: int, hidden: int, intermediate: int, es: int, block_size: int | None, device: torch.device) -> int:
+    """The largest working set of one decoder layer's backward beside what the layer keeps: its
+    SwiGLU's (autograd's, or with ``block_size`` the fused 4-bit op's) or its fused norm + gate/up's."""
+    fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["baseline" if block_size is None else "quantized"]
+    if block_size is None:
+        return tokens * intermediate * (4 * fp32_values + es * dtype_values)
+    # The fused backward works a chunk of rows at a time beside its two whole outputs and the
+    # whole output gradient.
+    rows = chunk_rows(tokens, intermediate, block_size, device, SWIGLU_CHUNK_VALUES)
+    swiglu = rows * intermediate * (4 * fp32_values + es * dtype_values) + 3 * tokens * intermediate * es
+    # Then the fused norm + gate/up backward: those two gradients, the two weight gradients it
+    # returns, the recomputed norm output of every token they are GEMMs with, and the norm's fp32
+    # recompute and backward (about six [rows, hidden] of the chunk of rows it works on).
+    norm_rows = chunk_rows(tokens, hidden, block_size, device, NORM_CHUNK_VALUES)
+    norm_gate_up = 2 * (tokens + hidden) * intermediate * es + tokens * hidden * es + 6 * norm_rows * hidden * 4
+    return max(swiglu, norm_gate_up)
+
+
 class PlanShape:
     """The derived sizes every formula reads, computed once from a validated PlanConfig: the model,
     the compute dtype, the pipeline layout (stages, layer ranges, each rank's stages, torch's
@@ -295,21 +313,7 @@ class TemporaryBytes:
         (plus the recomputed layer's activations) or, on the last stage, the loss's."""
         sh = self.shape
         m, es = sh.m, sh.es
-        fp32_values, dtype_values = SWIGLU_BACKWARD_VALUES["quantized" if setup.activations else "baseline"]
-        if setup.activations:
-            # The fused backward works a chunk of rows at a time beside its two whole outputs and
-            # the whole output gradient.
-            rows = chunk_rows(sh.tokens_tp, m.intermediate, sh.fmt.block_size, sh.device, SWIGLU_CHUNK_VALUES)
-            swiglu = rows * m.intermediate * (4 * fp32_values + es * dtype_values) + 3 * sh.tokens_tp * m.intermediate * es
-            # Then the fused norm + gate/up backward: those two gradients, the two weight gradients
-            # it returns, the recomputed norm output of every token they are GEMMs with, and the
-            # norm's fp32 recompute and backward (about six [rows, hidden] of the chunk of rows it
-            # works on).
-            norm_rows = chunk_rows(sh.tokens_tp, m.hidden, sh.fmt.block_size, sh.device, NORM_CHUNK_VALUES)
-            norm_gate_up = 2 * (sh.tokens_tp + m.hidden) * m.intermediate * es + sh.tokens_tp * m.hidden * es + 6 * norm_rows * m.hidden * 4
-            swiglu = max(swiglu, norm_gate_up)
-        else:
-            swiglu = sh.tokens_tp * m.intermediate * (4 * fp32_values + es * dtype_values)
+        swiglu = layer_backward_bytes(sh.tokens_tp, m.hidden, m.intermediate, es, sh.fmt.block_size if setup.activations else None, sh.device)
         worst = 0
         for s, b in zip(sh.rank_stages[rank], bits):
             layer = swiglu

@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``agoq plan``."""
     from agoq.models.config import PRESETS
 
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # agoq.plan.finetune's, without importing torch
     parser.add_argument("--model", default="llama2-13b", help=f"model preset: {', '.join(PRESETS)} (default llama2-13b)")
     parser.add_argument(
         "--model-field",
@@ -50,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient-block", type=int, default=256, help="values per scale of the 8-bit gradients (default 256)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (schema agoq.plan/1, docs/plan.md)")
+    ft = parser.add_argument_group(
+        "fine-tuning plans", "one GPU fine-tuning a Hugging Face model: plain, ac, agoq, agoq_ac, agoq_ckpt8 (docs/plan.md)"
+    )
+    ft.add_argument("--hf-config", default=None, metavar="CONFIG_JSON", help="a Llama, Mistral, Qwen2 or Qwen3 config.json: plan its fine-tune")
+    ft.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0 trains every weight (default 16)")
+    ft.add_argument("--lora-targets", default=",".join(PROJECTIONS), help=f"projections given adapters (default {','.join(PROJECTIONS)})")
+    ft.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout; above 0 PEFT keeps each adapter's dropped input (default 0.05)")
+    ft.add_argument("--qlora", action="store_true", help="base projections in bitsandbytes nf4 (QLoRA)")
+    ft.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step; above 1 gradients are held throughout (default 1)")
 
 
 def _fields(items: list[str]) -> dict[str, object]:
@@ -74,8 +84,42 @@ def _fields(items: list[str]) -> dict[str, object]:
     return out
 
 
+def run_finetune(args: argparse.Namespace) -> int:
+    """The fine-tuning plan of ``--hf-config``; a one-line error and exit status 2 for one that cannot be planned."""
+    import json
+
+    from agoq.plan.config import PlanError, parse_size
+    from agoq.plan.finetune import FineTune, HFModel, markdown, plan_finetune, to_dict
+
+    try:
+        ignored = [f"--{k}" for k in ("tp", "pp", "dp") if getattr(args, k) != 1] + (["--memory-budget"] if args.memory_budget else [])
+        if ignored:
+            raise PlanError(f"--hf-config plans one GPU; drop {', '.join(ignored)}")
+        ft = FineTune(
+            model=HFModel.from_config(args.hf_config),
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            dtype=args.dtype,
+            lora_r=args.lora_r,
+            lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+            lora_dropout=args.lora_dropout,
+            qlora=args.qlora,
+            grad_accum=args.grad_accum,
+            gpu_memory=None if args.gpu_memory is None else parse_size(args.gpu_memory),
+            reserved=parse_size(args.reserved, allow_zero=True),
+        )
+        plans = plan_finetune(ft)
+    except PlanError as e:
+        print(f"agoq plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_dict(ft, plans), indent=2) if args.json else markdown(ft, plans))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print; a one-line error and exit status 2 for a configuration that cannot run."""
+    if getattr(args, "hf_config", None) is not None:
+        return run_finetune(args)
     from agoq.plan.config import DEFAULT_SETUPS, PlanError, make_plan_config, parse_size
     from agoq.plan.memory import plan_memory
     from agoq.plan.report import markdown, to_json

@@ -1,0 +1,236 @@
+"""``agoq plan --hf-config``: the fine-tuning plan is held to a real transformers model's step.
+
+A small LlamaForCausalLM (random init, fp32, on this CPU), LoRA r=8 on every projection and a full
+fine-tune, each variant: the planned saved activations equal the saved-tensor meter's count within
+2%, and the planned peak the step's peak tensor bytes (torch.profiler, as benchmarks/lora.py
+measures it) within 10%. Then real-shaped 8B configs: the longest contexts order as the variants'
+savings say, and bad configs get one clear line.
+"""
+
+import contextlib
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from agoq.activation.meter import SavedBytesMeter  # noqa: E402
+from agoq.integrations.hf import apply_agoq  # noqa: E402
+from agoq.plan.finetune import VARIANTS, FineTune, HFModel, plan_variant  # noqa: E402
+from agoq.quant.backend import use_backend  # noqa: E402
+
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB, SEQ = 256, 704, 2, 4, 2, 4096, 256
+LORA_R, DROPOUT = 8, 0.05
+
+
+def _config_dict(**over: object) -> dict:
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    return {**cfg, **over}
+
+
+def _live_bytes(*groups) -> int:
+    seen = {}
+    for group in groups:
+        for t in group:
+            if isinstance(t, torch.Tensor):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _measure(variant: str, lora: bool) -> tuple[int, int]:
+    """(activation bytes the meter counts in one forward, peak tensor bytes of one training step) of a real model."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in _config_dict().items() if k != "model_type"}, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    if variant in ("ac", "agoq_ac"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if lora:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, lora_alpha=16, lora_dropout=DROPOUT, target_modules=targets))
+    if variant.startswith("agoq"):
+        apply_agoq(model, checkpoint_format="int8/128" if variant == "agoq_ckpt8" else None)
+    model.train()
+    # transformers' Trainer default (adamw_torch_fused): no step temporaries.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    ids = torch.randint(0, VOCAB, (2, 1, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def step(x: torch.Tensor, meter: SavedBytesMeter | None = None) -> None:
+        with meter or contextlib.nullcontext():
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        del loss  # as the Trainer's step: the graph is gone before the optimizer steps
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    meter = SavedBytesMeter(model)
+    step(ids[0], meter)  # also makes the optimizer's state
+    start = _live_bytes(model.parameters(), model.buffers(), (t for s in optimizer.state.values() for t in s.values()))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(ids[1])
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return meter.activation_bytes, start + peak
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[tuple[str, bool], tuple[int, int]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, threads))
+    try:
+        # The torch reference path: the same bytes kept on every backend, and no compilation.
+        with use_backend("torch"):
+            return {(v, lora): _measure(v, lora) for lora in (True, False) for v in VARIANTS}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _planned(variant: str, lora: bool):
+    model = HFModel("llama", HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HIDDEN // HEADS, VOCAB, False, False, False)
+    ft = FineTune(model, SEQ, 1, "fp32", lora_r=LORA_R if lora else 0, lora_dropout=DROPOUT, device="cpu")
+    return plan_variant(ft, variant)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_planned_peak_is_the_measured_step_peak_within_10_percent(measured, variant, lora):
+    saved, peak = measured[(variant, lora)]
+    plan = _planned(variant, lora)
+    # What the forward keeps (the plan's saved activations and the loss's kept tensors) is what the meter counts.
+    planned_saved = _planned_forward_kept(variant, lora)
+    assert abs(planned_saved - saved) <= 0.02 * saved, (variant, lora, planned_saved, saved)
+    assert abs(plan.peak - peak) <= 0.10 * peak, (variant, lora, plan.peak, peak, plan.phase, plan.components)
+
+
+def _planned_forward_kept(variant: str, lora: bool) -> int:
+    from agoq.plan.finetune import checkpoint_input_bytes, layer_bytes, outside_saved_bytes, rotary_bytes
+
+    model = HFModel("llama", HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HIDDEN // HEADS, VOCAB, False, False, False)
+    ft = FineTune(model, SEQ, 1, "fp32", lora_r=LORA_R if lora else 0, lora_dropout=DROPOUT, device="cpu")
+    if variant in ("ac", "agoq_ac", "agoq_ckpt8"):
+        layers = LAYERS * checkpoint_input_bytes(ft, variant)
+        rotary = 0  # held by the checkpoints' arguments, not saved through autograd
+    else:
+        layers = layer_bytes(ft, variant, first=True) + (LAYERS - 1) * layer_bytes(ft, variant)
+        rotary = rotary_bytes(ft)
+    return layers + rotary + sum(outside_saved_bytes(ft, variant))
+
+
+QWEN3_8B = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+LLAMA31_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+def _plan_cli(tmp_path, config: dict, *args: str) -> tuple[int, str, str]:
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from agoq.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(["plan", "--hf-config", str(path), *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("config", [QWEN3_8B, LLAMA31_8B], ids=["qwen3-8b", "llama-3.1-8b"])
+def test_8b_lora_longest_contexts_order_as_the_variants_savings(tmp_path, config):
+    longest = {}
+    for gpu in ("24GiB", "80GiB"):
+        code, out, _ = _plan_cli(tmp_path, config, "--seq-len", "4096", "--gpu-memory", gpu, "--json")
+        assert code == 0
+        plan = json.loads(out)
+        assert plan["schema"] == "agoq.plan.finetune/1" and plan["fine_tune"]["method"] == "lora"
+        variants = plan["variants"]
+        for v in VARIANTS:
+            parts = variants[v]["components"]
+            assert variants[v]["peak_bytes"] == sum(parts.values()) and all(b >= 0 for b in parts.values())
+            # An 8B model's bf16 weights, 15-16 GiB, are in every variant.
+            assert 14 * 2**30 < parts["weights"] < 16 * 2**30
+        longest[gpu] = {v: variants[v]["max_seq_len"] for v in VARIANTS}
+        ctx = {v: n or 0 for v, n in longest[gpu].items()}
+        assert ctx["agoq_ckpt8"] >= ctx["agoq_ac"] >= ctx["ac"] >= ctx["plain"]
+        assert all(n % 256 == 0 for n in ctx.values())
+    for v in VARIANTS:
+        assert (longest["80GiB"][v] or 0) > (longest["24GiB"][v] or 0)
+    # 80 GiB holds a long context for every variant; compressed checkpoints reach far beyond plain LoRA.
+    assert longest["80GiB"]["plain"] >= 4096 and longest["80GiB"]["agoq_ckpt8"] >= 16 * longest["80GiB"]["plain"]
+    # The markdown says so plainly where a variant does not fit.
+    code, out, _ = _plan_cli(tmp_path, config, "--seq-len", "1048576", "--gpu-memory", "24GiB")
+    assert code == 0 and "| plain |" in out and "does not fit" in out
+
+
+def test_qwen3_keeps_its_head_norms_and_a_full_fine_tune_trains_every_weight(tmp_path):
+    from agoq.plan.finetune import HFModel
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_8B))
+    model = HFModel.from_config(path)
+    assert model.qk_norm and model.head_dim == 128 and not model.qkv_bias
+    lora = FineTune(model, 4096, lora_r=16)
+    full = FineTune(model, 4096, lora_r=0)
+    assert "qk_norm" in _terms(lora, "plain") and "qk_norm" in _terms(lora, "agoq")
+    p_lora, p_full = plan_variant(lora, "agoq_ckpt8"), plan_variant(full, "agoq_ckpt8")
+    # Full: fp32 m and v for all 8.19 B parameters; LoRA r=16: adapters only.
+    assert p_full.components["optimizer"] >= 8 * model.parameters() and p_full.components["adapters"] == 0
+    assert p_lora.components["optimizer"] < p_lora.components["weights"] / 40
+    qlora = plan_variant(FineTune(model, 4096, lora_r=16, qlora=True), "agoq_ckpt8")
+    assert qlora.components["weights"] < 0.4 * p_lora.components["weights"]
+
+
+def _terms(ft, variant):
+    from agoq.plan.finetune import layer_terms
+
+    return layer_terms(ft, variant)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({**LLAMA31_8B, "model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({k: v for k, v in LLAMA31_8B.items() if k != "intermediate_size"}, "intermediate_size is missing"),
+        ({**LLAMA31_8B, "num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+    ],
+    ids=["model_type", "missing", "zero"],
+)
+def test_a_config_the_plan_cannot_read_gets_one_line_and_exit_2(tmp_path, config, message):
+    code, out, err = _plan_cli(tmp_path, config, "--gpu-memory", "24GiB")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
