@@ -15,12 +15,6 @@ import torch  # noqa: E402
 
 from tests._data import ENV_VAR as DATA_CACHE_ENV  # noqa: E402
 
-# pytest-xdist's workers share the machine's cores: each takes its share, as agoq train's local
-# workers do (agoq.train.compute_dtype.worker_threads). Each at torch's default, one thread per core,
-# they oversubscribe the cores and their OpenMP threads spin waiting for each other.
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-
 # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen before
 # anything imports triton (torch.compile in the 8-bit AdamW tests does): kernels bind to the
 # interpreter when they are defined.
