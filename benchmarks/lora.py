@@ -29,9 +29,10 @@ measures the same at a width where the work itself dominates (``lora_hidden1024.
   (fp32 compute), ``prepare_model_for_kbit_training`` without checkpointing, then LoRA;
 - ``agoq_qlora``: that QLoRA model under ``apply_agoq``.
 
-Design: every run is its own subprocess, so its peak RSS (``ru_maxrss``) is its own. The variants
-take turns: round ``i`` runs every variant once, with seed ``i``, in an order rotated by ``i``; the
-step-time ratios are medians over rounds of each round's ratio (a change in the machine's load
+Design (the model, the step and the peak's measurement are ``benchmarks/_finetune.py``'s, shared
+with ``finetune_scale``): every run is its own subprocess, so its peak RSS (``ru_maxrss``) is its
+own. The variants take turns: round ``i`` runs every variant once, with seed ``i``, in an order
+rotated by ``i``; the step-time ratios are medians over rounds of each round's ratio (a change in the machine's load
 cancels within a round), the losses mean ± std over the rounds' seeds. In each run: the first
 ``--warmup`` steps (compilation, first allocations) are not timed, the step time is the median of
 the rest; the training loss is the mean of the last three steps, the validation loss is over
@@ -47,12 +48,8 @@ buffers, optimizer state). RSS is read before that step, so the profiler's own m
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,10 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import add_out_dir, command_line, same_round_ratio
+from benchmarks._finetune import LORA, build_model, child_main, decoder_layers, example, spawn, state_bytes, step_peak, train_step
 
 DESCRIPTION = "LoRA / QLoRA fine-tune: agoq against plain, checkpointing, offload and inductor's fp8 pass (memory, RSS, speed, loss)"
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "lora_finetune.py"
 VARIANTS = (
     "lora",
     "lora_ckpt",
@@ -123,80 +119,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out_dir(parser)
 
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("lora_finetune_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # ---- one run (in its own process) ----------------------------------------------------------------
 
 
 def _model(spec: dict[str, Any], tmp: Path) -> Any:
-    import torch
-    import transformers
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-    example = _example()
-    config = transformers.LlamaConfig(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=spec["seq_len"],
-    )
-    torch.manual_seed(spec["seed"])
-    base = transformers.LlamaForCausalLM(config)
+    config = {
+        "vocab_size": spec["vocab"],
+        "hidden_size": spec["hidden"],
+        "intermediate_size": spec["intermediate"],
+        "num_hidden_layers": spec["layers"],
+        "num_attention_heads": spec["heads"],
+        "num_key_value_heads": spec["kv_heads"],
+        "max_position_embeddings": spec["seq_len"],
+    }
     variant = spec["variant"]
-    if variant in ("qlora", "agoq_qlora"):
-        base.save_pretrained(tmp / "base")
-        q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-        base = transformers.LlamaForCausalLM.from_pretrained(tmp / "base", quantization_config=q, dtype=torch.float32)
-        # The comparison is without checkpointing (its own rows): PEFT's default would switch it on.
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-    if variant in CHECKPOINTED:
-        base.activation_checkpointing_enable({"use_reentrant": False}, offload=variant == "lora_ckpt_offload")
-    torch.manual_seed(spec["seed"])
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=example.TARGETS)
-    model = get_peft_model(base, lora)
-    if variant.startswith("agoq_"):
-        from agoq.integrations.hf import apply_agoq
-
-        apply_agoq(model, checkpoint_format="int8/128" if variant == "agoq_lora_ckpt8" else None)
-    if variant == "lora_inductor_fp8":
-        for layer in model.get_base_model().model.layers:
-            layer.compile()
-    return model.train()
-
-
-def _live_bytes(*groups: Any) -> int:
-    """Bytes of the distinct storages behind the tensors given (parameters, buffers, optimizer state)."""
-    import torch
-
-    seen: dict[int, int] = {}
-    for group in groups:
-        for t in group:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                s = t.untyped_storage()
-                seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def _profiled_peak(step: Any) -> int:
-    """The largest rise of allocated CPU bytes over its start during ``step()`` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    return build_model(
+        config,
+        seed=spec["seed"],
+        tmp=tmp,
+        qlora=variant in ("qlora", "agoq_qlora"),
+        checkpointing=variant in CHECKPOINTED,
+        offload=variant == "lora_ckpt_offload",
+        agoq=variant.startswith("agoq_"),
+        checkpoint_format="int8/128" if variant == "agoq_lora_ckpt8" else None,
+        compile_layers=variant == "lora_inductor_fp8",
+    )
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -208,14 +155,14 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from agoq.activation.meter import SavedBytesMeter
     from agoq.train.data import prepare_data
 
-    example = _example()
     data = prepare_data(vocab_size=spec["vocab_size"], cache=spec["cache"])
     spec = {**spec, "vocab": data.tokenizer.vocab_size}
-    train = example.Windows(data.train, spec["seq_len"])
-    val = example.Windows(data.val[: spec["seq_len"] * spec["eval_windows"] + 1], spec["seq_len"])
+    windows = example().Windows
+    train = windows(data.train, spec["seq_len"])
+    val = windows(data.val[: spec["seq_len"] * spec["eval_windows"] + 1], spec["seq_len"])
     with tempfile.TemporaryDirectory() as tmp_name:
         model = _model(spec, Path(tmp_name))
-    layers = model.get_base_model().model.layers
+    layers = decoder_layers(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec["lr"])
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(spec["seed"]))
@@ -227,20 +174,12 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         torch._inductor.config.patch(post_grad_fusion_options=INDUCTOR_FP8) if spec["variant"] == "lora_inductor_fp8" else contextlib.nullcontext()
     )
 
-    def step(ids: torch.Tensor, meter: SavedBytesMeter | None = None) -> float:
-        with meter or contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
     times, losses = [], []
     with scope:
         for s in range(spec["steps"]):
             meter = SavedBytesMeter(model, dict(enumerate(layers))) if s == 0 else None
             t0 = time.perf_counter()
-            losses.append(step(batches[s], meter))
+            losses.append(train_step(model, optimizer, batches[s], meter))
             times.append(time.perf_counter() - t0)
             if meter is not None:
                 saved = meter.summary()
@@ -254,8 +193,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             val_losses = [float(model(input_ids=val[i]["input_ids"][None], labels=val[i]["input_ids"][None]).loss) for i in range(len(val))]
         model.train()
-        at_start = _live_bytes(model.parameters(), model.buffers(), (t for st in optimizer.state.values() for t in st.values()))
-        peak = at_start + _profiled_peak(lambda: step(batches[spec["steps"]]))
+        at_start = state_bytes(model, optimizer)
+        peak, _ = step_peak(model, optimizer, batches[spec["steps"]])
     per_layer = {k: sum(v.values()) for k, v in saved["layers"].items()}
     timed = times[spec["warmup"] :] or times
     return {
@@ -275,29 +214,20 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _child_main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    Path(out_path).write_text(json.dumps(run_one(spec)))
+    child_main(run_one, spec_path, out_path)
 
 
 # ---- the invocation --------------------------------------------------------------------------------
 
 
 def _spawn(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    import agoq
-
     name = f"{spec['variant']}_{spec['seed']}"
-    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.json"
-    spec_path.write_text(json.dumps(spec))
-    code = f"from benchmarks.lora import _child_main; _child_main({str(spec_path)!r}, {str(out_path)!r})"
-    paths = [str(ROOT), str(Path(agoq.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        error = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "")
+    result = spawn("benchmarks.lora", spec, tmp, name)
+    if "error" in result:
         if spec["variant"] in MAY_FAIL:
-            return {"variant": spec["variant"], "seed": spec["seed"], "error": error}
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(out_path.read_text())
+            return {"variant": spec["variant"], "seed": spec["seed"], "error": result["error"]}
+        raise SystemExit(f"{name} failed:\n{result['stderr']}")
+    return result
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -394,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         "seq_len": args.seq_len,
         "lr": args.lr,
         "eval_windows": args.eval_windows,
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.05, "targets": list(_example().TARGETS)},
+        "lora": {**LORA, "targets": list(example().TARGETS)},
         "peak_tensor_source": "torch.profiler profile_memory over one training step, plus parameters, buffers and optimizer state at its start",
         "rows": rows,
         "runs": runs,

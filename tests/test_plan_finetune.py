@@ -2,12 +2,12 @@
 
 A small LlamaForCausalLM (random init, fp32, on this CPU), LoRA r=8 on every projection and a full
 fine-tune, each variant: the planned saved activations equal the saved-tensor meter's count within
-2%, and the planned peak the step's peak tensor bytes (torch.profiler, as benchmarks/lora.py
-measures it) within 10%. Then real-shaped 8B configs: the longest contexts order as the variants'
-savings say, and bad configs get one clear line.
+2%, and the planned peak the step's peak tensor bytes (torch.profiler) within 10%, the model built,
+stepped and measured by benchmarks/_finetune.py as the fine-tuning benchmarks do. Then real-shaped
+8B configs: the longest contexts order as the variants' savings say, and bad configs get one clear
+line.
 """
 
-import contextlib
 import json
 
 import pytest
@@ -17,12 +17,12 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from agoq.activation.meter import SavedBytesMeter  # noqa: E402
-from agoq.integrations.hf import apply_agoq  # noqa: E402
 from agoq.plan.finetune import VARIANTS, FineTune, HFModel, plan_variant  # noqa: E402
 from agoq.quant.backend import use_backend  # noqa: E402
+from benchmarks._finetune import LORA, build_model, plan_build_options, step_peak, train_step, trainer_optimizer  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB, SEQ = 256, 704, 2, 4, 2, 4096, 256
-LORA_R, DROPOUT = 8, 0.05
+LORA_R, DROPOUT = LORA["r"], LORA["dropout"]  # the benchmarks' adapters
 
 
 def _config_dict(**over: object) -> dict:
@@ -40,53 +40,21 @@ def _config_dict(**over: object) -> dict:
     return {**cfg, **over}
 
 
-def _live_bytes(*groups) -> int:
-    seen = {}
-    for group in groups:
-        for t in group:
-            if isinstance(t, torch.Tensor):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def _measure(variant: str, lora: bool) -> tuple[int, int]:
-    """(activation bytes the meter counts in one forward, peak tensor bytes of one training step) of a real model."""
-    from torch.profiler import ProfilerActivity, profile
+    """(activation bytes the meter counts in one forward, peak tensor bytes of one training step) of a
+    real model, built, stepped and measured as benchmarks/finetune_scale.py does."""
+    import tempfile
+    from pathlib import Path
 
-    cfg = transformers.LlamaConfig(**{k: v for k, v in _config_dict().items() if k != "model_type"}, max_position_embeddings=SEQ)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    if variant in ("ac", "agoq_ac"):
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    if lora:
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, lora_alpha=16, lora_dropout=DROPOUT, target_modules=targets))
-    if variant.startswith("agoq"):
-        apply_agoq(model, checkpoint_format="int8/128" if variant == "agoq_ckpt8" else None)
-    model.train()
-    # transformers' Trainer default (adamw_torch_fused): no step temporaries.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    cfg = {**{k: v for k, v in _config_dict().items() if k != "model_type"}, "max_position_embeddings": SEQ}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(cfg, seed=0, tmp=Path(tmp), lora=lora, **plan_build_options(variant))
+    optimizer = trainer_optimizer(model, lr=1e-3)
     ids = torch.randint(0, VOCAB, (2, 1, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def step(x: torch.Tensor, meter: SavedBytesMeter | None = None) -> None:
-        with meter or contextlib.nullcontext():
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        del loss  # as the Trainer's step: the graph is gone before the optimizer steps
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     meter = SavedBytesMeter(model)
-    step(ids[0], meter)  # also makes the optimizer's state
-    start = _live_bytes(model.parameters(), model.buffers(), (t for s in optimizer.state.values() for t in s.values()))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(ids[1])
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return meter.activation_bytes, start + peak
+    train_step(model, optimizer, ids[0], meter)  # also makes the optimizer's state
+    peak, _ = step_peak(model, optimizer, ids[1])
+    return meter.activation_bytes, peak
 
 
 @pytest.fixture(scope="module")
