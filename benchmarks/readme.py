@@ -128,7 +128,10 @@ def _provenance(payload: dict[str, Any]) -> str:
 
 
 # Result files that may be absent: measured on a quiet machine, not by every checkout.
-OPTIONAL = {"train_ratio": "python -m benchmarks.train_ratio --steps 200 --repeats 3"}
+OPTIONAL = {
+    "train_ratio": "python -m benchmarks.train_ratio --steps 200 --repeats 3",
+    "finetune_scale": "python -m benchmarks.finetune_scale",
+}
 
 
 def render(name: str, results_dir: Path) -> str:

@@ -214,6 +214,67 @@ def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path):
     assert "| agoq_lora / lora |" in lora.readme_markdown(written)
 
 
+def test_finetune_scale_measures_each_run_beside_its_plan_into_out_dir(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    from agoq.plan.finetune import checkpoint_input_bytes
+    from benchmarks import finetune_scale
+
+    def in_this_process(module, spec, tmp, name):
+        # A process per run costs seconds of imports each; the LoRA benchmark's test runs the same spawn().
+        assert module == "benchmarks.finetune_scale" and callable(finetune_scale._child_main)
+        if spec["variant"] == "qlora":  # as spawn() reports a run that failed
+            return {"error": "ModuleNotFoundError: No module named 'bitsandbytes'", "stderr": "Traceback ..."}
+        return json.loads(json.dumps(finetune_scale.run_one(json.loads(json.dumps(spec)))))
+
+    monkeypatch.setattr(finetune_scale, "spawn", in_this_process)
+    shape = ["--hidden", "128", "--intermediate", "352", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--vocab-size", "1024"]
+    runs = [
+        "--layers",
+        "2",
+        "--seq-lens",
+        "128",
+        "--steps",
+        "2",
+        "--modes",
+        "full,lora",
+        "--variants",
+        "plain,agoq_ckpt8,qlora",
+        "--text-vocab",
+        "512",
+    ]
+    argv = [*shape, *runs, "--out-dir", str(tmp_path)]
+    before = _committed()
+    assert finetune_scale.main(argv) == 0
+    assert _committed() == before
+    payload = json.loads((tmp_path / "finetune_scale.json").read_text())
+    assert payload["command"] == "python -m benchmarks.finetune_scale " + " ".join(argv) and "cpu_flags" in payload["machine"]
+    results = payload["results"]
+    rows = {(r["mode"], r["variant"]): r for r in results["rows"]}
+    # QLoRA is LoRA's alone; a run that fails is a row with its error, the others go on.
+    failed = rows.pop(("lora", "qlora"))
+    assert failed["note"] == "failed: ModuleNotFoundError: No module named 'bitsandbytes'" and failed["planned_peak_bytes"] > 0
+    assert set(rows) == {(m, v) for m in ("full", "lora") for v in ("plain", "agoq_ckpt8")} and len(results["runs"]) == 4
+    for key, r in rows.items():
+        assert "note" not in r, (key, r)
+        assert r["seq_len"] == 128 and r["peak_rss_bytes"] > r["peak_tensor_bytes"] > 0 and r["step_s"] > 0
+        # The planner's peak for the same step is the measured one within 10%.
+        assert r["planned_over_measured"] == pytest.approx(r["planned_peak_bytes"] / r["peak_tensor_bytes"])
+        assert abs(r["planned_over_measured"] - 1) <= 0.10, (key, r["planned_over_measured"], r["planned_phase"])
+        assert sorted(r["saved_bytes_per_layer"]) == ["0", "1"]
+    for mode in ("full", "lora"):
+        plain, ckpt8 = rows[(mode, "plain")], rows[(mode, "agoq_ckpt8")]
+        # A compressed checkpoint keeps only the layer's input, at int8/128: what the planner counts.
+        spec = {"hidden": 128, "intermediate": 352, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32, "vocab_size": 1024}
+        ft = finetune_scale.fine_tune({**spec, "mode": mode, "seq_len": 128, "variant": "agoq_ckpt8"})
+        assert set(ckpt8["saved_bytes_per_layer"].values()) == {checkpoint_input_bytes(ft, "agoq_ckpt8")}
+        assert plain["step_time_vs_plain"] == 1.0 and ckpt8["step_time_vs_plain"] > 0
+        # The same data, weights and steps: the losses agree (the saved tensors' rounding only).
+        assert ckpt8["loss_after_steps"] == pytest.approx(plain["loss_after_steps"], rel=0.01)
+        assert results["ratios"][f"{mode}/128/agoq_ckpt8/plain"]["peak_tensor_bytes"] < 1
+    table = finetune_scale.readme_markdown(results)
+    assert "| lora | 128 | agoq_ckpt8 (" in table and "| lora | 128 | qlora (QLoRA (nf4 base)) | failed: ModuleNotFoundError" in table
+
+
 def test_the_convergence_command_names_every_option_that_changes_its_file():
     import argparse
 
