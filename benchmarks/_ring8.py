@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, cfg: Any, env: dict[str, str], que
     import agoq.train.trainer as trainer_module
     from agoq.train.run import train_worker
 
-    torch.set_num_threads(1)  # a forked child that runs a matmul hangs otherwise (DESIGN.md)
+    torch.set_num_threads(1)  # a forked child's OpenMP pool, inherited from a parent that ran one, hangs in its first matmul
     trainer_module.make_gradient_sync = _ring_sync
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

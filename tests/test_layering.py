@@ -1,4 +1,4 @@
-"""Lower layers never import higher ones (DESIGN.md: data flows config -> model -> parallel -> trainer), and
+"""Lower layers never import higher ones (docs/ARCHITECTURE.md: each layer imports only the ones below it), and
 nothing in the package imports the benchmarks (benchmarks/, outside it, above every layer)."""
 
 import ast

@@ -3,7 +3,8 @@
 The plain path (``F.linear`` then ``F.cross_entropy(logits.float())``) keeps the fp32
 log-softmax of every token for backward: 4 * V bytes per token, 16U at vocab 8 x hidden and 62U
 for LLaMA3-8B (vocab 128256, hidden 4096), more than ten 4-bit decoder layers. Quantizing it is
-not an option: it was the single most harmful compression measured (DESIGN.md).
+not an option: the softmax's gradient is the difference of two nearly equal probabilities at every
+vocabulary entry, which a 4- or 8-bit code of the logits loses first.
 
 The fused path walks the tokens in chunks. For each chunk it computes the logits (in the hidden
 dtype, upcast to fp32 exactly as the plain path does), the loss, and, still in forward, the

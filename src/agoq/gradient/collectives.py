@@ -584,7 +584,7 @@ def receiving_rows(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor | None:
     all-reduce of 64 MiB of fp32 on 4 gloo ranks over loopback, 2 cores: 9.5K faults and about a
     fifth of its CPU time), so the reduction allocates one, for the rows it sends, not two. It is
     the received rows that go into x's bytes, not the sent ones: the codes are then written
-    straight into a buffer that aliases nothing the quantization reads (agoq.quant.simd's kernel
+    straight into a buffer that aliases nothing the quantization reads (the quantization
     writes them there in one pass), where sent rows written over x had to be quantized into a
     temporary and copied, each row's bytes before its own values.
     """

@@ -59,7 +59,8 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     # Trains in minutes on 2 CPU cores; the default of `agoq train`.
     "tiny": LlamaConfig(),
-    # The size of the peer measurements in DESIGN.md (15.8 M parameters with vocab 4096).
+    # 15.8 M parameters with vocab 4096: layers twice tiny's width, for what depends on width, and
+    # still minutes on two cores.
     "small": LlamaConfig(hidden=512, n_layers=4, n_heads=8, n_kv_heads=4, intermediate=1376),
     "llama3.2-1b": LlamaConfig(
         vocab_size=128256,
