@@ -545,7 +545,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[dict[str, Any]], env
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results.put((rank, "ok", [_trainer_job(job) for job in jobs]))
+        for j, job in enumerate(jobs):
+            results.put((rank, j, _trainer_job(job)))  # as each ends: the parent's deadline is per job
     except BaseException:  # every failure goes to the parent, which reports it
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -569,24 +570,31 @@ def _free_port() -> int:
 
 
 def run_ranks(world: int, jobs: list[dict[str, Any]], timeout: float = 3600) -> list[list[dict[str, Any]]]:
-    """Each job's count on each of ``world`` gloo ranks (fresh processes): results[rank][job]."""
+    """Each job's count on each of ``world`` gloo ranks (fresh processes): results[rank][job].
+
+    ``timeout`` bounds each job, not the group: the 1b-width rows under Triton's interpreter take
+    most of an hour each on two cores, and one deadline for every 1x1 job lost them all.
+    """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, _child_environment(), results)) for r in range(world)]
     for p in procs:
         p.start()
-    done: dict[int, Any] = {}
+    done: dict[int, list[Any]] = {r: [] for r in range(world)}
     errors = []
     deadline = time.monotonic() + timeout
     try:
-        while len(done) + len(errors) < world:
+        while sum(len(v) for v in done.values()) + len(errors) * len(jobs) < world * len(jobs):
             try:
                 rank, status, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue_module.Empty:
-                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(done))} did not answer within {timeout:.0f} s") from None
-            if status == "ok":
-                done[rank] = value
+                late = sorted(r for r in range(world) if len(done[r]) < len(jobs))
+                job = jobs[min(len(done[r]) for r in late)]
+                raise RuntimeError(f"ranks {late} did not finish {job['size']}/{job['config']} within {timeout:.0f} s") from None
+            if status != "error":
+                done[rank].append(value)
+                deadline = time.monotonic() + timeout
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 deadline = min(deadline, time.monotonic() + 20)  # the others wait in a collective
