@@ -16,7 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``agoq plan``."""
     from agoq.models.config import PRESETS
 
-    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # agoq.plan.finetune's, without importing torch
     parser.add_argument("--model", default="llama2-13b", help=f"model preset: {', '.join(PRESETS)} (default llama2-13b)")
     parser.add_argument(
         "--model-field",
@@ -56,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ft.add_argument("--hf-config", default=None, metavar="CONFIG_JSON", help="a Llama, Mistral, Qwen2 or Qwen3 config.json: plan its fine-tune")
     ft.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0 trains every weight (default 16)")
-    ft.add_argument("--lora-targets", default=",".join(PROJECTIONS), help=f"projections given adapters (default {','.join(PROJECTIONS)})")
+    ft.add_argument("--lora-targets", default=None, help="comma-separated projections given adapters (default: all seven, q_proj through down_proj)")
     ft.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout; above 0 PEFT keeps each adapter's dropped input (default 0.05)")
     ft.add_argument("--qlora", action="store_true", help="base projections in bitsandbytes nf4 (QLoRA)")
     ft.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step; above 1 gradients are held throughout (default 1)")
@@ -89,7 +88,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     import json
 
     from agoq.plan.config import PlanError, parse_size
-    from agoq.plan.finetune import FineTune, HFModel, markdown, plan_finetune, to_dict
+    from agoq.plan.finetune import PROJECTIONS, FineTune, HFModel, markdown, plan_finetune, to_dict
 
     try:
         ignored = [f"--{k}" for k in ("tp", "pp", "dp") if getattr(args, k) != 1] + (["--memory-budget"] if args.memory_budget else [])
@@ -101,7 +100,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             micro_batch=args.micro_batch,
             dtype=args.dtype,
             lora_r=args.lora_r,
-            lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+            lora_targets=PROJECTIONS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
             lora_dropout=args.lora_dropout,
             qlora=args.qlora,
             grad_accum=args.grad_accum,
