@@ -461,7 +461,9 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_is_named_in_the_line_and_in_the_rank_log(small_disk):
     out = small_disk / "run"
-    proc = subprocess.run(_args(out, "--train.steps=3", "--checkpoint.every=1"), capture_output=True, text=True, env=_env(), timeout=300)
+    proc = subprocess.run(
+        _args(out, "--train.steps=3", "--checkpoint.every=1", "--parallel.pp=2"), capture_output=True, text=True, env=_env(), timeout=300
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = _lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
