@@ -501,6 +501,25 @@ def test_a_full_disk_behind_a_one_line_checkpoint_error_is_in_the_line_and_the_l
     assert "/runs/x/checkpoints/step_3.tmp/__1_0.distcp" in log
 
 
+def test_a_full_disk_is_the_line_even_when_a_peers_checkpoint_error_was_logged_first(tmp_path):
+    """At dp=2 the rank whose DCP collective fails on its peer's ENOSPC may log first, and its
+    error need not carry the ENOSPC; the line names the full disk."""
+    from types import SimpleNamespace
+
+    from agoq.train.run import failure_line
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.error").write_text("100.0 CheckpointError: writing checkpoint step 1 failed on another rank\n")
+    enospc = "no space left on device (ENOSPC) writing /runs/x/checkpoints/step_1.tmp/__1_0.distcp; free space on that disk"
+    (logs / "rank1.error").write_text(f"100.5 {enospc}\n")
+    line = failure_line(tmp_path, {0: SimpleNamespace(exitcode=1, pid=10)}, 2)
+    assert line == f"rank 1 failed: {enospc} (full traceback: {logs / 'rank1.log'})"
+    # Without a full disk, the first failure by time is the line.
+    (logs / "rank1.error").write_text("100.5 RuntimeError: Connection closed by peer\n")
+    assert failure_line(tmp_path, {0: SimpleNamespace(exitcode=1, pid=10)}, 2).startswith("rank 0 failed: CheckpointError: writing checkpoint step 1")
+
+
 def test_a_worker_killed_without_a_log_is_named_with_its_signal(tmp_path):
     from types import SimpleNamespace
 

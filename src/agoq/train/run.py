@@ -716,8 +716,11 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], worl
         return f"rank {rank} (pid {f.pid}) was killed by {name} without a Python error (by another process, or the out-of-memory killer)"
     if not found:
         return f"a worker process died without a Python error (killed, or out of memory); ranks {sorted(failures)} failed"
-    # Other ranks fail after the first one, on the collectives it no longer answers.
-    _, rank, line = min(found)
+    # Other ranks fail after the first one, on the collectives it no longer answers. A full disk is
+    # the cause wherever it shows: a rank whose checkpoint collective failed on a peer's ENOSPC can
+    # log its own error, without the ENOSPC, before the peer whose write failed.
+    full_disk = [f for f in found if f[2].startswith("no space left on device")]
+    _, rank, line = min(full_disk or found)
     interrupted = re.fullmatch(r"interrupted \(pid (\d+)\)", line)
     if interrupted:
         return f"rank {rank} (pid {interrupted.group(1)}) was interrupted (SIGINT), and the run stopped with it"
