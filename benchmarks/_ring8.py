@@ -1,10 +1,11 @@
-"""The FP8-LM-style ring ablation, trained: agoq's trainer with its fp32 gradient all-reduce replaced
-by :func:`agoq.gradient.collectives.ring_all_reduce_8bit` (one shared scale, partial sums re-rounded
-to 8 bits at every hop).
+"""The FP8-LM-style ring, the scheme AGoQ's all-reduce replaces, as a baseline: the collective
+(:func:`ring_all_reduce_8bit`: one shared scale, partial sums re-rounded to 8 bits at every hop,
+so its error grows with the ranks) and agoq's trainer with its fp32 gradient all-reduce replaced
+by it.
 
 It is a baseline that the benchmarks measure, not a training option (no ``precision.gradients``
-selects it), so the hook lives here: each local rank swaps the trainer's gradient-sync factory for
-the ring before it trains a config whose ``precision.gradients`` is fp32.
+selects it), so it lives here: each local rank swaps the trainer's gradient-sync factory for the
+ring before it trains a config whose ``precision.gradients`` is fp32.
 """
 
 from __future__ import annotations
@@ -14,19 +15,129 @@ import queue as queue_module
 import traceback
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from agoq.gradient.collectives import Group, parse_op, world_of
+from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
+from agoq.gradient.sync import PlainGradientSync
+
 # A whole run of benchmarks.convergence's default length on the 4 local ranks, with room to spare.
 TIMEOUT_S = 6 * 3600
 
 
+# ---- the collective ------------------------------------------------------------------------------
+
+RING_KINDS = ("int8", "fp8")
+
+
+def _round_shared(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """Codes of x / scale on the 8-bit grid, as uint8 bytes for the wire.
+
+    agoq.quant derives a scale per block from the data; the FP8-LM ring instead fixes one scale
+    for the whole tensor on every rank (that is what lets partial sums be added), so it rounds here.
+    """
+    y = x / scale
+    if kind == "int8":
+        return torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _decode_shared(codes: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    vals = codes.view(torch.int8).float() if kind == "int8" else codes.view(torch.float8_e4m3fn).float()
+    return vals * scale
+
+
+def ring_all_reduce_8bit(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    group: Group = None,
+    *,
+    kind: str = "int8",
+    counter: CommCounter | None = None,
+) -> None:
+    """In-place FP8-LM-style ring all-reduce: one shared scale, partial sums re-rounded at each hop.
+
+    The shared scale is W * (global absmax) / max_code, from one max all-reduce, so no partial sum
+    overflows; each of the W - 1 reduce hops re-rounds, so the error grows with W. A baseline only.
+    """
+    if not tensor.is_floating_point():
+        raise TypeError(f"ring_all_reduce_8bit expects a floating-point tensor (fp32/bf16/fp16), got {tensor.dtype}")
+    if kind not in RING_KINDS:
+        raise ValueError(f"ring kind must be one of {RING_KINDS}, got {kind!r}")
+    op = parse_op(op)
+    counter = COMM_COUNTER if counter is None else counter
+    world_size, rank = world_of(group)
+    n = tensor.numel()
+    flat = tensor.detach().reshape(-1).float()
+    amax = flat.abs().amax().reshape(1) if n else torch.zeros(1, device=flat.device)
+    if world_size > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    counter.record("ring_all_reduce_8bit", 0, ring_all_reduce_bytes(4, world_size))
+    max_code = 127.0 if kind == "int8" else 448.0
+    scale = float(amax) * world_size / max_code
+    if not 0.0 < scale < float("inf"):
+        # All zeros on every rank: the sum is zero. A non-finite value anywhere: it must not come
+        # out finite, so the whole result is NaN (the ring has a single scale).
+        tensor.fill_(0.0 if scale == 0.0 else float("nan"))
+        return
+    c = -(-n // world_size)
+    if c * world_size != n:
+        flat = torch.nn.functional.pad(flat, (0, c * world_size - n))
+    chunks = flat.view(world_size, c)
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    # Reduce-scatter ring: at hop h, send the partial sum of chunk (rank - h) and receive that of
+    # chunk (rank - h - 1); every received partial is dequantized, added to the local chunk in
+    # fp32 and re-rounded to 8 bits before it travels on.
+    partial = _round_shared(chunks[rank], scale, kind)
+    recv = torch.empty(c, dtype=torch.uint8, device=flat.device)
+    for h in range(world_size - 1):
+        _ring_hop(partial, recv, nxt, prv, group)
+        counter.record("ring_all_reduce_8bit", c, 0, calls=0)
+        idx = (rank - h - 1) % world_size
+        partial = _round_shared(_decode_shared(recv, scale, kind) + chunks[idx], scale, kind)
+    # Rank r now holds chunk (r + 1) mod W fully reduced; the all-gather ring only moves codes.
+    out = torch.empty(world_size, c, dtype=torch.uint8, device=flat.device)
+    own = (rank + 1) % world_size
+    out[own] = partial
+    for h in range(world_size - 1):
+        _ring_hop(out[(own - h) % world_size].contiguous(), recv, nxt, prv, group)
+        counter.record("ring_all_reduce_8bit", c, 0, calls=0)
+        out[(own - h - 1) % world_size] = recv
+    result = _decode_shared(out.reshape(-1)[:n], scale, kind)
+    if op == "avg":
+        result /= world_size
+    tensor.copy_(result.view(tensor.shape))
+
+
+def _ring_hop(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group: Group) -> None:
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=prv),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+# ---- the trained ablation ------------------------------------------------------------------------
+
+
+class RingGradientSync(PlainGradientSync):
+    """The fp32 gradient buffer of ``precision.gradients=fp32``, averaged along the 8-bit ring."""
+
+    def all_reduce(self) -> None:
+        if self.world == 1:
+            return super().all_reduce()
+        self.counter.reset()
+        ring_all_reduce_8bit(self.buffer, "avg", self.group, counter=self.counter)
+        self.wire_bytes_last_step = self.counter.bytes()
+
+
 def _ring_sync(mode: str, params: list, group: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
     """The trainer's gradient sync for a config asking fp32: the same fp32 buffer, reduced along the 8-bit ring."""
-    import torch
-
-    from agoq.gradient.sync import PlainGradientSync
-
     if mode != "fp32" or kwargs.get("sharded"):
         raise ValueError(f"the ring8 ablation replaces the fp32 all-reduce; got precision.gradients={mode!r} (zero1: {bool(kwargs.get('sharded'))})")
-    return PlainGradientSync(params, group, device, torch.float32, ring=True)
+    return RingGradientSync(params, group, device, torch.float32)
 
 
 def _worker(rank: int, world: int, port: int, cfg: Any, env: dict[str, str], queue: Any) -> None:

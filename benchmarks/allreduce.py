@@ -17,7 +17,7 @@ node, int4 all-reduce between nodes, all-gather within a node. A node is LOCAL_W
 (2 per host in ``netns``), 2 simulated ones when it is not set (``local``). Where the ranks span
 hosts (``netns``), the 8-bit and int4 all-reduces gather between hosts, then within each, as
 training does across nodes (agoq.gradient.collectives.gathers_by_node). ``ring8`` is the FP8-LM-style
-baseline AGoQ's all-reduce replaces (agoq.gradient.collectives.ring_all_reduce_8bit: one shared
+baseline AGoQ's all-reduce replaces (benchmarks/_ring8.py's ring_all_reduce_8bit: one shared
 scale, partial sums re-rounded to 8 bits at each hop); benchmarks.convergence trains with it.
 
 Times are the slowest rank's, median over ``--reps``; "same repetition" ratios are the median of
@@ -130,7 +130,8 @@ def measure(rank: int, world: int, sizes: list[int], reps: int, fmt: str, link: 
     import torch.distributed as dist
 
     from agoq.gradient import CommCounter, all_reduce_8bit, all_reduce_hierarchical, node_groups
-    from agoq.gradient.collectives import all_reduce_fp, inter_node_name, ring_all_reduce_8bit
+    from agoq.gradient.collectives import all_reduce_fp, inter_node_name
+    from benchmarks._ring8 import ring_all_reduce_8bit
 
     groups = node_groups(node_size(world))
     # The flat all-reduces know the nodes only where the ranks really span hosts, as in training.

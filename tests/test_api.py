@@ -144,7 +144,7 @@ def test_ring8_is_refused_with_one_line_naming_its_new_home():
 def test_the_gradient_sync_factory_has_no_ring8():
     import torch
 
-    from agoq.gradient.sync import make_gradient_sync
+    from agoq.gradient.build import make_gradient_sync
 
     params = [("w", torch.nn.Parameter(torch.ones(4)))]
     with pytest.raises(ValueError, match="ring8"):

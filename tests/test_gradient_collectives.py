@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from agoq.gradient import CommCounter, all_reduce_8bit, reduce_scatter_8bit
-from agoq.gradient.collectives import all_reduce_fp, chunk_layout, ring_all_reduce_8bit
+from agoq.gradient.collectives import all_reduce_fp, chunk_layout
 from agoq.gradient import collectives
 from agoq.gradient.collectives import POLL_MAX_ROW_BYTES, padded_rows, polls_for, wait_for
 from agoq.quant import dequantize, quantization_error_bound, quantize
+from benchmarks._ring8 import ring_all_reduce_8bit
 from tests._dist import run_distributed
 
 FMT = "int8/256"

@@ -22,7 +22,7 @@ ALLOWED = {
 }
 # Below every layer: modules of the standard library alone, so that the launcher can use them before
 # it imports torch (inductor_cache: the folder a torch held to another instruction set compiles into).
-BASE = {"inductor_cache"}
+BASE = {"inductor_cache", "errors"}
 # Below every layer too, above torch alone: the one home of torch names newer than the floor and of
 # private torch names (tests/test_compat.py).
 TORCH_BASE = {"compat"}
@@ -127,3 +127,50 @@ def test_the_compat_module_imports_torch_and_the_standard_library_alone():
     path = SRC / "compat.py"
     outside = _top_level_imports(path) - set(sys.stdlib_module_names) - {"__future__", "torch"}
     assert not outside and not _agoq_imports(path), f"compat.py imports {sorted(outside | _agoq_imports(path))}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the package and the package's modules it imports, at its top or inside a function."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = (
+                    ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [node.module or ""]).strip(".")
+                    if node.level
+                    else node.module or ""
+                )
+                found.add(base)
+                found |= {f"{base}.{a.name}" for a in node.names}  # a submodule imported by name
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_the_package_has_no_import_cycles():
+    """No module reaches itself through the modules it imports, lazily imported ones included: each
+    is understood, tested and replaced without the ones that depend on it."""
+    graph = _module_imports()
+    assert "agoq.gradient.sync" in graph["agoq.gradient.sharded"]  # the graph sees the imports
+    cycles, done = [], set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycles.append(" -> ".join(path[path.index(name) :] + [name]))
+            return
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, path + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, "\n".join(cycles)

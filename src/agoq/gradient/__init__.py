@@ -8,8 +8,8 @@
 - adapters: :func:`quantized_allreduce_hook` for DDP, :func:`use_quantized_reduce_scatter` for FSDP2;
 - :class:`CommCounter`, :data:`COMM_COUNTER`: bytes each rank sent, per collective.
 
-The baselines the benchmarks compare with (``all_reduce_fp``, fp32/bf16, and
-``ring_all_reduce_8bit``, the FP8-LM-style ring) are in :mod:`agoq.gradient.collectives`.
+The fp32/bf16 baseline the benchmarks compare with (``all_reduce_fp``) is in
+:mod:`agoq.gradient.collectives`; the FP8-LM-style ring, a baseline only, is benchmarks/_ring8.py's.
 This package imports only agoq.quant. The FSDP2 adapter is loaded on first use (importing
 torch's FSDP is slow).
 """

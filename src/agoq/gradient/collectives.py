@@ -1,4 +1,4 @@
-"""8-bit collectives over torch.distributed, and the baselines they are measured against.
+"""8-bit collectives over torch.distributed.
 
 The precision-preserving 8-bit all-reduce (METHOD.md part 3) never adds in 8 bits:
 
@@ -16,9 +16,8 @@ Error per element against the fp32 sum of the *original* inputs: at most sum_i s
 rank's input rounding, s_i its block scale) + s_out / 2 (the re-quantization), i.e. W + 1
 half-steps; against the fp32 sum of the *dequantized* inputs, only s_out / 2.
 
-Baselines in the same terms: :func:`all_reduce_fp` (torch's all-reduce in fp32 or bf16) and
-:func:`ring_all_reduce_8bit`, an FP8-LM-style ring whose partial sums are re-rounded to 8 bits
-with one shared scale at every hop, so its error grows with W.
+The baseline in the same terms: :func:`all_reduce_fp` (torch's all-reduce in fp32 or bf16). The
+FP8-LM-style ring AGoQ's all-reduce replaces is a benchmark's baseline (benchmarks/_ring8.py).
 
 Every function records the bytes this rank sends in a :class:`CommCounter`. Non-finite inputs are
 never turned into finite values: the blocks holding them come out NaN on every rank.
@@ -816,95 +815,6 @@ def all_reduce_fp(
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-RING_KINDS = ("int8", "fp8")
-
-
-def _round_shared(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
-    """Codes of x / scale on the 8-bit grid, as uint8 bytes for the wire.
-
-    agoq.quant derives a scale per block from the data; the FP8-LM ring instead fixes one scale
-    for the whole tensor on every rank (that is what lets partial sums be added), so it rounds here.
-    """
-    y = x / scale
-    if kind == "int8":
-        return torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
-    return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def _decode_shared(codes: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
-    vals = codes.view(torch.int8).float() if kind == "int8" else codes.view(torch.float8_e4m3fn).float()
-    return vals * scale
-
-
-def ring_all_reduce_8bit(
-    tensor: torch.Tensor,
-    op: str | dist.ReduceOp = "sum",
-    group: Group = None,
-    *,
-    kind: str = "int8",
-    counter: CommCounter | None = None,
-) -> None:
-    """In-place FP8-LM-style ring all-reduce: one shared scale, partial sums re-rounded at each hop.
-
-    The shared scale is W * (global absmax) / max_code, from one max all-reduce, so no partial sum
-    overflows; each of the W - 1 reduce hops re-rounds, so the error grows with W. A baseline only.
-    """
-    _check_float(tensor, "ring_all_reduce_8bit")
-    if kind not in RING_KINDS:
-        raise ValueError(f"ring kind must be one of {RING_KINDS}, got {kind!r}")
-    op = parse_op(op)
-    counter = COMM_COUNTER if counter is None else counter
-    world_size, rank = world_of(group)
-    n = tensor.numel()
-    flat = tensor.detach().reshape(-1).float()
-    amax = flat.abs().amax().reshape(1) if n else torch.zeros(1, device=flat.device)
-    if world_size > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    counter.record("ring_all_reduce_8bit", 0, ring_all_reduce_bytes(4, world_size))
-    max_code = 127.0 if kind == "int8" else 448.0
-    scale = float(amax) * world_size / max_code
-    if not 0.0 < scale < float("inf"):
-        # All zeros on every rank: the sum is zero. A non-finite value anywhere: it must not come
-        # out finite, so the whole result is NaN (the ring has a single scale).
-        tensor.fill_(0.0 if scale == 0.0 else float("nan"))
-        return
-    c = -(-n // world_size)
-    if c * world_size != n:
-        flat = torch.nn.functional.pad(flat, (0, c * world_size - n))
-    chunks = flat.view(world_size, c)
-    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
-    # Reduce-scatter ring: at hop h, send the partial sum of chunk (rank - h) and receive that of
-    # chunk (rank - h - 1); every received partial is dequantized, added to the local chunk in
-    # fp32 and re-rounded to 8 bits before it travels on.
-    partial = _round_shared(chunks[rank], scale, kind)
-    recv = torch.empty(c, dtype=torch.uint8, device=flat.device)
-    for h in range(world_size - 1):
-        _ring_hop(partial, recv, nxt, prv, group)
-        counter.record("ring_all_reduce_8bit", c, 0, calls=0)
-        idx = (rank - h - 1) % world_size
-        partial = _round_shared(_decode_shared(recv, scale, kind) + chunks[idx], scale, kind)
-    # Rank r now holds chunk (r + 1) mod W fully reduced; the all-gather ring only moves codes.
-    out = torch.empty(world_size, c, dtype=torch.uint8, device=flat.device)
-    own = (rank + 1) % world_size
-    out[own] = partial
-    for h in range(world_size - 1):
-        _ring_hop(out[(own - h) % world_size].contiguous(), recv, nxt, prv, group)
-        counter.record("ring_all_reduce_8bit", c, 0, calls=0)
-        out[(own - h - 1) % world_size] = recv
-    result = _decode_shared(out.reshape(-1)[:n], scale, kind)
-    if op == "avg":
-        result /= world_size
-    tensor.copy_(result.view(tensor.shape))
-
-
-def _ring_hop(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group: Group) -> None:
-    ops = [
-        dist.P2POp(dist.isend, send, group=group, group_peer=nxt),
-        dist.P2POp(dist.irecv, recv, group=group, group_peer=prv),
-    ]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
 
 
 def agree_nonfinite(

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.gradient.collectives import INTER_NODE_SUFFIX, Group, int8_gradient_format, own_rank, world_of
+from agoq.gradient.collectives import INTER_NODE_SUFFIX, Group, int8_gradient_format, own_rank
 from agoq.gradient.counter import CommCounter, ring_all_reduce_bytes
 from agoq.gradient.fold import fold_on_accumulate
 from agoq.gradient.hierarchical import HOP_NAMES, all_reduce_hierarchical
-from agoq.gradient.nodes import NodeGroups, node_groups
+from agoq.gradient.nodes import NodeGroups
 from agoq.gradient.readback import all_finite, nonfinite_of_sum, skip_flag, step_in_groups, sum_of_squares
 
 if TYPE_CHECKING:  # buffer.py is imported where a buffer is built (it pulls in the whole bucket pipeline)
@@ -188,11 +188,10 @@ class ParameterGradientSync(GradientSync):
 
 
 class PlainGradientSync(ParameterGradientSync):
-    """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16, or along an 8-bit ring.
+    """An fp32 gradient buffer (Megatron's main_grad) all-reduced in fp32 or bf16, or in two hops over nodes.
 
-    ``ring=True`` is the FP8-LM-style baseline: one shared scale, partial sums re-rounded to 8 bits
-    at every hop (agoq.gradient.collectives.ring_all_reduce_8bit), the scheme AGoQ's all-reduce
-    replaces. No ``precision.gradients`` selects it: benchmarks/convergence.py trains with it.
+    A baseline's reduction of the same buffer overrides :meth:`all_reduce` (benchmarks/_ring8.py's
+    FP8-LM-style ring, which no ``precision.gradients`` selects).
     """
 
     def __init__(
@@ -201,7 +200,6 @@ class PlainGradientSync(ParameterGradientSync):
         group: Group,
         device: torch.device,
         wire_dtype: torch.dtype,
-        ring: bool = False,
         nodes: NodeGroups | None = None,
     ) -> None:
         self.nodes = nodes  # the two-hop reduction's node groups (hier-8/4), or None
@@ -210,7 +208,6 @@ class PlainGradientSync(ParameterGradientSync):
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.wire_dtype = wire_dtype
-        self.ring = ring
         self.counter = CommCounter()
         total = sum(p.numel() for p in self.params)
         self.buffer = torch.zeros(total, dtype=torch.float32, device=device)
@@ -230,18 +227,16 @@ class PlainGradientSync(ParameterGradientSync):
             bad = [self.names[i] for i, v in enumerate(self.views) if not bool(torch.isfinite(v).all())]
             self._nonfinite = [(own_rank(), bad[0])]
             warnings.warn(f"non-finite gradient in {bad[0]!r} ({len(bad)} parameter(s)); skipping this step", RuntimeWarning, stacklevel=2)
+        self.all_reduce()
+        return self._nonfinite_flag(ok)
+
+    def all_reduce(self) -> None:
+        """Average the buffer over the dp group, and count the bytes this rank sent."""
         if self.world > 1 and self.nodes is not None:
             self.counter.reset()
             all_reduce_hierarchical(self.buffer, "avg", self.nodes, intra_fmt=HIER_INTRA_FORMAT, inter_fmt=INT4_WIRE_FORMAT, counter=self.counter)
             self.wire_bytes_last_step = self.counter.bytes()
-            return self._nonfinite_flag(ok)
-        if self.world > 1 and self.ring:
-            from agoq.gradient.collectives import ring_all_reduce_8bit
-
-            self.counter.reset()
-            ring_all_reduce_8bit(self.buffer, "avg", self.group, counter=self.counter)
-            self.wire_bytes_last_step = self.counter.bytes()
-            return self._nonfinite_flag(ok)
+            return
         if self.world > 1:
             # Issued whatever this rank saw: every dp rank must call the same collectives.
             if self.wire_dtype == torch.float32:
@@ -252,7 +247,6 @@ class PlainGradientSync(ParameterGradientSync):
                 self.buffer.copy_(low)
             self.buffer.div_(self.world)
         self.wire_bytes_last_step = ring_all_reduce_bytes(self.buffer.numel() * torch.finfo(self.wire_dtype).bits // 8, self.world)
-        return self._nonfinite_flag(ok)
 
     def link_bytes_last_step(self) -> dict[str, int]:
         if self.nodes is None:
@@ -393,48 +387,3 @@ class QuantizedGradientSync(QuantizedBufferState, ParameterGradientSync):
 
     def fp32_wire_bytes(self) -> int:
         return ring_all_reduce_bytes(self.buffer.numel * 4, self.world)
-
-
-def _nodes_of_world(node_size: int, group: Group) -> NodeGroups | None:
-    """Node groups for the 8-bit all-gather (gathers_by_node) where ``group`` is the whole world
-    spread over several nodes of ``node_size`` ranks; else None.
-
-    Only a group of every rank: torch.distributed makes groups collectively, and each rank here
-    knows only its own dp group (with pp or tp > 1 the all-gather stays flat).
-    """
-    world = world_of(group)[0]
-    if not dist.is_initialized() or world != dist.get_world_size() or not 1 < node_size < world:
-        return None
-    return node_groups(node_size, group)
-
-
-def make_gradient_sync(
-    mode: str,
-    params: list[tuple[str, nn.Parameter]],
-    group: Group,
-    device: torch.device,
-    microbatches: int,
-    block: int,
-    sharded: bool = False,
-    node_size: int = 1,
-) -> GradientSync:
-    """The gradient path for ``precision.gradients`` = ``mode`` (int8, int4, int4-ef, hier-8/4 over
-    nodes of ``node_size`` ranks of ``group``, fp32 or bf16); with ``sharded`` (ZeRO-1) the reduce-scattered one of agoq.gradient.sharded (int8, int4,
-    int4-ef or fp32)."""
-    quantized = mode in WIRE_CHOICES
-    if sharded:
-        from agoq.gradient.sharded import Fp32ShardedGradientSync, QuantizedShardedGradientSync
-
-        if quantized:
-            return QuantizedShardedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode])
-        if mode == "fp32":
-            return Fp32ShardedGradientSync(params, group, device, block)
-        raise ValueError(f"parallel.zero1=true needs precision.gradients = int8, int4, int4-ef or fp32, got {mode!r}")
-    if quantized:
-        return QuantizedGradientSync(params, group, microbatches, block, WIRE_CHOICES[mode], nodes=_nodes_of_world(node_size, group))
-    if mode == "hier-8/4":
-        # An fp32 buffer reduced in two hops after backward (no bucketing or overlap yet).
-        return PlainGradientSync(params, group, device, torch.float32, nodes=node_groups(node_size, group))
-    if mode not in ("fp32", "bf16"):
-        raise ValueError(f"precision.gradients={mode!r} is not a gradient path; use int8, int4, int4-ef, hier-8/4, fp32 or bf16")
-    return PlainGradientSync(params, group, device, torch.float32 if mode == "fp32" else torch.bfloat16)

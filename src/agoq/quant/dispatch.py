@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from agoq.quant import backend, qtensor
+import agoq.quant.backend as backend
+import agoq.quant.qtensor as qtensor
 from agoq.quant.formats import QuantFormat
 from agoq.quant.qtensor import QTensor, check_dequantize_args, check_quantize_args
 

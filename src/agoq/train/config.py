@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agoq.errors import ConfigError
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.train.tokenizer import MIN_VOCAB_SIZE
 
@@ -28,10 +29,6 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("auto", "bf16", "fp32")
 # What a boolean may be written as, in any case (TOML's true and false, and the usual others).
 BOOLEAN_SPELLINGS = ("true", "false", "yes", "no", "1", "0")
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names it and the fix."""
 
 
 @dataclass

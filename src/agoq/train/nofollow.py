@@ -23,10 +23,9 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Iterator
+from typing import BinaryIO, Iterator
 
-if TYPE_CHECKING:
-    from agoq.train.config import ConfigError
+from agoq.errors import ConfigError
 
 # The second half of each refusal: where else the same work can go.
 RUN_ELSEWHERE = "write this run elsewhere with --train.out_dir=runs/NAME"
@@ -35,16 +34,12 @@ CACHE_ELSEWHERE = "use another cache folder with --data.cache_dir=PATH"
 
 def link_error(path: str | os.PathLike[str], elsewhere: str = RUN_ELSEWHERE) -> ConfigError:
     """The one-line refusal of a symbolic link at ``path``, naming it and the fix."""
-    from agoq.train.config import ConfigError
-
     what = "files would be written into the folder it points to" if os.path.isdir(path) else "the file it points to would be overwritten"
     return ConfigError(f"{path} is a symbolic link, which agoq does not follow ({what}); delete the link (rm {path}) or {elsewhere}")
 
 
 def hard_link_error(path: str | os.PathLike[str], names: int, elsewhere: str = RUN_ELSEWHERE) -> ConfigError:
     """The one-line refusal of a file at ``path`` that has other names, which writing it in place would change too."""
-    from agoq.train.config import ConfigError
-
     return ConfigError(f"{path} has {names} names (a hard link to another file, which agoq would overwrite); delete it (rm {path}) or {elsewhere}")
 
 
@@ -86,8 +81,6 @@ def open_in_place(path: str | os.PathLike[str], flags: int, mode: int = 0o644, e
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            from agoq.train.config import ConfigError
-
             raise ConfigError(f"{path} is not a regular file; delete it or {elsewhere}")
         if info.st_nlink > 1:
             raise hard_link_error(path, info.st_nlink, elsewhere)

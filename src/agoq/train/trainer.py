@@ -28,7 +28,8 @@ from agoq.parallel.layout import PipelineLayout
 from agoq.gradient.counter import CommCounter
 from agoq.train.compute_dtype import ResolvedChoices, resolve_choices, worker_threads
 from agoq.train.config import TrainConfig
-from agoq.gradient.sync import GradientSync, make_gradient_sync
+from agoq.gradient.build import make_gradient_sync
+from agoq.gradient.sync import GradientSync
 from agoq.train.metrics import JsonlWriter, peak_rss_bytes
 from agoq.train.optim import MasterWeightOptimizer, largest_layer_values, lr_at, step_group_bytes
 from agoq.train.saved import SavedActivationTracker, StepAllocations

@@ -29,7 +29,7 @@ from agoq.quant.qtensor import (
     stored_values,
     unpadded_rows,
 )
-from agoq.quant.triton import kernels as K
+import agoq.quant.triton.kernels as K
 
 
 def _interpreted() -> bool:
