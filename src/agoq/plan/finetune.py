@@ -438,13 +438,8 @@ def plan_variant(ft: FineTune, variant: str) -> VariantPlan:
             )
         )
     # A tied embedding's backward makes a second vocabulary x hidden gradient before it is added to the head's.
-    embedding_backward = m.vocab * m.hidden * es if ft.full and m.tie_embeddings else 0
-    phases.append(
-        (
-            "end of backward",
-            {**held, "gradients": all_grads, "saved_activations": ids, "logits_or_loss": 0, "transient": incoming + embedding_backward},
-        )
-    )
+    end = incoming + (m.vocab * m.hidden * es if ft.full and m.tie_embeddings else 0)
+    phases.append(("end of backward", {**held, "gradients": all_grads, "saved_activations": ids, "logits_or_loss": 0, "transient": end}))
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
     return VariantPlan(variant, {k: parts[k] for k in COMPONENTS}, phase, layer_terms(ft, variant, first=False))
 
