@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from agoq.gradient import CommCounter, all_reduce_8bit, reduce_scatter_8bit
-from agoq.gradient.collectives import all_reduce_fp, chunk_layout
-from agoq.gradient import collectives
-from agoq.gradient.collectives import POLL_MAX_ROW_BYTES, padded_rows, polls_for, wait_for
+from agoq.gradient.collectives import all_reduce_fp, chunk_layout, padded_rows
+from agoq.gradient import transport
+from agoq.gradient.transport import POLL_MAX_ROW_BYTES, polls_for, wait_for
 from agoq.quant import dequantize, quantization_error_bound, quantize
 from benchmarks._ring8 import ring_all_reduce_8bit
 from tests._dist import run_distributed
@@ -172,7 +172,7 @@ def _checks(rank: int, world: int) -> dict:
     out["nan"] = {"count": int(nan_mask.sum()), "has_1000": bool(nan_mask[1000]), "digest": _digest(x)}
     out["nan"]["within_one_block"] = bool(nan_mask.nonzero().max() - nan_mask.nonzero().min() < layout.fmt.block_size)
     largest_polled = POLL_MAX_ROW_BYTES // 260 * 256  # values per rank whose 8-bit row (codes + scales) still fits
-    out["polls"] = [polls_for(chunk_layout(world * c, world, FMT)) for c in (3000, largest_polled, largest_polled + 256)]
+    out["polls"] = [polls_for(chunk_layout(world * c, world, FMT).row_bytes) for c in (3000, largest_polled, largest_polled + 256)]
     return out
 
 
@@ -349,7 +349,7 @@ class _Work:
 
 def test_a_polled_wait_polls_until_the_work_completes_then_waits_once(monkeypatch):
     # A window no busy machine exhausts in 4 polls (the default 5 ms can pass between two polls).
-    monkeypatch.setattr(collectives, "POLL_SECONDS", 60.0)
+    monkeypatch.setattr(transport, "POLL_SECONDS", 60.0)
     work = _Work(3)
     wait_for(work, True)
     assert (work.checked, work.waited) == (4, 1)
@@ -357,7 +357,7 @@ def test_a_polled_wait_polls_until_the_work_completes_then_waits_once(monkeypatc
     wait_for(work, False)
     assert (work.checked, work.waited) == (0, 1)
     # A peer that is late: polling stops after POLL_SECONDS and the wait sleeps instead.
-    monkeypatch.setattr(collectives, "POLL_SECONDS", 0.02)
+    monkeypatch.setattr(transport, "POLL_SECONDS", 0.02)
     late = _Work(10**12)
     wait_for(late, True)
     assert late.waited == 1 and late.checked < 10**12

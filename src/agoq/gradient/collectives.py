@@ -9,7 +9,7 @@ The precision-preserving 8-bit all-reduce (METHOD.md part 3) never adds in 8 bit
 4. re-quantizes its reduced chunk;
 5. all-gather of the reduced 8-bit chunks; every rank dequantizes the same bytes, so the result is
    bit-identical everywhere. (On gloo within one host the all-gather runs as an all-to-all, see
-   :func:`gathers_by_all_to_all`; over nodes it runs in two steps, see :func:`gathers_by_node`.)
+   :func:`agoq.gradient.transport.gathers_by_all_to_all`; over nodes it runs in two steps, see :func:`gathers_by_node`.)
 
 Steps 1-3 are an 8-bit reduce-scatter (:func:`reduce_scatter_8bit`, for ZeRO-1 optimizers).
 Error per element against the fp32 sum of the *original* inputs: at most sum_i s_i / 2 (each
@@ -25,7 +25,6 @@ never turned into finite values: the blocks holding them come out NaN on every r
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from agoq.quant.pieces import size_key
 
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.gradient.nodes import Group, NodeGroups, gather_within_node
+from agoq.gradient.transport import gathers_by_all_to_all, polls_for, wait_for
 
 DEFAULT_GRADIENT_FORMAT = QuantFormat("int", 8, DEFAULT_GRADIENT_BLOCK)
 
@@ -222,21 +222,6 @@ def reduce_piece(device: torch.device, fused: bool = False) -> int:
     return (FUSED_REDUCE_PIECE if fused else REDUCE_PIECE)[size_key(device)]
 
 
-def gathers_by_all_to_all(group: Group = None) -> bool:
-    """Whether the 8-bit all-gather runs as one all-to-all of the row sent to every rank.
-
-    gloo's all-gather is a ring of W - 1 dependent rounds; its all-to-all is one round of direct
-    sends (benchmarks/gradient_wire.py). Both send each rank's row to
-    every other rank once. Across hosts a ring crosses the inter-host link fewer times than direct
-    sends, so jobs spread over hosts (LOCAL_WORLD_SIZE below WORLD_SIZE) keep the ring, as does
-    NCCL, whose all-gather is the better one on GPUs.
-    """
-    if dist.get_backend(group) != "gloo":
-        return False
-    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size()))
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world
-
-
 # Appended to a collective's counter name for its bytes that cross between nodes.
 INTER_NODE_SUFFIX = ":inter_node"
 
@@ -258,34 +243,6 @@ def gathers_by_node(nodes: NodeGroups | None) -> bool:
     result is too.
     """
     return nodes is not None and nodes.nodes > 1 and nodes.node_size > 1
-
-
-# Waiting for a short collective on gloo, the caller polls it (yielding its CPU between polls) for
-# up to POLL_SECONDS before it sleeps on it. A sleeping caller is woken by gloo's threads once the
-# last bytes arrive, and where its CPU went idle meanwhile that wake-up is slow (a VM whose idle
-# vCPUs halt wakes late even for an all-to-all of 16 bytes a peer). Polling
-# keeps the CPU awake, as NCCL and MPI do. It pays only while the wait is mostly that latency
-# (small messages); for large ones, where the peers are still working while one waits, polling
-# throughout is slower than sleeping. So only messages of up to POLL_MAX_ROW_BYTES a peer are
-# polled for, and never beyond POLL_SECONDS (a late peer). NCCL's waits are left alone: they only
-# order CUDA streams and never block the host.
-POLL_MAX_ROW_BYTES = 512 << 10
-POLL_SECONDS = 0.005
-_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
-
-
-def polls_for(layout: ChunkLayout, group: Group = None) -> bool:
-    """Whether a reduction over ``layout`` on ``group`` polls for its collectives before sleeping on them."""
-    return POLL_SECONDS > 0 and layout.row_bytes <= POLL_MAX_ROW_BYTES and dist.get_backend(group) == "gloo"
-
-
-def wait_for(work: dist.Work, poll: bool) -> None:
-    """``work.wait()``, polling the work first for up to POLL_SECONDS where ``poll`` (see :func:`polls_for`)."""
-    if poll:
-        end = time.perf_counter() + POLL_SECONDS
-        while not work.is_completed() and time.perf_counter() < end:
-            _yield_cpu()
-    work.wait()
 
 
 def _check_rows(rows: QTensor | torch.Tensor, layout: ChunkLayout) -> None:
@@ -345,7 +302,7 @@ class EightBitReduction:
         self.name = name
         self.timings = timings
         self.world_size, self.rank = world_of(group)
-        self._device, self._poll = rows.device, self.world_size > 1 and polls_for(layout, group)
+        self._device, self._poll = rows.device, self.world_size > 1 and polls_for(layout.row_bytes, group)
         if self.world_size != layout.world_size:
             raise ValueError(f"layout is for {layout.world_size} ranks but the group has {self.world_size}")
         if self.nodes is not None and self.nodes.world_size != self.world_size:
