@@ -451,7 +451,7 @@ def loss_backward_bytes(ft: FineTune, agoq: bool) -> int:
     if agoq:
         # apply_agoq's loss recomputes the final norm in backward: its output and rstd.
         work += t * m.hidden * ft.es + t * RSTD_BYTES
-        if ft.full and not m.tie_embeddings and t > default_chunk_size(m.vocab, m.hidden):
+        if ft.full and t > default_chunk_size(m.vocab, m.hidden):
             work += m.vocab * m.hidden * 4  # the head gradient, summed over chunks in fp32
     return work
 
