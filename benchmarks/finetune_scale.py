@@ -44,7 +44,9 @@ LoRA step at 2,048 tokens took 44 s and building the model 19 s; a step at 8,192
 five times that (four times the GEMMs, and attention's quadratic part), a full fine-tune's about
 1.5 times LoRA's. So the defaults are 3 steps (1 of warm-up) and 1 round, and the whole default
 invocation, 24 runs of 4 steps each, takes hours there (about 3 to 5); ``--modes``, ``--seq-lens``
-and ``--variants`` pick a part.
+and ``--variants`` pick a part. The result file is named by the contexts run
+(``finetune_scale_8192.json`` for ``--seq-lens 8192``), so each context is committed with the
+command that measured it.
 """
 
 from __future__ import annotations
@@ -348,6 +350,12 @@ def _comparisons(groups: list[tuple[str, int, list[str]]], rows: dict[Key, dict[
     return ratios
 
 
+def result_name(seq_lens: list[int]) -> str:
+    """The result file of an invocation, by its contexts (finetune_scale_2048.json, finetune_scale_2048_8192.json):
+    one context is an invocation of its own on a 2-core machine, and each file keeps the command that made it."""
+    return "finetune_scale_" + "_".join(str(s) for s in seq_lens)
+
+
 def run(args: argparse.Namespace) -> int:
     from benchmarks._common import write_result
 
@@ -389,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         "runs": [r for rs in runs.values() for r in rs],
         "ratios": _comparisons(groups, rows, runs),
     }
-    path = write_result("finetune_scale", results, command=command_line("finetune_scale", getattr(args, "argv", None)), out_dir=args.out_dir)
+    path = write_result(result_name(seq_lens), results, command=command_line("finetune_scale", getattr(args, "argv", None)), out_dir=args.out_dir)
     print(readme_markdown(results))
     print(f"\nwritten: {path}")
     return 0
@@ -408,13 +416,35 @@ def _backend(results: dict[str, Any]) -> str:
     return "/".join(names) or "(no agoq run)"
 
 
+def replanned(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with each row's plan made again by today's planner, and the ratios' planned peaks
+    with it: the docs hold the planner as it is to the measurements as they were."""
+    rows = []
+    for r in results["rows"]:
+        p = plan({**results["model"], "mode": r["mode"], "seq_len": r["seq_len"], "variant": r["variant"]})
+        row = {**r, "planned_peak_bytes": p.peak, "planned_phase": p.phase, "planned_components": p.components}
+        if "note" not in r:
+            row["planned_over_measured"] = p.peak / r["peak_tensor_bytes"]
+        rows.append(row)
+    by_key = {(r["mode"], r["seq_len"], r["variant"]): r for r in rows}
+    ratios = {}
+    for name, q in results["ratios"].items():
+        mode, seq, a, b = name.split("/")
+        ratios[name] = {
+            **q,
+            "planned_peak_bytes": by_key[(mode, int(seq), a)]["planned_peak_bytes"] / by_key[(mode, int(seq), b)]["planned_peak_bytes"],
+        }
+    return {**results, "rows": rows, "ratios": ratios}
+
+
 def readme_markdown(results: dict[str, Any]) -> str:
     """The results table (one row per mode, context and variant), then agoq against checkpointing."""
+    results = replanned(results)
     m, n = results["model"], results["steps"]
     head = (
         f"Llama-3.2-1B's shape with {m['layers']} decoder layers ({m['parameters'] / 1e6:.0f} M parameters, vocabulary {m['vocab_size']:,}), "
         f"fp32, one sequence per step, {results['rounds']} round(s), agoq's quantization backend {_backend(results)}; "
-        "peaks and RSS in GiB, saved bytes per decoder layer in MiB; planned: `agoq plan --hf-config`'s model of the same step."
+        "peaks and RSS in GiB, saved bytes per decoder layer in MiB; planned: `agoq plan --hf-config`'s model of the same step, by today's planner."
     )
     lines = [
         head,
@@ -451,6 +481,50 @@ def readme_markdown(results: dict[str, Any]) -> str:
                 f"| {mode} | {int(seq):,} | {a} / {b} | {q['peak_tensor_bytes']:.3f}x | {q['planned_peak_bytes']:.3f}x | {q['peak_rss_bytes']:.3f}x "
                 f"| {q['saved_bytes_per_layer']:.3f}x | {q['step_time']:.2f}x | {q['loss_after_steps']:.4f}x |"
             )
+    return "\n".join(lines)
+
+
+def _recorded_ratio(results: dict[str, Any], mode: str, seq: int, a: str, b: str) -> float:
+    """The step-time ratio of ``a`` to ``b`` from a result file's runs, round by round."""
+    times = {
+        v: [r["step_s"] for r in sorted(results["runs"], key=lambda r: r["seed"]) if (r["mode"], r["seq_len"], r["variant"]) == (mode, seq, v)]
+        for v in (a, b)
+    }
+    return same_round_ratio(times[a], times[b])
+
+
+AGAINST_CHECKPOINTING = ("ac", "agoq_ac", "agoq_ckpt8")  # the README's columns: checkpointing, then agoq with it
+
+
+def against_checkpointing_markdown(results: dict[str, Any]) -> str:
+    """The README's row: for each mode at the longest context, the peak and step of checkpointing
+    against agoq with checkpointing and agoq with int8 checkpoints (rows that did not run are left out)."""
+    seq = max(results["seq_lens"])
+    rows = {(r["mode"], r["variant"]): r for r in results["rows"] if r["seq_len"] == seq and "note" not in r}
+    m = results["model"]
+    lines = [
+        f"Fine-tuning Llama-3.2-1B's shape ({m['layers']} of its layers, vocabulary {m['vocab_size']:,}), {seq:,} tokens, fp32, "
+        "against transformers' activation checkpointing of every layer:",
+        "",
+        "| | " + " | ".join(WHAT[v] for v in AGAINST_CHECKPOINTING) + " |",
+        "|---|" + "---:|" * len(AGAINST_CHECKPOINTING),
+    ]
+    for mode in results["modes"]:
+        ac = rows.get((mode, "ac"))
+        if ac is None:
+            continue
+        mode_name = "LoRA" if mode == "lora" else "full fine-tune"
+        peak, step = [f"{mode_name}: peak tensors (GiB)"], [f"{mode_name}: step time (s)"]
+        for v in AGAINST_CHECKPOINTING:
+            r = rows.get((mode, v))
+            if r is None:
+                peak.append("not run")
+                step.append("")
+                continue
+            same = v == "ac"
+            peak.append(_gib(r["peak_tensor_bytes"]) + ("" if same else f" ({r['peak_tensor_bytes'] / ac['peak_tensor_bytes']:.2f}x)"))
+            step.append(f"{r['step_s']:.1f}" + ("" if same else f" ({_recorded_ratio(results, mode, seq, v, 'ac'):.2f}x)"))
+        lines += ["| " + " | ".join(peak) + " |", "| " + " | ".join(step) + " |"]
     return "\n".join(lines)
 
 

@@ -130,24 +130,30 @@ def _provenance(payload: dict[str, Any]) -> str:
 # Result files that may be absent: measured on a quiet machine, not by every checkout.
 OPTIONAL = {
     "train_ratio": "python -m benchmarks.train_ratio --steps 200 --repeats 3",
-    "finetune_scale": "python -m benchmarks.finetune_scale",
+    "finetune_scale_2048": "python -m benchmarks.finetune_scale --seq-lens 2048",
+    "finetune_scale_8192": "python -m benchmarks.finetune_scale --seq-lens 8192",
 }
 
 
 def render(name: str, results_dir: Path) -> str:
-    """The markdown block for one result file: its table and where it came from."""
+    """The markdown block for one result file: its table and where it came from.
+
+    ``NAME/VIEW`` renders the same file through the module's ``VIEW_markdown`` instead of its
+    ``readme_markdown`` (a shorter table of the same figures, for the README).
+    """
+    name, _, view = name.partition("/")
     path = results_dir / f"{name}.json"
     if name in OPTIONAL and not path.exists():
         return f"Not measured yet: `{OPTIONAL[name]}` writes `benchmarks/results/{name}.json`."
     payload = json.loads(path.read_text())
-    extra = RENDERERS.get(name)
+    extra = None if view else RENDERERS.get(name)
     if extra is None:
         from importlib import import_module
 
-        # convergence_<preset>, step_profile_<preset>_<dtype> and lora_hidden<H> come from one module each
-        prefixes = {"convergence_": "convergence", "step_profile_": "step_profile", "lora_hidden": "lora"}
+        # convergence_<preset>, step_profile_<preset>_<dtype>, lora_hidden<H> and finetune_scale_<tokens> come from one module each
+        prefixes = {"convergence_": "convergence", "step_profile_": "step_profile", "lora_hidden": "lora", "finetune_scale_": "finetune_scale"}
         module = next((m for prefix, m in prefixes.items() if name.startswith(prefix)), name)
-        extra = getattr(import_module(f"benchmarks.{module}"), "readme_markdown")
+        extra = getattr(import_module(f"benchmarks.{module}"), f"{view or 'readme'}_markdown")
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 
 

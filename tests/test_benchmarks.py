@@ -138,6 +138,34 @@ def test_train_dtype_writes_runs_and_result_only_into_out_dir(tmp_path, monkeypa
     written = json.loads((tmp_path / "train_dtype.json").read_text())
     assert written["command"] == f"python -m benchmarks.train_dtype --steps 2 --out-dir {tmp_path}"
     assert [r["compute_dtype"] for r in written["results"]["rows"]] == ["bf16", "fp32"]
+    # Beside the runs, the probe of the same question at the model's width; auto itself times nothing.
+    from agoq.train.compute_dtype import choose_compute_dtype
+
+    probe = written["results"]["probe"]
+    assert probe["bf16_speedup"] == pytest.approx(probe["fp32_s"] / probe["bf16_s"]) and probe["fp32_s"] > 0
+    assert written["results"]["auto"] == choose_compute_dtype("auto", "cpu").name
+    assert "ran bf16 at" in train_dtype.readme_markdown(written["results"])
+
+
+def test_the_dtype_probe_alternates_its_rounds_and_restores_threads(monkeypatch):
+    import torch
+
+    from benchmarks import train_dtype
+
+    threads = torch.get_num_threads()
+    seconds = train_dtype.probe_seconds(torch.float32, 256, 688, 1)
+    assert 0 < seconds < 5.0 and torch.get_num_threads() == threads
+    calls = []
+    # One round of each dtype is slowed by other load: the medians of alternating rounds ignore it.
+    times = {torch.float32: iter([1.0, 1.0, 9.0, 1.0, 1.0]), torch.bfloat16: iter([0.5, 0.5, 0.5, 7.0, 0.5])}
+
+    def probe(dtype, *a, **k):
+        calls.append(dtype)
+        return next(times[dtype])
+
+    monkeypatch.setattr(train_dtype, "probe_seconds", probe)
+    assert train_dtype.bf16_speedup(256, 688, 1) == (2.0, 1.0, 0.5)
+    assert calls[:4] == [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32] and len(calls) == 2 * train_dtype.PROBE_ROUNDS
 
 
 def test_old_agoq_bench_commands_render_as_the_module_that_runs_them():
@@ -246,7 +274,7 @@ def test_finetune_scale_measures_each_run_beside_its_plan_into_out_dir(tmp_path,
     before = _committed()
     assert finetune_scale.main(argv) == 0
     assert _committed() == before
-    payload = json.loads((tmp_path / "finetune_scale.json").read_text())
+    payload = json.loads((tmp_path / "finetune_scale_128.json").read_text())
     assert payload["command"] == "python -m benchmarks.finetune_scale " + " ".join(argv) and "cpu_flags" in payload["machine"]
     results = payload["results"]
     rows = {(r["mode"], r["variant"]): r for r in results["rows"]}

@@ -1,4 +1,4 @@
-"""compute_dtype='auto': bf16 only where this machine runs it faster (agoq.train.compute_dtype)."""
+"""compute_dtype='auto' and quant_backend='auto', decided by rule from the device and its flags (agoq.train.compute_dtype)."""
 
 from __future__ import annotations
 
@@ -9,58 +9,57 @@ from agoq.train import compute_dtype as cd
 from agoq.train.config import ConfigError, load_config
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache(monkeypatch, tmp_path):
-    # The probe's record goes to the agoq cache folder: a faked probe must not land in the user's.
-    monkeypatch.setenv("AGOQ_CACHE_DIR", str(tmp_path))
-    cd.choose_compute_dtype.cache_clear()
-    yield
-    cd.choose_compute_dtype.cache_clear()
-
-
 def test_default_is_auto_and_bad_values_are_refused():
     assert load_config().precision.compute_dtype == "auto"
     with pytest.raises(ConfigError, match="compute_dtype='fp16' is unknown; use auto, bf16 or fp32"):
         load_config(None, ["--precision.compute_dtype=fp16"])
 
 
-def test_cpu_without_bf16_instructions_gets_fp32_without_probing(monkeypatch):
-    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ())
-    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("no probe on an AVX2-only CPU"))
-    choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
-    assert choice.name == "fp32" and "AVX512-BF16" in choice.reason
+@pytest.fixture
+def no_file_read(monkeypatch):
+    """auto's dtype reads no file but the CPU's flags: any other open fails the test."""
+    import builtins
+    import io
+
+    def refuse(*a, **k):
+        raise AssertionError(f"auto's dtype read a file: {a[:1]}")
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    monkeypatch.setattr(io, "open", refuse)
 
 
-@pytest.mark.parametrize("t32,t16,expected", [(1.0, 0.5, "bf16"), (1.0, 0.95, "fp32"), (1.0, 1.8, "fp32")])
-def test_cpu_with_bf16_instructions_follows_the_probe(monkeypatch, t32, t16, expected):
-    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(cd, "probe_seconds", lambda dtype, *a, **k: t32 if dtype == torch.float32 else t16)
-    choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
-    assert choice.name == expected
-    assert f"{t32 / t16:.2f}x" in choice.reason and "AMX-BF16" in choice.reason
+@pytest.mark.parametrize(
+    "flags, capability, expected",
+    [
+        ((), "AVX512", "fp32"),  # no bf16 instructions: torch would emulate bf16
+        (("avx512_bf16",), "AVX512", "bf16"),
+        (("amx_bf16",), "AVX512", "bf16"),
+        (("avx512_bf16", "amx_bf16"), "AVX512", "bf16"),
+        (("avx512_bf16",), "AVX2", "fp32"),  # ATEN_CPU_CAPABILITY=avx2 holds torch's kernels below avx512
+    ],
+    ids=["avx2-only", "avx512-bf16", "amx", "both", "torch-held-at-avx2"],
+)
+def test_auto_on_a_cpu_is_a_function_of_its_flags_alone(monkeypatch, no_file_read, flags, capability, expected):
+    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    choices = [cd.choose_compute_dtype("auto", "cpu") for _ in range(2)]
+    assert choices[0] == choices[1] and choices[0].name == expected
+    reason = choices[0].reason
+    if expected == "bf16":
+        assert reason.startswith("this CPU computes bf16 natively (") and "--precision.compute_dtype=fp32 keeps fp32" in reason
+    elif flags:
+        assert "at AVX2 (ATEN_CPU_CAPABILITY)" in reason
+    else:
+        assert "no AVX512-BF16 or AMX-BF16" in reason
 
 
-def test_torch_held_below_avx512_gets_fp32_without_probing(monkeypatch):
-    # ATEN_CPU_CAPABILITY=avx2 on an AVX512-BF16 CPU: torch's kernels then emulate bf16.
-    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("avx512_bf16",))
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("no probe when torch runs at AVX2"))
-    choice = cd.choose_compute_dtype("auto", "cpu", 256, 688, 1)
-    assert choice.name == "fp32" and "at AVX2 (ATEN_CPU_CAPABILITY)" in choice.reason
-
-
-def test_an_explicit_dtype_is_kept(monkeypatch):
-    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("no probe when the dtype is set"))
-    assert cd.choose_compute_dtype("bf16", "cpu", 256, 688, 1).name == "bf16"
-    assert cd.choose_compute_dtype("fp32", "cuda", 256, 688, 1).name == "fp32"
-
-
-def test_the_probe_is_sub_second_and_restores_threads():
-    threads = torch.get_num_threads()
-    seconds = cd.probe_seconds(torch.float32, 256, 688, 1)
-    assert 0 < seconds < 1.0
-    assert torch.get_num_threads() == threads
+def test_auto_on_a_gpu_is_bf16_where_it_is_supported_and_an_explicit_dtype_is_kept(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert cd.choose_compute_dtype("auto", "cuda") == cd.DtypeChoice("bf16", "the GPU supports bf16")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert cd.choose_compute_dtype("auto", "cuda").name == "fp32"
+    assert cd.choose_compute_dtype("bf16", "cpu") == cd.DtypeChoice("bf16", "set in the config")
+    assert cd.choose_compute_dtype("fp32", "cuda").name == "fp32"
 
 
 def test_auto_compiles_on_cpus_with_a_compiler_and_the_config_or_environment_decides_otherwise(monkeypatch):
@@ -91,7 +90,6 @@ def test_the_launchers_choices_leave_the_config_as_validated(monkeypatch, capsys
 
     monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(cd, "probe_seconds", lambda dtype, *a, **k: 1.0 if dtype == torch.float32 else 0.5)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(backend.ENV_VAR, "torch")
     cfg = load_config(None, ["--train.out_dir=runs/x"])
@@ -100,7 +98,11 @@ def test_the_launchers_choices_leave_the_config_as_validated(monkeypatch, capsys
     assert cfg.to_dict() == asked and asked["precision"]["compute_dtype"] == asked["precision"]["quant_backend"] == "auto"
     assert (choices.compute_dtype, choices.quant_backend, choices.dtype) == ("bf16", "torch", torch.bfloat16)
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("agoq train: compute dtype bf16 (") and out[1] == f"agoq train: quantization torch (set by {backend.ENV_VAR})"
+    assert out == list(choices.lines)  # the launcher prints what the library returns; the library prints nothing
+    assert out[0] == "agoq train: compute dtype bf16 (this CPU computes bf16 natively (AMX-BF16); --precision.compute_dtype=fp32 keeps fp32)"
+    assert out[1] == f"agoq train: quantization torch (set by {backend.ENV_VAR})"
+    cd.resolve_choices(cfg, "cpu")
+    assert capsys.readouterr().out == ""
     # What the run records as its config: the one asked for, with the decided values in place of auto.
     recorded = choices.config_dict(cfg)
     assert recorded["precision"] == {**asked["precision"], "compute_dtype": "bf16", "quant_backend": "torch"}

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from agoq.train import compute_dtype as cd
+from agoq.train.resume import checkpoint_compute_dtype
 from tests._data import SMALL_MODEL, data_args
 
 # One process, eager quantization, a model of a few hundred thousand parameters: what is checked
@@ -98,13 +99,6 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dtype_choices():
-    cd.choose_compute_dtype.cache_clear()
-    yield
-    cd.choose_compute_dtype.cache_clear()
-
-
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory) -> Path:
     """An fp32 run of 2 steps with checkpoints at steps 1 and 2: copied by each test that damages one."""
@@ -132,7 +126,7 @@ def test_a_bf16_run_resumed_with_auto_where_auto_says_fp32_keeps_bf16_exactly(tm
     # This machine's auto now says fp32 (no bf16 instructions). The choices are decided in this
     # process, the launcher's, before the workers start.
     monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ())
-    assert cd.choose_compute_dtype("auto", "cpu", 64, 160, 2).name == "fp32"
+    assert cd.choose_compute_dtype("auto", "cpu").name == "fp32"
     assert _train(resumed, "--precision.compute_dtype=auto", "--checkpoint.every=2", "--train.steps=4") == 0
     out = capfd.readouterr().out
     step2 = resumed / "checkpoints" / "step_000002"
@@ -211,26 +205,25 @@ def _resume_cfg(out: Path, *extra: str):
 @pytest.mark.parametrize(
     "saved, machine_flags", [(torch.bfloat16, ()), (torch.float32, ("amx_bf16",))], ids=["bf16-where-auto-says-fp32", "fp32-where-auto-says-bf16"]
 )
-def test_auto_keeps_the_checkpoints_dtype_both_ways_and_without_a_manifest(tmp_path, monkeypatch, capsys, saved, machine_flags):
+def test_auto_keeps_the_checkpoints_dtype_both_ways_and_without_a_manifest(tmp_path, monkeypatch, saved, machine_flags):
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[saved]
     other = {"bf16": "fp32", "fp32": "bf16"}[name]
     step = _saved_run(tmp_path, saved)
     monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: machine_flags)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(cd, "_measured_once", lambda *a, **k: (3.0, "recorded"))  # the machine's probe says bf16 pays
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fresh = _resume_cfg(tmp_path / "fresh")
-    assert cd.resolve_choices(fresh, "cpu", 2).compute_dtype == other  # what auto says on this machine
-    capsys.readouterr()
-    assert cd.resolve_choices(_resume_cfg(tmp_path), "cpu", 2).compute_dtype == name
-    assert f"compute dtype {name} (kept from the checkpoint this run resumes, {step}" in capsys.readouterr().out
+    assert cd.resolve_choices(fresh, "cpu").compute_dtype == other  # what auto says on this machine
+    resumed = cd.resolve_choices(_resume_cfg(tmp_path), "cpu")
+    assert resumed.compute_dtype == name
+    assert f"compute dtype {name} (kept from the checkpoint this run resumes, {step}" in resumed.lines[0]
 
     # Without its manifest the checkpoint loads only with consent; then DCP's index says the dtype.
     (step / "manifest.json").unlink()
-    assert cd.checkpoint_compute_dtype(_resume_cfg(tmp_path)) is None  # refused at load, not guessed
+    assert checkpoint_compute_dtype(_resume_cfg(tmp_path)) is None  # refused at load, not guessed
     trusted = _resume_cfg(tmp_path, "--checkpoint.trust_unverified=true")
-    assert cd.checkpoint_compute_dtype(trusted) == (name, step)
-    assert cd.resolve_choices(trusted, "cpu", 2).compute_dtype == name
+    assert checkpoint_compute_dtype(trusted) == (name, step)
+    assert cd.resolve_choices(trusted, "cpu").compute_dtype == name
 
 
 def test_the_library_refuses_loading_weights_into_another_dtype(tmp_path):
@@ -248,46 +241,6 @@ def test_the_library_refuses_loading_weights_into_another_dtype(tmp_path):
     msg = str(info.value)
     assert "is torch.bfloat16 in checkpoint" in msg and "but torch.float32 here" in msg and "\n" not in msg
     assert all(torch.equal(before[n], p) for n, p in fp32.named_parameters())
-
-
-def test_the_dtype_probe_is_measured_once_per_machine_and_recorded(tmp_path, monkeypatch, capsys):
-    from agoq.train.config import load_config
-
-    monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    calls: list[torch.dtype] = []
-    # One round of each dtype is slowed by other load: the medians of alternating rounds ignore it.
-    times = {torch.float32: iter([1.0, 1.0, 9.0, 1.0, 1.0]), torch.bfloat16: iter([0.5, 0.5, 0.5, 7.0, 0.5])}
-
-    def probe(dtype, *a, **k):
-        calls.append(dtype)
-        return next(times[dtype])
-
-    monkeypatch.setattr(cd, "probe_seconds", probe)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = load_config(None, [f"--data.cache_dir={tmp_path}", "--train.out_dir=runs/none", "--parallel.pp=1", "--parallel.dp=1"])
-    first = cd.resolve_choices(cfg, "cpu", 2)
-    record = tmp_path / cd.PROBE_RECORD
-    assert first.compute_dtype == "bf16" and len(calls) == 2 * cd.PROBE_ROUNDS
-    assert calls[:4] == [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]  # alternating
-    line = capsys.readouterr().out.splitlines()[0]
-    assert "ran 2.00x the fp32 speed" in line and f"measured now and recorded in {record}" in line
-    entry = json.loads(record.read_text())["entries"][0]
-    mc = cfg.model_config()
-    assert entry["key"] == cd.probe_key(mc.hidden, mc.intermediate, 2) and entry["speedup"] == 2.0
-    assert entry["key"]["cpu"] == cd.cpu_model_name() and entry["key"]["bf16_flags"] == ["amx_bf16"]
-
-    # The next run reads the record: no probe, and it says when and where the figure was measured.
-    cd.choose_compute_dtype.cache_clear()
-    monkeypatch.setattr(cd, "probe_seconds", lambda *a, **k: pytest.fail("probed again on the same machine"))
-    assert cd.resolve_choices(cfg, "cpu", 2).compute_dtype == "bf16"
-    line = capsys.readouterr().out.splitlines()[0]
-    assert f"ran 2.00x the fp32 speed; measured once on this machine on {entry['measured']}, recorded in {record})" in line
-    # Another thread count is another measurement.
-    cd.choose_compute_dtype.cache_clear()
-    monkeypatch.setattr(cd, "probe_seconds", lambda dtype, *a, **k: 1.0 if dtype == torch.float32 else 2.0)
-    assert cd.resolve_choices(cfg, "cpu", 1).compute_dtype == "fp32"
-    assert len(json.loads(record.read_text())["entries"]) == 2
 
 
 # --------------------------------------------------------------------------- unverifiable (B)

@@ -274,11 +274,10 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
     p, pr, d = cfg.parallel, cfg.precision, cfg.data
     dtype = pr.compute_dtype
     if dtype == "auto":
-        # The dtype the trainer would pick on this machine (the same cached decision).
-        from agoq.train.compute_dtype import compute_dtype_for, worker_threads
+        # The dtype the trainer would pick on this machine (the same rule).
+        from agoq.train.compute_dtype import compute_dtype_for
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = compute_dtype_for(cfg, device, worker_threads(cfg.world_size)).name
+        dtype = compute_dtype_for(cfg, "cuda" if torch.cuda.is_available() else "cpu").name
     if pr.activations not in ("bf16", "agoq"):
         raise PlanError(f"precision.activations={pr.activations!r} is not planned; the planner models bf16 and agoq")
     if pr.fused_loss is not None and pr.fused_loss != (pr.activations == "agoq"):

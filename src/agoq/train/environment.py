@@ -56,9 +56,7 @@ VARIABLES = (
         "how quantization runs, in library use and in `agoq train` (it takes precedence over precision.quant_backend)",
         _backend_problem,
     ),
-    Variable(
-        CACHE_ENV, "a folder", "the tokenizer, token-file and dtype-probe cache where data.cache_dir is unset (default ~/.cache/agoq)", _cache_problem
-    ),
+    Variable(CACHE_ENV, "a folder", "the tokenizer and token-file cache where data.cache_dir is unset (default ~/.cache/agoq)", _cache_problem),
     Variable(LOOPBACK_ENV, "(internal)", "set by the local launcher for its workers: host the process-group store on 127.0.0.1", _launcher_only),
     Variable(LAUNCHER_ENV, "(internal)", "set by the local launcher for what it starts: its pid, so that they die with it", _launcher_only),
 )

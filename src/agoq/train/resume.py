@@ -1,4 +1,5 @@
-"""What a resumed run must share with the checkpoint it continues: checked before any worker starts.
+"""What a resumed run must share with the checkpoint it continues, its compute dtype included (a
+config's ``auto`` keeps the checkpoint's): checked before any worker starts.
 
 Each rank's load checks the same again (agoq.train.checkpoint), but only after the workers have
 started, imported torch and joined their process group; the launcher reads the checkpoint's
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from agoq.errors import ConfigError
 
 if TYPE_CHECKING:
     from agoq.train.config import TrainConfig
@@ -47,8 +50,6 @@ def resumed_manifest(cfg: TrainConfig) -> tuple[Path, dict[str, Any] | None] | N
 def check_resume_job(cfg: TrainConfig) -> None:
     """ConfigError when the checkpoint ``cfg`` resumes holds another model or was saved by another
     parallel layout: one line naming both and the settings that match it."""
-    from agoq.train.config import ConfigError
-
     found = resumed_manifest(cfg)
     if found is None or found[1] is None:
         return
@@ -79,4 +80,47 @@ def _layout_text(layout: dict[str, Any]) -> str:
     return (
         f"pp={layout.get('pp')} x dp={layout.get('dp')} x tp={layout.get('tp')} "
         f"({layout.get('schedule')}, virtual_stages={layout.get('virtual_stages')})"
+    )
+
+
+# What a checkpoint's weights are, in the config's words.
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+def checkpoint_compute_dtype(cfg: TrainConfig) -> tuple[str, Path] | None:
+    """(compute dtype, step folder) of the checkpoint a run of ``cfg`` resumes, or None (not resuming,
+    no checkpoint, or one that does not say). Problems with the checkpoint are left to its load."""
+    found = resumed_manifest(cfg)
+    if found is None:
+        return None
+    latest, manifest = found
+    if manifest is None:
+        # No manifest: latest_checkpoint returned it only with the user's consent (trust_unverified),
+        # which covers reading DCP's index; the weights' dtype there is the run's.
+        from agoq.train.checkpoint import saved_weights_dtype
+
+        saved = _DTYPE_NAMES.get(str(saved_weights_dtype(latest)))
+        return (saved, latest) if saved else None
+    saved = ((manifest.get("run_config") or {}).get("precision") or {}).get("compute_dtype")
+    if saved not in ("bf16", "fp32"):
+        saved = _DTYPE_NAMES.get(str(manifest.get("weights_dtype")))
+    return (saved, latest) if saved else None
+
+
+def check_resume_dtype(cfg: TrainConfig) -> None:
+    """ConfigError when ``cfg`` sets a compute dtype other than the one of the checkpoint it resumes.
+
+    A bf16 checkpoint holds bf16 weights and fp32 master weights in the optimizer state, an fp32 one
+    fp32 weights and no masters: loading either into the other dtype would drop the masters or find
+    none, so the run is refused before it starts, naming the saved dtype.
+    """
+    saved = checkpoint_compute_dtype(cfg)
+    asked = cfg.precision.compute_dtype
+    if saved is None or asked in ("auto", saved[0]):
+        return
+    dtype, step_dir = saved
+    layout = "bf16 weights with fp32 master weights" if dtype == "bf16" else "fp32 weights without separate master weights"
+    raise ConfigError(
+        f"precision.compute_dtype={asked} but the checkpoint this run resumes ({step_dir}) was trained in {dtype} ({layout}); "
+        f"resume with --precision.compute_dtype={dtype} (or auto, which keeps it), or start a new run with --train.out_dir=runs/NAME"
     )

@@ -439,7 +439,7 @@ def finished_run(cfg: TrainConfig) -> int | None:
     problem = unverified_problem(latest)
     if problem is not None and not ck.trust_unverified:
         raise ConfigError(_unverified_line(latest, problem))
-    from agoq.train.compute_dtype import check_resume_dtype
+    from agoq.train.resume import check_resume_dtype
     from agoq.train.resume import check_resume_job
 
     check_resume_job(cfg)
@@ -729,10 +729,13 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], worl
 
 def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
     """The compute dtype and quantization backend of a local run, decided by the launcher for its
-    workers (agoq.train.compute_dtype.resolve_choices, saying which and why)."""
-    from agoq.train.compute_dtype import resolve_choices, worker_threads
+    workers (agoq.train.compute_dtype.resolve_choices), each ``auto`` printed with which and why."""
+    from agoq.train.compute_dtype import resolve_choices
 
-    return resolve_choices(cfg, "cuda" if torch.cuda.is_available() else "cpu", worker_threads(cfg.world_size))
+    choices = resolve_choices(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    for line in choices.lines:
+        print(line, flush=True)
+    return choices
 
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
