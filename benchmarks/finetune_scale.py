@@ -493,7 +493,8 @@ def _recorded_ratio(results: dict[str, Any], mode: str, seq: int, a: str, b: str
     return same_round_ratio(times[a], times[b])
 
 
-AGAINST_CHECKPOINTING = ("ac", "agoq_ac", "agoq_ckpt8")  # the README's columns: checkpointing, then agoq with it
+# The README's columns: checkpointing, then agoq with it.
+AGAINST_CHECKPOINTING = {"ac": "checkpointing", "agoq_ac": "agoq + checkpointing", "agoq_ckpt8": "agoq, int8 checkpoints"}
 
 
 def against_checkpointing_markdown(results: dict[str, Any]) -> str:
@@ -503,10 +504,10 @@ def against_checkpointing_markdown(results: dict[str, Any]) -> str:
     rows = {(r["mode"], r["variant"]): r for r in results["rows"] if r["seq_len"] == seq and "note" not in r}
     m = results["model"]
     lines = [
-        f"Fine-tuning Llama-3.2-1B's shape ({m['layers']} of its layers, vocabulary {m['vocab_size']:,}), {seq:,} tokens, fp32, "
-        "against transformers' activation checkpointing of every layer:",
+        f"Fine-tuning Llama-3.2-1B's shape ({m['layers']} of its 16 layers, vocabulary {m['vocab_size']:,}), one sequence of {seq:,} tokens, "
+        "fp32: agoq against transformers' activation checkpointing of every layer.",
         "",
-        "| | " + " | ".join(WHAT[v] for v in AGAINST_CHECKPOINTING) + " |",
+        f"| {seq:,} tokens | " + " | ".join(AGAINST_CHECKPOINTING.values()) + " |",
         "|---|" + "---:|" * len(AGAINST_CHECKPOINTING),
     ]
     for mode in results["modes"]:

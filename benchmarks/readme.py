@@ -154,6 +154,11 @@ def render(name: str, results_dir: Path) -> str:
         prefixes = {"convergence_": "convergence", "step_profile_": "step_profile", "lora_hidden": "lora", "finetune_scale_": "finetune_scale"}
         module = next((m for prefix, m in prefixes.items() if name.startswith(prefix)), name)
         extra = getattr(import_module(f"benchmarks.{module}"), f"{view or 'readme'}_markdown")
+    if view:  # a shorter view is the README's: its command and machine, no revision (history stays in docs/results.md)
+        return (
+            extra(payload["results"]).strip()
+            + f"\n\nReproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)})."
+        )
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 
 

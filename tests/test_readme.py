@@ -77,7 +77,7 @@ def test_every_number_in_the_results_page_sits_inside_a_generated_block():
     # Prose may name counts of things, never a measured figure: those come from the JSON.
     for name in GENERATED:
         text = (ROOT / name).read_text()
-        outside = re.sub(r"<!-- (results:[a-z0-9_]+|headline) -->.*?<!-- /\1 -->", "", text, flags=re.S)
+        outside = re.sub(r"<!-- (results:[a-z0-9_/]+|headline) -->.*?<!-- /\1 -->", "", text, flags=re.S)
         measured = re.findall(r"\b\d+\.\d+x\b|\b\d+(?:\.\d+)? ?(?:MiB|GiB|ms|s/step|tokens/s)\b|\b\d+\.\d+%", outside)
         measured = [m for m in measured if not re.fullmatch(r"\d+ ?GiB", m)]  # agoq plan's --gpu-memory 48GiB is an input
         assert not measured, f"{name}: figures outside the generated blocks: {measured}"

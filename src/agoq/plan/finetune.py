@@ -45,6 +45,14 @@ ADAPTER_BYTES = 4  # PEFT keeps LoRA weights in fp32 (get_peft_model's autocast_
 ADAM_STATE_BYTES = 2 * 4  # AdamW's fp32 m and v per trainable value
 STEP_BYTES = 4  # AdamW's per-tensor step counter
 INDEX_BYTES = 8  # int64 token ids
+# HF's attention backward beside what the layer keeps, measured on a CPU (fp32, SDPA, hidden 256 to
+# 2048, 2K to 8K tokens, full and LoRA): RoPE's and SDPA's backward and the fused norm + q/k/v
+# backward hold about this many [tokens, hidden] tensors at once (a full fine-tune; LoRA adapters on
+# the projections add about 2). Under agoq the MLP's inputs are kept at 4 bits, so at long contexts
+# this, not the MLP's backward, is a layer's largest working set; without agoq the attention's
+# tensors are mostly the layer's own saved ones.
+ATTENTION_BACKWARD_TENSORS = 19
+LORA_ATTENTION_BACKWARD_TENSORS = 2
 RSTD_BYTES = 4  # the fp32 1/rms per row an RMSNorm keeps
 NF4_BLOCK = 64  # bitsandbytes' nf4: two 4-bit codes per byte and one fp32 absmax per 64 values
 SEARCH_STEP = 256  # the longest context is searched to a multiple of this
@@ -399,9 +407,7 @@ def plan_variant(ft: FineTune, variant: str) -> VariantPlan:
     ids_and_norm, loss_kept = outside_saved_bytes(ft, variant)
     loss_work = loss_backward_bytes(ft, agoq)
     all_grads = st.head_grads + m.n_layers * st.layer_grads + st.embedding_grads
-    layer_work = layer_backward_bytes(t, m.hidden, m.intermediate, es, AGOQ_FORMAT.block_size if agoq else None, torch.device(ft.device))
-    if ft.qlora:
-        layer_work += max(o * i for o, i in m.projection_shapes().values()) * es  # a 4-bit weight dequantized for its GEMM
+    layer_work = layer_work_bytes(ft, agoq)
     incoming = t * m.hidden * es  # the gradient flowing down the residual stream
 
     phases: list[tuple[str, dict[str, int]]] = []
@@ -442,6 +448,19 @@ def plan_variant(ft: FineTune, variant: str) -> VariantPlan:
     phases.append(("end of backward", {**held, "gradients": all_grads, "saved_activations": ids, "logits_or_loss": 0, "transient": end}))
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
     return VariantPlan(variant, {k: parts[k] for k in COMPONENTS}, phase, layer_terms(ft, variant, first=False))
+
+
+def layer_work_bytes(ft: FineTune, agoq: bool) -> int:
+    """The most one decoder layer's backward holds at once beside what the layer keeps: its MLP's or,
+    under agoq, its attention's backward, whichever is larger."""
+    m, es, t = ft.model, ft.es, ft.tokens
+    work = layer_backward_bytes(t, m.hidden, m.intermediate, es, AGOQ_FORMAT.block_size if agoq else None, torch.device(ft.device))
+    if agoq:
+        tensors = ATTENTION_BACKWARD_TENSORS + (0 if ft.full else LORA_ATTENTION_BACKWARD_TENSORS)
+        work = max(work, tensors * t * m.hidden * es)
+    if ft.qlora:
+        work += max(o * i for o, i in m.projection_shapes().values()) * es  # a 4-bit weight dequantized for its GEMM
+    return work
 
 
 def loss_backward_bytes(ft: FineTune, agoq: bool) -> int:
