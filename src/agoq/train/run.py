@@ -143,6 +143,9 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None, group
 
     trainer = Trainer(cfg, choices, group_ready)
     ctx = trainer.ctx
+    if choices is None and ctx.rank == 0:  # decided by the workers: rank 0 says which and why
+        for line in trainer.choices.lines:
+            print(line, flush=True)
     _resume(trainer, cfg, data_checked=choices is not None)
     records = _train_loop(trainer, cfg)
     # After training, so torch's one-off first-step shape inference is behind both measurements.

@@ -167,11 +167,9 @@ def worker_choices(cfg: TrainConfig, device: torch.device, choices: ResolvedChoi
     on every rank. The config is left as validated.
     """
     if choices is None:
-        # rank 0 decides and says so (the backend from what this machine has installed), so that
-        # every rank computes alike.
+        # rank 0 decides (the backend from what this machine has installed), so that every rank
+        # computes alike; its lines go with the choices, for the caller to print.
         decided = [resolve_choices(cfg, device.type) if dist.get_rank() == 0 else None]
-        for line in decided[0].lines if decided[0] is not None else ():
-            print(line, flush=True)
         dist.broadcast_object_list(decided, src=0)
         choices = decided[0]
     # Process-wide: every quantize, fold and reduction of this worker takes this path.
