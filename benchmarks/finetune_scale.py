@@ -486,11 +486,10 @@ def readme_markdown(results: dict[str, Any]) -> str:
 
 def _recorded_ratio(results: dict[str, Any], mode: str, seq: int, a: str, b: str) -> float:
     """The step-time ratio of ``a`` to ``b`` from a result file's runs, round by round."""
-    times = {
-        v: [r["step_s"] for r in sorted(results["runs"], key=lambda r: r["seed"]) if (r["mode"], r["seq_len"], r["variant"]) == (mode, seq, v)]
-        for v in (a, b)
-    }
-    return same_round_ratio(times[a], times[b])
+    runs: dict[Key, list[dict[str, Any]]] = {}
+    for r in sorted(results["runs"], key=lambda r: r["seed"]):
+        runs.setdefault((r["mode"], r["seq_len"], r["variant"]), []).append(r)
+    return same_round_ratio(_step_times(runs, mode, seq, a), _step_times(runs, mode, seq, b))
 
 
 # The README's columns: checkpointing, then agoq with it.

@@ -120,6 +120,11 @@ def machine_words(payload: dict[str, Any]) -> str:
     )
 
 
+def _reproduce(payload: dict[str, Any], detail: str = "") -> str:
+    """The README's source line of a result file: its command as run today, date and machine (no revision)."""
+    return f"Reproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)}{'; ' + detail if detail else ''})"
+
+
 def _provenance(payload: dict[str, Any]) -> str:
     return (
         f"<sub>Source: `benchmarks/results/{payload['benchmark']}.json`, produced by `{current_command(payload['command'])}` "
@@ -155,10 +160,7 @@ def render(name: str, results_dir: Path) -> str:
         module = next((m for prefix, m in prefixes.items() if name.startswith(prefix)), name)
         extra = getattr(import_module(f"benchmarks.{module}"), f"{view or 'readme'}_markdown")
     if view:  # a shorter view is the README's: its command and machine, no revision (history stays in docs/results.md)
-        return (
-            extra(payload["results"]).strip()
-            + f"\n\nReproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)})."
-        )
+        return extra(payload["results"]).strip() + "\n\n" + _reproduce(payload) + "."
     return extra(payload["results"]).strip() + "\n\n" + _provenance(payload)
 
 
@@ -205,7 +207,9 @@ def _headline_from_train_ratio(payload: dict[str, Any]) -> str:
         f"`agoq train`, embedded default, {r['steps']} steps per run; AGoQ against "
         "`--precision.activations=bf16 --precision.gradients=fp32`, taking turns in one invocation.\n\n"
         + "\n".join(lines)
-        + f"\n\nReproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)}; {chose})."
+        + "\n\n"
+        + _reproduce(payload, chose)
+        + "."
     )
 
 
@@ -223,7 +227,9 @@ def _headline_from_convergence(payload: dict[str, Any]) -> str:
         f"`agoq train`, embedded default ({r['config']}), {r['steps']} steps; AGoQ against "
         "`--precision.activations=bf16 --precision.gradients=fp32`. The bytes are counted, not timed.\n\n"
         + "\n".join(lines)
-        + f"\n\nReproduce: `{current_command(payload['command'])}` (measured {payload['date'][:10]} on {machine_words(payload)}). "
+        + "\n\n"
+        + _reproduce(payload)
+        + ". "
         + f"The step-time ratio of whole runs, taking turns, is what `{OPTIONAL['train_ratio']}` measures; it is not committed yet."
     )
 

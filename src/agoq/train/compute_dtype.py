@@ -59,20 +59,6 @@ def _cpuinfo_flags() -> frozenset[str]:
     return frozenset()
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_model_name() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (else the platform's processor string)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def cpu_flags(names: tuple[str, ...]) -> tuple[str, ...]:
     """Which of ``names`` this CPU has (e.g. 'avx2', 'avx512_bf16', 'amx_bf16')."""
     return tuple(f for f in names if f in _cpuinfo_flags())
@@ -215,7 +201,6 @@ __all__ = [
     "cpu_bf16_flags",
     "cpu_cores",
     "cpu_flags",
-    "cpu_model_name",
     "quant_backend_for",
     "resolve_choices",
     "worker_threads",

@@ -144,8 +144,7 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None, group
     trainer = Trainer(cfg, choices, group_ready)
     ctx = trainer.ctx
     if choices is None and ctx.rank == 0:  # decided by the workers: rank 0 says which and why
-        for line in trainer.choices.lines:
-            print(line, flush=True)
+        _say_choices(trainer.choices)
     _resume(trainer, cfg, data_checked=choices is not None)
     records = _train_loop(trainer, cfg)
     # After training, so torch's one-off first-step shape inference is behind both measurements.
@@ -442,8 +441,7 @@ def finished_run(cfg: TrainConfig) -> int | None:
     problem = unverified_problem(latest)
     if problem is not None and not ck.trust_unverified:
         raise ConfigError(_unverified_line(latest, problem))
-    from agoq.train.resume import check_resume_dtype
-    from agoq.train.resume import check_resume_job
+    from agoq.train.resume import check_resume_dtype, check_resume_job
 
     check_resume_job(cfg)
     check_resume_dtype(cfg)
@@ -736,9 +734,14 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
     from agoq.train.compute_dtype import resolve_choices
 
     choices = resolve_choices(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    _say_choices(choices)
+    return choices
+
+
+def _say_choices(choices: ResolvedChoices) -> None:
+    """The opening lines of the run's decided ``auto`` values (agoq.train.compute_dtype returns them, the launch prints)."""
     for line in choices.lines:
         print(line, flush=True)
-    return choices
 
 
 def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
