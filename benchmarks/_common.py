@@ -70,7 +70,7 @@ def machine_info() -> dict[str, Any]:
 
 def _cpu_flags() -> list[str]:
     """Which of AVX2, AVX512F, AVX512-BF16 and AMX-BF16 this CPU has."""
-    from agoq.train.compute_dtype import cpu_flags
+    from agoq.launch.choices import cpu_flags
 
     return list(cpu_flags(("avx2", "avx512f", "avx512_bf16", "amx_bf16")))
 

@@ -148,11 +148,11 @@ def _worker(rank: int, world: int, port: int, cfg: Any, env: dict[str, str], que
     import torch
     import torch.distributed as dist
 
-    import agoq.train.trainer as trainer_module
-    from agoq.train.run import train_worker
+    import agoq.launch.components as components_module
+    from agoq.launch.run import train_worker
 
     torch.set_num_threads(1)  # a forked child's OpenMP pool, inherited from a parent that ran one, hangs in its first matmul
-    trainer_module.make_gradient_sync = _ring_sync
+    components_module.make_gradient_sync = _ring_sync
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         queue.put((rank, "ok", train_worker(cfg)))
@@ -166,9 +166,9 @@ def train_ring8(cfg: Any, timeout_s: float = TIMEOUT_S) -> dict[str, Any] | None
     """Train ``cfg`` (precision.gradients = fp32) on local processes with the ring all-reduce; rank 0's summary."""
     import torch.multiprocessing as mp
 
-    from agoq.train.data import prepare_data
-    from agoq.train.forkserver import start_method, workers_environment
-    from agoq.train.loopback import free_port
+    from agoq.data.tokens import prepare_data
+    from agoq.launch.forkserver import start_method, workers_environment
+    from agoq.launch.loopback import free_port
 
     if cfg.precision.gradients != "fp32":
         raise ValueError(f"the ring8 ablation replaces the fp32 all-reduce; set precision.gradients=fp32, not {cfg.precision.gradients!r}")

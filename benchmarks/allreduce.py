@@ -251,7 +251,7 @@ def run_local(world: int, sizes: list[int], reps: int, fmt: str) -> list[dict[st
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    from agoq.train.loopback import free_port
+    from agoq.launch.loopback import free_port
 
     port = free_port()
     procs = [ctx.Process(target=_local_worker, args=(r, world, port, sizes, reps, fmt, queue)) for r in range(world)]

@@ -57,7 +57,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 # Runs whose fp32 all-reduce benchmarks/_ring8.py replaces with the 8-bit ring.
 RING_RUNS = ("ring8",)
 MULTI_SEED = ("bf16", "agoq", "agoq_int4", "agoq_int4_ef")
-# Per-rank memory by category (agoq.train.run.train_worker): persistent state, the step's peaks of
+# Per-rank memory by category (agoq.launch.run.train_worker): persistent state, the step's peaks of
 # saved activations and of temporaries, and all tensors at the step's joint peak.
 MEMORY_KEYS = (
     "param_bytes",
@@ -107,8 +107,8 @@ def _trim(summary: dict[str, Any]) -> dict[str, Any]:
 
 def run_one(name: str, seed: int, steps: int, eval_every: int, out_dir: Path, train: bool = True, model: str = "tiny") -> dict[str, Any] | None:
     """Train one configuration (or read its cached result) and return the trimmed summary; None if not cached and not training."""
-    from agoq.train.config import load_config
-    from agoq.train.run import launch
+    from agoq.launch.config import load_config
+    from agoq.launch.run import launch
 
     folder = out_dir / f"{name}_s{seed}"
     cached = folder / "result.json"
@@ -149,8 +149,8 @@ def unigram_entropy_nats() -> float:
     """Entropy (nats/token) of the token frequencies of the tokenized KJV training split."""
     import numpy as np
 
-    from agoq.train.config import DataSection
-    from agoq.train.data import prepare_data
+    from agoq.launch.config import DataSection
+    from agoq.data.tokens import prepare_data
 
     d = DataSection()
     data = prepare_data(None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction)

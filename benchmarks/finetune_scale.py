@@ -189,7 +189,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
     from agoq.activation.meter import SavedBytesMeter
     from agoq.quant.backend import resolve, use_backend
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     data = prepare_data(vocab_size=spec["text_vocab"], cache=spec["cache"])
     windows = example().Windows(data.train, spec["seq_len"])
@@ -292,7 +292,7 @@ Key = tuple[str, int, str]  # mode, tokens, variant
 
 def _measure_all(args: argparse.Namespace, groups: list[tuple[str, int, list[str]]], base: dict[str, Any]) -> tuple[dict[Key, list], dict[Key, str]]:
     """(each run's results by mode, tokens and variant; a note for each that was not run or failed)."""
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     runs: dict[Key, list[dict[str, Any]]] = {(m, s, v): [] for m, s, vs in groups for v in vs}
     notes: dict[Key, str] = {}

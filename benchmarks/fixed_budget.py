@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _measure(label: str, policy: list[str], recompute: int, args: argparse.Namespace) -> dict[str, Any]:
     """One short run; its max-over-ranks saved-activation peak, peak RSS and mean step time."""
-    from agoq.train.config import load_config
-    from agoq.train.run import launch
+    from agoq.launch.config import load_config
+    from agoq.launch.run import launch
 
     cfg = load_config(
         None,
@@ -84,7 +84,7 @@ def _measure(label: str, policy: list[str], recompute: int, args: argparse.Names
 def run(args: argparse.Namespace) -> int:
     """Measure AGoQ without recompute and bf16 with every recompute depth; pick what fits the cap."""
     from benchmarks._common import write_result
-    from agoq.train.config import load_config
+    from agoq.launch.config import load_config
 
     layers = load_config(None, []).model_config().n_layers // args.pp
     agoq = _measure("agoq", AGOQ, 0, args)

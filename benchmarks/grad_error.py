@@ -146,7 +146,7 @@ def _tokens(args: argparse.Namespace, vocab: int, count: int, gen: Any) -> tuple
     import torch
 
     try:
-        from agoq.train.data import prepare_data
+        from agoq.data.tokens import prepare_data
 
         data = prepare_data(vocab_size=vocab)
         source = "KJV (byte-level BPE)"

@@ -517,20 +517,21 @@ def count_trainer_step(trainer: Any, warmup: int) -> dict[str, Any]:
 def _trainer_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from agoq.train.config import load_config
-    from agoq.train.trainer import Trainer
+    from agoq.launch.config import load_config
+    from agoq.launch.components import build_run
 
     if job["config"].endswith("-triton"):
         import triton  # noqa: F401 - imported before counting, so that its launches are counted
 
     cfg = load_config(None, job["argv"])
-    trainer = Trainer(cfg)
+    run = build_run(cfg)
+    trainer = run.trainer
     t0 = time.perf_counter()
     out = count_trainer_step(trainer, job["warmup"])
     out["seconds"] = time.perf_counter() - t0
     out["parameters"] = sum(p.numel() for _, p in trainer.params)
-    out["model"] = trainer.model_cfg.to_dict()
-    del trainer
+    out["model"] = run.model_cfg.to_dict()
+    del trainer, run
     gc.collect()
     torch.manual_seed(0)
     return out

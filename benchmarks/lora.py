@@ -153,7 +153,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from agoq.activation.meter import SavedBytesMeter
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     data = prepare_data(vocab_size=spec["vocab_size"], cache=spec["cache"])
     spec = {**spec, "vocab": data.tokenizer.vocab_size}
@@ -246,7 +246,7 @@ def _ratios(rows: dict[str, Any], runs: dict[str, list[dict[str, Any]]], a: str,
 
 
 def run(args: argparse.Namespace) -> int:
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
     from benchmarks._common import write_result
 
     variants = [v for v in args.variants.split(",") if v]

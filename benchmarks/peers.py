@@ -75,7 +75,7 @@ def _agoq_loop(label: str, steps: int) -> dict[str, Any]:
     """``agoq train`` in this process, as one rank of the dp group."""
     import tempfile
 
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     with tempfile.TemporaryDirectory() as out:
         return train_worker(_agoq_config(label, steps, Path(out)))
@@ -83,7 +83,7 @@ def _agoq_loop(label: str, steps: int) -> dict[str, Any]:
 
 def _agoq_config(label: str, steps: int, out_dir: Path) -> Any:
     """``agoq train`` at pp=1 x dp=2, one micro-batch per step (the peers' batch), under ``label``'s policy."""
-    from agoq.train.config import load_config
+    from agoq.launch.config import load_config
 
     return load_config(
         None,
@@ -108,8 +108,8 @@ def _peer_loop(rank: int, peer: str, steps: int) -> dict[str, Any]:
 
     from agoq.gradient.buffer import DEFAULT_BUCKET_BYTES
     from agoq.models import Llama
-    from agoq.train.config import load_config
-    from agoq.train.data import TrainSampler, prepare_data
+    from agoq.launch.config import load_config
+    from agoq.data.tokens import TrainSampler, prepare_data
     from agoq.train.optim import lr_at, no_weight_decay
 
     cfg = load_config(None, [])
@@ -196,7 +196,7 @@ def _spawn(peer: str, steps: int, count_tensors: bool) -> dict[int, dict[str, An
     """Run DP ranks of one run in fresh processes; rank -> result."""
     import torch.multiprocessing as mp
 
-    from agoq.train.loopback import free_port
+    from agoq.launch.loopback import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -241,7 +241,7 @@ def run_peer(peer: str, steps: int) -> dict[str, Any]:
 
 def run_agoq(label: str, steps: int, out_dir: Path) -> dict[str, Any]:
     """``agoq train`` launched as usual (its own processes), timed and summarised like a peer."""
-    from agoq.train.run import launch
+    from agoq.launch.run import launch
 
     cfg = _agoq_config(label, steps, out_dir / label)
     s = launch(cfg)

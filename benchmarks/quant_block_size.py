@@ -46,8 +46,8 @@ def _model_and_batches(args: argparse.Namespace) -> tuple[Any, Any, dict[str, An
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agoq.train.data import open_corpus
-    from agoq.train.tokenizer import train_bpe
+    from agoq.data.tokens import open_corpus
+    from agoq.data.tokenizer import train_bpe
 
     docs = list(open_corpus(None).documents())
     tok = train_bpe(docs, args.vocab)

@@ -89,7 +89,7 @@ def _timed(label: str, overrides: list[str], env: dict[str, str], count_graphs: 
 def run(args: argparse.Namespace) -> int:
     """Time the runs one after another and write run_time.json."""
     from benchmarks._common import RESULTS_DIR, write_result
-    from agoq.train.compute_dtype import cpu_flags
+    from agoq.launch.choices import cpu_flags
 
     short = [f"--train.steps={args.short_steps}", "--checkpoint.every=0"]
     steps = [f"--train.steps={args.steps}"]
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             rows += [
                 _timed("default, held to AVX2, first run", steps, held, count_graphs=True),
                 # The same machine: a run told to compile, then the default again, which now finds
-                # this configuration's kernels in the cache (agoq.train.compute_dtype).
+                # this configuration's kernels in the cache (agoq.launch.choices).
                 _timed("default, held to AVX2, compiling its kernels", [*steps, *compiled], held, count_graphs=True),
                 _timed("default, held to AVX2, after a compiled run", steps, held),
             ]

@@ -83,8 +83,8 @@ def _category(name: str) -> str:
 
 
 def _trainer(args: argparse.Namespace, activations: str, gradients: str, which: str) -> Any:
-    from agoq.train.config import load_config
-    from agoq.train.trainer import Trainer
+    from agoq.launch.config import load_config
+    from agoq.launch.components import build_run
 
     cfg = load_config(
         None,
@@ -101,7 +101,7 @@ def _trainer(args: argparse.Namespace, activations: str, gradients: str, which: 
             f"--train.out_dir={Path(args.out_dir) / 'run' if args.out_dir else 'runs/bench_step_profile'}",
         ],
     )
-    return Trainer(cfg)
+    return build_run(cfg).trainer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     from benchmarks._common import RESULTS_DIR, same_round_ratio, write_result
     from agoq.quant import backend
-    from agoq.train.compute_dtype import cpu_bf16_flags
+    from agoq.launch.choices import cpu_bf16_flags
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))

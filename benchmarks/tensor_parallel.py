@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _plan(overrides: list[str], summary: dict[str, Any]) -> list[dict[str, int]]:
     """The planner's bytes per pp rank for the run's configuration, with the compute dtype it chose."""
     from agoq.plan import from_train_config, plan_memory
-    from agoq.train.config import load_config
+    from agoq.launch.config import load_config
 
     cfg = load_config(None, [*overrides, f"--precision.compute_dtype={summary['config']['precision']['compute_dtype']}"])
     (setup,) = plan_memory(from_train_config(cfg, summary["model"]["vocab_size"])).setups

@@ -3,7 +3,7 @@ and a sub-second probe of the same question (forward and backward of a SwiGLU ML
 width, on each worker's threads, fp32 and bf16 alternating).
 
 agoq's ``precision.compute_dtype=auto`` does not time anything: it takes bf16 where the CPU's flags
-say bf16 is native (agoq.train.compute_dtype). This benchmark is how to check that rule on a CPU.
+say bf16 is native (agoq.launch.choices). This benchmark is how to check that rule on a CPU.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def bf16_speedup(hidden: int, intermediate: int, threads: int, rounds: int = PRO
 def run(args: argparse.Namespace) -> int:
     """Train the default configuration twice, once per compute dtype, and compare step times."""
     from benchmarks._common import write_result
-    from agoq.train.config import load_config
-    from agoq.train.run import launch
+    from agoq.launch.config import load_config
+    from agoq.launch.run import launch
 
     rows = []
     for dtype in ("bf16", "fp32"):
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         r["step_time_vs_fp32"] = r["step_time_s"] / base
     import torch
 
-    from agoq.train.compute_dtype import choose_compute_dtype, cpu_bf16_flags, worker_threads
+    from agoq.launch.choices import choose_compute_dtype, cpu_bf16_flags, worker_threads
 
     mc, threads = cfg.model_config(), worker_threads(cfg.world_size)
     speedup, t32, t16 = bf16_speedup(mc.hidden, mc.intermediate, threads)

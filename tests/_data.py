@@ -40,7 +40,7 @@ def train_corpus() -> str:
     nothing can be installed, pydoc's topics, which ship with CPython: the runs compare agoq with
     its references on the same text, so any text of some size serves.
     """
-    from agoq.train.data import kjv_path
+    from agoq.data.tokens import kjv_path
 
     try:
         kjv_path()

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agoq.train.forkserver import start_method, workers_environment
-from agoq.train.loopback import HOST, loopback_store
+from agoq.launch.forkserver import start_method, workers_environment
+from agoq.launch.loopback import HOST, loopback_store
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, env: dict[str, str]) -> None:

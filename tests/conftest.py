@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The suite checks the torch reference path; tests/test_compiled.py checks that the compiled CPU
-# path (the default of `agoq train` on CPUs for runs that repay compiling, agoq.train.compute_dtype) gives the same codes, scales,
+# path (the default of `agoq train` on CPUs for runs that repay compiling, agoq.launch.choices) gives the same codes, scales,
 # folds and sums.
 # Compiling every format in every spawned worker would cost minutes of the suite's time.
 os.environ.setdefault("AGOQ_QUANT_BACKEND", "torch")

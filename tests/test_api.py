@@ -49,7 +49,7 @@ def test_import_agoq_does_not_import_torch_and_lists_the_user_names():
 def test_the_user_names_import_from_agoq_and_are_their_homes_objects():
     code = (
         "from agoq import apply_agoq, AgoqTrainer, use_8bit_gradients, quantize, dequantize, make_policy, remove_agoq, TrainConfig, load_config\n"
-        "import agoq.integrations.hf as hf, agoq.integrations.hf_trainer as hft, agoq.quant as q, agoq.activation.policy as pol, agoq.train.config as c\n"
+        "import agoq.integrations.hf as hf, agoq.integrations.hf_trainer as hft, agoq.quant as q, agoq.activation.policy as pol, agoq.launch.config as c\n"
         "same = [apply_agoq is hf.apply_agoq, remove_agoq is hf.remove_agoq, AgoqTrainer is hft.AgoqTrainer,\n"
         "        use_8bit_gradients is hft.use_8bit_gradients, quantize is q.quantize, dequantize is q.dequantize,\n"
         "        make_policy is pol.make_policy, TrainConfig is c.TrainConfig, load_config is c.load_config]\n"
@@ -130,7 +130,7 @@ def test_apply_agoq_and_the_trainer_spell_formats_alike():
 
 
 def test_ring8_is_refused_with_one_line_naming_its_new_home():
-    from agoq.train.config import GRADIENT_MODES, ConfigError, load_config
+    from agoq.launch.config import GRADIENT_MODES, ConfigError, load_config
 
     assert "ring8" not in GRADIENT_MODES
     with pytest.raises(ConfigError) as info:

@@ -119,7 +119,7 @@ def test_out_dir_gets_the_results_and_the_committed_ones_stay(name, tmp_path, ca
 def test_train_dtype_writes_runs_and_result_only_into_out_dir(tmp_path, monkeypatch, capsys):
     # The two training runs are replaced by a stand-in (a real pair takes a minute on 2 cores): what
     # is checked is where the runs and the result go, and that the tracked train_dtype.json stays.
-    import agoq.train.run
+    import agoq.launch.run
     from benchmarks import train_dtype
 
     out_dirs = []
@@ -128,7 +128,7 @@ def test_train_dtype_writes_runs_and_result_only_into_out_dir(tmp_path, monkeypa
         out_dirs.append(Path(cfg.train.out_dir))
         return {"run": {"step_time_s": 1.0 + len(out_dirs), "tokens_per_s": 100.0, "final_loss": 5.0}}
 
-    monkeypatch.setattr(agoq.train.run, "launch", launch)
+    monkeypatch.setattr(agoq.launch.run, "launch", launch)
     tracked = (RESULTS / "train_dtype.json").read_bytes()
     before = _committed()
     assert train_dtype.main(["--steps", "2", "--out-dir", str(tmp_path)]) == 0
@@ -139,7 +139,7 @@ def test_train_dtype_writes_runs_and_result_only_into_out_dir(tmp_path, monkeypa
     assert written["command"] == f"python -m benchmarks.train_dtype --steps 2 --out-dir {tmp_path}"
     assert [r["compute_dtype"] for r in written["results"]["rows"]] == ["bf16", "fp32"]
     # Beside the runs, the probe of the same question at the model's width; auto itself times nothing.
-    from agoq.train.compute_dtype import choose_compute_dtype
+    from agoq.launch.choices import choose_compute_dtype
 
     probe = written["results"]["probe"]
     assert probe["bf16_speedup"] == pytest.approx(probe["fp32_s"] / probe["bf16_s"]) and probe["fp32_s"] > 0

@@ -16,7 +16,7 @@ import torch.nn as nn
 from agoq.activation import make_policy
 from agoq.models.config import LlamaConfig
 from agoq.models.llama import IGNORE_INDEX, Llama
-from agoq.train.config import ConfigError, load_config
+from agoq.launch.config import ConfigError, load_config
 from tests._data import SMALL_MODEL, data_args
 from tests._dist import run_distributed
 
@@ -167,7 +167,7 @@ TRAIN = [
 def _train_runs(rank: int, world: int, cfgs: dict) -> dict:
     from torch._dynamo.utils import counters
 
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     out = {}
     for name, cfg in cfgs.items():

@@ -1,12 +1,12 @@
-"""compute_dtype='auto' and quant_backend='auto', decided by rule from the device and its flags (agoq.train.compute_dtype)."""
+"""compute_dtype='auto' and quant_backend='auto', decided by rule from the device and its flags (agoq.launch.choices)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from agoq.train import compute_dtype as cd
-from agoq.train.config import ConfigError, load_config
+from agoq.launch import choices as cd
+from agoq.launch.config import ConfigError, load_config
 
 
 def test_default_is_auto_and_bad_values_are_refused():
@@ -86,7 +86,7 @@ def test_a_bad_quant_backend_is_refused_before_launch():
 
 def test_the_launchers_choices_leave_the_config_as_validated(monkeypatch, capsys):
     from agoq.quant import backend
-    from agoq.train.run import resolve_auto_choices
+    from agoq.launch.run import resolve_auto_choices
 
     monkeypatch.setattr(cd, "cpu_bf16_flags", lambda: ("amx_bf16",))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from agoq.train.config import ConfigError, TrainConfig, load_config
+from agoq.launch.config import ConfigError, TrainConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agoq.train import data as data_mod
-from agoq.train.data import (
+from agoq.data.tokens import (
     TrainSampler,
     corpus_files,
     open_corpus,
@@ -22,7 +22,7 @@ from agoq.train.data import (
     token_dtype,
     validation_batches,
 )
-from agoq.train.tokenizer import (
+from agoq.data.tokenizer import (
     CACHE_ENV,
     EOS_TOKEN,
     cache_dir,

@@ -153,8 +153,8 @@ def test_llama_interleaved_4x2x8_bits_per_rank():
     [("1f1b", 1, 1, False), ("gpipe", 1, 1, False), ("1f1b", 2, 1, True), ("interleaved-1f1b", 2, 2, True), ("gpipe", 2, 1, True)],
 )
 def test_the_fused_loss_recomputes_only_under_a_pipeline(schedule, pp, virtual_stages, recompute):
-    from agoq.train.config import load_config
-    from agoq.train.trainer import make_policy_for
+    from agoq.launch.config import load_config
+    from agoq.launch.components import make_policy_for
 
     assert loss_recompute_needed(pp) is recompute
     cfg = load_config(
@@ -168,7 +168,7 @@ def test_the_fused_loss_recomputes_only_under_a_pipeline(schedule, pp, virtual_s
             "--precision.compute_dtype=fp32",
         ],
     )
-    trainers = make_policy_for(cfg)
+    trainers = make_policy_for(cfg.precision, cfg.parallel.pp, cfg.parallel.tp)
     assert trainers._loss_recompute is recompute
     # Where it would recompute, the trainer computes the gradients in forward instead and delivers
     # the head's there (its last stage backpropagates the loss with grad_output 1).

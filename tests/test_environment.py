@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agoq.train.environment import CHECKOUT_VARIABLES, VARIABLES, environment_problem, unread_notice
+from agoq.launch.environment import CHECKOUT_VARIABLES, VARIABLES, environment_problem, unread_notice
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"AGOQ_[A-Z0-9_]+")
@@ -59,7 +59,7 @@ def test_every_agoq_variable_of_the_project_is_in_the_one_list_and_documented():
 )
 def test_a_bad_value_is_refused_before_launch_in_one_line(name, value, line, tmp_path, monkeypatch, capsys):
     from agoq.cli import main
-    from agoq.train import run
+    from agoq.launch import run
 
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
@@ -78,8 +78,8 @@ def test_good_values_and_no_values_pass(tmp_path):
 
 
 def test_variables_agoq_does_not_read_are_named_in_the_opening_lines(monkeypatch, capsys):
-    from agoq.train.config import load_config
-    from agoq.train.run import announce
+    from agoq.launch.config import load_config
+    from agoq.launch.run import announce
 
     env = {"AGOQ_SIMD": "bogus", "AGOQ_MAX_BLOCK": "-5", "AGOQ_TEST_DATA_CACHE": "/tmp/x", "HOME": "/root"}
     line = (

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from agoq.train.lock import LOCK_NAME, FolderInUse, run_lock
+from agoq.launch.lock import LOCK_NAME, FolderInUse, run_lock
 from tests._data import SMALL_MODEL, data_args, data_cache
 
-HOLD = "import sys, time; from agoq.train.lock import run_lock\nwith run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
+HOLD = "import sys, time; from agoq.launch.lock import run_lock\nwith run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
 
 
 def _holder(folder) -> subprocess.Popen:
@@ -24,16 +24,16 @@ def _holder(folder) -> subprocess.Popen:
 
 
 def test_a_second_run_into_a_folder_in_use_stops_at_once_naming_the_holder(tmp_path, capsys, monkeypatch):
-    import agoq.train.data
-    import agoq.train.run
+    import agoq.data.tokens
+    import agoq.launch.run
     from agoq.cli import main
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the folder in use must be refused before any data preparation or process launch")
 
     # Asserted by what runs, not by a clock: a busy machine's imports alone can take seconds.
-    monkeypatch.setattr(agoq.train.data, "prepare_data", must_not_run)
-    monkeypatch.setattr(agoq.train.run, "_launch_local", must_not_run)
+    monkeypatch.setattr(agoq.data.tokens, "prepare_data", must_not_run)
+    monkeypatch.setattr(agoq.launch.run, "_launch_local", must_not_run)
     proc = _holder(tmp_path)
     try:
         with pytest.raises(FolderInUse, match=f"is in use by another agoq run \\(pid {proc.pid} on "):
@@ -98,7 +98,7 @@ def test_the_largest_seed_is_accepted_and_reaches_every_generator():
 
     from agoq.models.config import LlamaConfig
     from agoq.models.llama import Llama
-    from agoq.train.config import MAX_SEED, load_config
+    from agoq.launch.config import MAX_SEED, load_config
 
     assert load_config(None, [f"--train.seed={MAX_SEED}"]).train.seed == MAX_SEED
     torch.manual_seed(MAX_SEED)
@@ -108,7 +108,7 @@ def test_the_largest_seed_is_accepted_and_reaches_every_generator():
 
 def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
     from agoq.cli import main
-    from agoq.train.config import load_config
+    from agoq.launch.config import load_config
 
     text = '[train]\nsteps = 7\nseed = 3\n\n[model]\npreset = "tiny"\n'
     plain, marked = tmp_path / "plain.toml", tmp_path / "bom.toml"
@@ -365,7 +365,7 @@ def test_a_ctrl_c_inside_a_weakref_callback_is_raised_between_steps_not_printed(
 
     import torch
 
-    from agoq.train.run import _DeferredInterrupt
+    from agoq.launch.run import _DeferredInterrupt
 
     def interrupt(_ref):
         raise KeyboardInterrupt

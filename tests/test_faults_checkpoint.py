@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agoq.train import compute_dtype as cd
-from agoq.train.resume import checkpoint_compute_dtype
+from agoq.launch import choices as cd
+from agoq.launch.resume import checkpoint_compute_dtype
 from tests._data import SMALL_MODEL, data_args
 
 # One process, eager quantization, a model of a few hundred thousand parameters: what is checked
@@ -162,7 +162,7 @@ def test_an_fp32_run_resumed_in_bf16_is_refused_naming_the_saved_dtype(fp32_run,
 
 
 def test_resuming_another_layout_or_model_is_refused_before_any_worker_starts(fp32_run, tmp_path, capsys, monkeypatch):
-    from agoq.train import run
+    from agoq.launch import run
 
     out = _copy(fp32_run, tmp_path)
     before = _folder_digest(out)
@@ -197,7 +197,7 @@ def _saved_run(out: Path, dtype: torch.dtype) -> Path:
 
 
 def _resume_cfg(out: Path, *extra: str):
-    from agoq.train.config import load_config
+    from agoq.launch.config import load_config
 
     return load_config(None, [f"--train.out_dir={out}", "--parallel.pp=1", "--parallel.dp=1", "--precision.quant_backend=torch", *extra])
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agoq.train.config import load_config
-from agoq.train.data import CacheMismatch, open_packed, prepare_data
+from agoq.launch.config import load_config
+from agoq.data.tokens import CacheMismatch, open_packed, prepare_data
 from tests._data import SMALL_MODEL
 
 # A one-process run of a small model: the faults checked here are the launcher's, not the layout's.
@@ -37,9 +37,9 @@ SMALL = [
 def _no_early_forkserver(monkeypatch):
     # main() starts the workers' fork server as it begins; nearly every case here stops before any
     # worker, so it would only take CPU from the rest of the suite.
-    import agoq.train.forkserver
+    import agoq.launch.forkserver
 
-    monkeypatch.setattr(agoq.train.forkserver, "start_early", lambda: None)
+    monkeypatch.setattr(agoq.launch.forkserver, "start_early", lambda: None)
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_a_run_trains_the_model_its_banner_announces_on_the_tokens_of_a_clean_bu
     from agoq.activation import make_policy
     from agoq.cli import main
     from agoq.models import Llama
-    from agoq.train.data import TrainSampler, split_tokens
+    from agoq.data.tokens import TrainSampler, split_tokens
 
     corpus = _corpus(tmp_path)
     cache = tmp_path / "cache"
@@ -307,7 +307,7 @@ def test_every_model_field_reaches_the_model_trained():
 
 
 def test_a_tokenizer_files_vocabulary_is_the_models_and_data_vocab_size_may_not_contradict_it(tmp_path, capsys, launches):
-    from agoq.train.tokenizer import train_bpe
+    from agoq.data.tokenizer import train_bpe
 
     path = tmp_path / "tokenizer.json"
     tok = train_bpe(_corpus(tmp_path).read_text().splitlines(), vocab_size=300)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agoq.train.lock import LOCK_NAME, FolderInUse, join_run_lock, run_lock
+from agoq.launch.lock import LOCK_NAME, FolderInUse, join_run_lock, run_lock
 from tests._data import data_args
 from tests.test_faults import SMALL
 
@@ -156,7 +156,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_they_held_the_folder(tm
         _wait_for_steps(proc, out)
         workers = _workers(proc.pid)
         assert sorted(workers) == [0, 1], workers
-        # Forked from the fork server that agoq train started early (agoq.train.forkserver), which
+        # Forked from the fork server that agoq train started early (agoq.launch.forkserver), which
         # serves the launch only if the workers' environment is still the one it started in.
         assert all(int(_stat(pid)[1]) != proc.pid for pid in workers.values())
         # Every worker holds a share of the folder's lock, as the launcher does: a second run is
@@ -187,10 +187,10 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_they_held_the_folder(tm
 
 JOIN = (
     "import subprocess, sys, time\n"
-    "from agoq.train.lock import run_lock\n"
+    "from agoq.launch.lock import run_lock\n"
     "with run_lock(sys.argv[1]):\n"
     # A worker, left behind when its launcher dies: it holds its own share of the lock.
-    "    code = 'import sys, time; from agoq.train.lock import join_run_lock; join_run_lock(sys.argv[1]); print(1, flush=True); time.sleep(60)'\n"
+    "    code = 'import sys, time; from agoq.launch.lock import join_run_lock; join_run_lock(sys.argv[1]); print(1, flush=True); time.sleep(60)'\n"
     "    worker = subprocess.Popen([sys.executable, '-c', code, sys.argv[1]], stdout=subprocess.PIPE, text=True)\n"
     "    worker.stdout.readline(); print(worker.pid, flush=True); time.sleep(60)\n"
 )
@@ -219,7 +219,7 @@ def test_a_worker_left_without_its_launcher_still_keeps_a_second_run_out(tmp_pat
 def test_a_run_holds_its_folder_shared_with_its_workers_and_no_one_else(tmp_path):
     import fcntl
 
-    from agoq.train import lock
+    from agoq.launch import lock
 
     with run_lock(tmp_path):
         fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)
@@ -247,7 +247,7 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_what_it_names_is_untouched
 
 
 def test_a_lock_file_that_is_a_hard_link_is_refused_and_its_other_name_untouched(tmp_path):
-    from agoq.train.config import ConfigError
+    from agoq.launch.config import ConfigError
 
     target = tmp_path / "precious.txt"
     target.write_text("keep me\n")
@@ -278,7 +278,7 @@ def test_stray_rank_variables_are_ignored_and_named(tmp_path):
 
 
 def test_the_launcher_vars_of_a_real_launcher_still_mean_a_worker(monkeypatch):
-    from agoq.train import forkserver
+    from agoq.launch import forkserver
 
     for name in ("TORCHELASTIC_RUN_ID", *forkserver.RANK_VARS):
         monkeypatch.delenv(name, raising=False)
@@ -294,9 +294,9 @@ def test_the_launcher_vars_of_a_real_launcher_still_mean_a_worker(monkeypatch):
 
 
 def test_an_inherited_gloo_interface_is_named_in_the_opening_lines(monkeypatch, capsys):
-    from agoq.train import forkserver
-    from agoq.train.config import load_config
-    from agoq.train.run import announce
+    from agoq.launch import forkserver
+    from agoq.launch.config import load_config
+    from agoq.launch.run import announce
 
     for name in ("TORCHELASTIC_RUN_ID", *forkserver.RANK_VARS):
         monkeypatch.delenv(name, raising=False)
@@ -437,7 +437,7 @@ def test_a_lock_made_in_a_worker_is_unnamed_so_no_exit_can_leave_it_registered()
         "import multiprocessing as mp, sys\n"
         "mp.set_start_method(sys.argv[1], force=True)  # what a worker started by the launcher has\n"
         "named = mp.RLock()._semlock.name is not None\n"
-        "from agoq.train.forkserver import unnamed_locks\n"
+        "from agoq.launch.forkserver import unnamed_locks\n"
         "unnamed_locks()\n"
         "print(named, mp.RLock()._semlock.name)\n"
     )
@@ -484,8 +484,8 @@ def test_a_full_disk_behind_a_one_line_checkpoint_error_is_in_the_line_and_the_l
     from torch.distributed.checkpoint.api import CheckpointException
 
     from agoq.train.checkpoint import CheckpointError
-    from agoq.train.config import TrainConfig
-    from agoq.train.run import _full_traceback, error_line
+    from agoq.launch.config import TrainConfig
+    from agoq.launch.run import _full_traceback, error_line
 
     enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/checkpoints/step_3.tmp/__1_0.distcp")
     try:
@@ -506,7 +506,7 @@ def test_a_full_disk_is_the_line_even_when_a_peers_checkpoint_error_was_logged_f
     error need not carry the ENOSPC; the line names the full disk."""
     from types import SimpleNamespace
 
-    from agoq.train.run import failure_line
+    from agoq.launch.run import failure_line
 
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -523,7 +523,7 @@ def test_a_full_disk_is_the_line_even_when_a_peers_checkpoint_error_was_logged_f
 def test_a_worker_killed_without_a_log_is_named_with_its_signal(tmp_path):
     from types import SimpleNamespace
 
-    from agoq.train.run import failure_line
+    from agoq.launch.run import failure_line
 
     line = failure_line(tmp_path, {1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=4242)}, 4)
     assert line == "rank 1 (pid 4242) was killed by SIGKILL without a Python error (by another process, or the out-of-memory killer)"

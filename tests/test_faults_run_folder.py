@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agoq.train.config import ConfigError, load_config
+from agoq.launch.config import ConfigError, load_config
 from tests._data import data_args, data_cache, train_corpus
 from tests.test_faults_checkpoint import BASE, _one_line
 
@@ -31,9 +31,9 @@ TARGET = b"keep me: not agoq's\n"
 @pytest.fixture(autouse=True)
 def _no_early_forkserver(monkeypatch):
     # Nearly every case here stops before any worker: the fork server would only take CPU.
-    import agoq.train.forkserver
+    import agoq.launch.forkserver
 
-    monkeypatch.setattr(agoq.train.forkserver, "start_early", lambda: None)
+    monkeypatch.setattr(agoq.launch.forkserver, "start_early", lambda: None)
 
 
 def _args(out: Path, tokenizer: Path, *extra: str) -> list[str]:
@@ -72,7 +72,7 @@ def _listing(folder: Path) -> dict[str, tuple]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     """(run folder, tokenizer file): 2 steps trained with the tokenizer file, checkpoints at steps 1 and 2."""
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     root = tmp_path_factory.mktemp("trained")
     tokenizer = prepare_data(train_corpus(), None, 512, data_cache()).tokenizer.save(root / "tok.json")
@@ -169,7 +169,7 @@ def test_the_writers_never_follow_a_link_made_after_the_check(trained, tmp_path)
     """What each writer does where a link appeared after the launch's check: the summaries, the plot
     and a failure's log replace the link, the metrics refuse it; what it names stays as it was."""
     from agoq.train.metrics import JsonlWriter
-    from agoq.train.run import _RankLog, _write_summary
+    from agoq.launch.run import _RankLog, _write_summary
 
     run, _ = trained
     summary = json.loads((run / "summary.json").read_text())
@@ -229,7 +229,7 @@ def test_a_checkpoint_save_replaces_a_linked_pointer_and_refuses_a_linked_tempor
 def test_the_data_cache_never_writes_through_a_link(tmp_path, capsys):
     """Cached files linked elsewhere (other bytes: each fails its digest) are rebuilt in place of the
     links; a linked lock file is refused with one line. What the links name is untouched."""
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     built = prepare_data(train_corpus(), None, 512, data_cache())
     tokenizer = Path(built.tokenizer.source.split("(", 1)[1].rstrip(")"))
@@ -276,7 +276,7 @@ def _permuted(tokenizer: Path, dst: Path) -> Path:
 
 
 def test_a_resume_with_a_permuted_tokenizer_is_refused_before_launch_and_changes_nothing(trained, tmp_path, capfd):
-    from agoq.train.tokenizer import load_tokenizer
+    from agoq.data.tokenizer import load_tokenizer
 
     run, tokenizer = trained
     out = _copy(run, tmp_path)
@@ -300,8 +300,8 @@ def test_a_resume_with_a_permuted_tokenizer_is_refused_before_launch_and_changes
 
 def test_the_same_tokenizer_saved_again_matches_its_checkpoint(trained, tmp_path, capsys):
     """Reformatted, its keys in another order, its merges in the older "a b" form: the same tokenizer."""
-    from agoq.train.data import prepare_data
-    from agoq.train.run import check_resume_data
+    from agoq.data.tokens import prepare_data
+    from agoq.launch.run import check_resume_data
 
     run, tokenizer = trained
     spec = json.loads(tokenizer.read_text())

@@ -481,7 +481,7 @@ def test_a_unit_larger_than_a_group_is_read_and_stepped_a_slice_at_a_time_where_
 
 def test_sliced_optimizer_steps_from_the_8bit_buffer_match_whole_tensor_steps_exactly() -> None:
     from agoq.gradient.build import make_gradient_sync
-    from agoq.train.config import OptimSection
+    from agoq.launch.config import OptimSection
     from agoq.train.optim import MasterWeightOptimizer
 
     results = []

@@ -21,7 +21,7 @@ from agoq.gradient.collectives import gradient_format, int8_gradient_format
 from agoq.gradient.feedback import WireEncoder
 from agoq.gradient.layout import GradLayout
 from agoq.quant import dequantize, quantize
-from agoq.train.config import load_config
+from agoq.launch.config import load_config
 from tests._dist import run_distributed
 from tests.test_train import BASE as TRAIN_BASE
 from tests._data import data_args, data_cache, train_corpus
@@ -193,13 +193,13 @@ def test_zero1_shards_with_error_feedback_are_the_mean(group3):
 
 
 def _resume_runs(rank: int, world: int, cfgs: dict) -> dict:
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     return {name: [r["loss"] for r in train_worker(cfg)["records"]] for name, cfg in cfgs.items()}
 
 
 def test_an_int4_ef_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
     common = [*TRAIN_BASE, "--parallel.pp=1", "--parallel.dp=2", "--precision.gradients=int4-ef", "--precision.compute_dtype=fp32"]

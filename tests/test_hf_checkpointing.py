@@ -258,12 +258,12 @@ def test_compressed_checkpoints_keep_loras_dropout_masks_and_train_its_adapters(
 
 
 def test_agoq_train_takes_the_checkpoint_format_for_its_recomputed_layers_and_names_a_bad_one():
-    from agoq.train.config import ConfigError, load_config
-    from agoq.train.trainer import make_policy_for
+    from agoq.launch.config import ConfigError, load_config
+    from agoq.launch.components import make_policy_for
 
     cfg = load_config(None, ["--precision.recompute_layers=1", f"--precision.checkpoint_format={INT8}"])
-    assert make_policy_for(cfg).checkpoint_input == parse_format(INT8)
-    assert make_policy_for(load_config(None, ["--precision.recompute_layers=1"])).checkpoint_input is None
+    assert make_policy_for(cfg.precision, cfg.parallel.pp, cfg.parallel.tp).checkpoint_input == parse_format(INT8)
+    assert make_policy_for(load_config(None, ["--precision.recompute_layers=1"]).precision, 2, 1).checkpoint_input is None
     with pytest.raises(ConfigError, match=r"precision.checkpoint_format='int8/128' .* precision.recompute_layers=0; set precision.recompute_layers"):
         load_config(None, [f"--precision.checkpoint_format={INT8}"])
     with pytest.raises(ConfigError, match=r"precision.checkpoint_format='int9/128' is invalid"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import agoq.train.forkserver as forkserver
+import agoq.launch.forkserver as forkserver
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -77,9 +77,9 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     assert server_env[forkserver.LOOPBACK_ENV] == "1"  # the workers' variables were in the server's environment
     assert forkserver.LOOPBACK_ENV not in os.environ  # and only there
     assert server_env["TORCHINDUCTOR_CACHE_DIR"].endswith(os.sep + "aten-cpu-capability-avx2")
-    # The launch (agoq.train.run._launch_local) sets the workers' variables and asks how to start them.
+    # The launch (agoq.launch.run._launch_local) sets the workers' variables and asks how to start them.
     import agoq.quant  # noqa: F401  (what the launcher imports before it launches changes nothing)
-    import agoq.train.run  # noqa: F401
+    import agoq.launch.run  # noqa: F401
 
     with forkserver.workers_environment():
         assert dict(os.environ) == server_env and forkserver.start_method() == "forkserver"
@@ -108,7 +108,7 @@ import subprocess, sys, time
 code = '''
 import os, sys, time
 sys.path.insert(0, sys.argv[2])
-import agoq.train.forkserver as fs
+import agoq.launch.forkserver as fs
 if sys.argv[3] == "poll":
     fs._set_parent_death_signal = lambda sig: False
 fs.die_with_launcher(int(sys.argv[1]))
@@ -150,7 +150,7 @@ def test_a_worker_dies_with_its_launcher(how):
 
 def test_a_worker_whose_launcher_died_before_it_asked_dies_at_once():
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    code = f"import sys; sys.path.insert(0, {str(SRC)!r}); import agoq.train.forkserver as fs; fs.die_with_launcher({gone.stdout.strip()}); print('survived')"
+    code = f"import sys; sys.path.insert(0, {str(SRC)!r}); import agoq.launch.forkserver as fs; fs.die_with_launcher({gone.stdout.strip()}); print('survived')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout
 
@@ -158,7 +158,7 @@ def test_a_worker_whose_launcher_died_before_it_asked_dies_at_once():
 SERVER = """
 import os, subprocess, sys, time
 env = {**os.environ, "AGOQ_LAUNCHER_PID": str(os.getpid())}
-code = "import sys, time; sys.path.insert(0, sys.argv[1]); import agoq.train.forkserver_guard; print(1, flush=True); time.sleep(60)"
+code = "import sys, time; sys.path.insert(0, sys.argv[1]); import agoq.launch.forkserver_guard; print(1, flush=True); time.sleep(60)"
 server = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], env=env, stdout=subprocess.PIPE, text=True)
 server.stdout.readline()
 print(server.pid, flush=True)

@@ -84,14 +84,14 @@ def test_a_triton_launch_is_one_device_op_and_nothing_inside_it_counts():
 
 
 def _count_two_steps(rank: int, world: int, out_dir: str, extra: list[str]) -> list[dict]:
-    from agoq.train.config import load_config
-    from agoq.train.trainer import Trainer
+    from agoq.launch.config import load_config
+    from agoq.launch.components import build_run
     from benchmarks.launches import count_trainer_step
 
     args = [*SMALL_MODEL, *data_args(), "--parallel.pp=1", "--parallel.dp=1", "--parallel.microbatches=2", "--data.batch_size=4"]
     args += ["--precision.compute_dtype=fp32", "--precision.quant_backend=torch", "--train.eval_every=0", "--train.baseline=false"]
     args += ["--checkpoint.every=0", "--checkpoint.resume=false", f"--train.out_dir={out_dir}", *extra]
-    trainer = Trainer(load_config(None, args))
+    trainer = build_run(load_config(None, args)).trainer
     first = count_trainer_step(trainer, warmup=1)["summary"]
     return [first, count_trainer_step(trainer, warmup=0)["summary"]]
 

@@ -59,7 +59,7 @@ def test_importing_every_agoq_module_changes_no_setting_no_variable_and_no_file(
     )
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"agoq.quant.compiled", "agoq.quant.backend", "agoq.inductor_cache", "agoq.cli", "agoq.train.run"} <= set(report["modules"])
+    assert {"agoq.quant.compiled", "agoq.quant.backend", "agoq.inductor_cache", "agoq.cli", "agoq.launch.run"} <= set(report["modules"])
     assert report["config"] == {"dynamo": [], "inductor": [], "fx": []}
     assert report["env"] == []
     for name, folder in folders.items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from agoq.train.config import OptimSection
+from agoq.launch.config import OptimSection
 from agoq.train.optim import MasterWeightOptimizer, lr_at
 
 

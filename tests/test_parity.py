@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agoq.train.config import load_config
+from agoq.launch.config import load_config
 from tests._dist import run_distributed
 from tests._data import data_args, data_cache, train_corpus
 
@@ -59,7 +59,7 @@ def _cfg(tmp: Path, name: str, seed: int):
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     torch.manual_seed(0)
     out = {}
@@ -73,7 +73,7 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
 
 def measure(tmp: Path, seeds: list[int], names: list[str]) -> dict:
     """Train each (policy, seed) on one 4-rank group; rank 0's losses keyed by 'policy_sSEED'."""
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     prepare_data(train_corpus(), None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
     cfgs = {f"{n}_s{s}": _cfg(tmp, n, s) for s in seeds for n in names}

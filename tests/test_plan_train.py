@@ -16,7 +16,7 @@ import pydoc_data.topics
 import pytest
 
 from agoq.plan import from_train_config, plan_memory
-from agoq.train.config import load_config
+from agoq.launch.config import load_config
 from tests._dist import run_distributed
 from tests._data import data_cache
 
@@ -33,7 +33,7 @@ LAYOUTS = {"single": (1, 1, 1, 2), "pp2xdp2": (2, 2, 2, 2)}
 
 
 def _train_all(rank: int, world: int, cfgs: dict) -> dict:
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     out = {}
     for name, cfg in cfgs.items():
@@ -71,7 +71,7 @@ def _configs(tmp, layout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     tmp = tmp_path_factory.mktemp("plan_train")
     (tmp / "corpus.txt").write_text("\n\n".join(pydoc_data.topics.topics.values())[:200_000])

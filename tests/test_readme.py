@@ -28,7 +28,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_main_command_trains_the_default_the_quick_start_describes():
-    from agoq.train.config import load_config
+    from agoq.launch.config import load_config
 
     readme = (ROOT / "README.md").read_text()
     main_cmd = _bash_blocks(readme)[0]

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from agoq.train.config import ConfigError, load_config
+from agoq.launch.config import ConfigError, load_config
 from tests._dist import run_distributed
 from tests._data import data_args, data_cache, train_corpus
 
@@ -51,7 +51,7 @@ def _losses(result: dict) -> list[float]:
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
     import agoq.parallel.inflight as inflight
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     torch.manual_seed(0)
     out = {}
@@ -124,7 +124,7 @@ def _nan_in_rank1_activations_at_step3(active: bool):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     tmp = tmp_path_factory.mktemp("train")
     prepare_data(train_corpus(), None, 512, data_cache(), 0.01)  # build the cache once, before the ranks start
@@ -167,7 +167,7 @@ def test_each_schedule_lowers_the_loss(runs, name):
 def test_pipelined_loss_equals_the_unpipelined_model(runs):
     from agoq.activation import make_policy
     from agoq.models import Llama
-    from agoq.train.data import TrainSampler, prepare_data
+    from agoq.data.tokens import TrainSampler, prepare_data
 
     cfg = runs["cfgs"]["1f1b_fp32"]
     data = prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
@@ -229,7 +229,7 @@ def test_invalid_config_values_stop_with_one_line_naming_them(override, message)
 def test_validation_is_checked_for_a_whole_batch_and_only_when_the_run_reads_it():
     """A long sequence leaves too little held-out text for one validation batch: the run stops before
     launch naming the fix, unless it neither evaluates nor measures the baseline."""
-    from agoq.train.run import check_data
+    from agoq.launch.run import check_data
 
     long = ["--data.seq_len=4096", "--model.max_seq_len=4096", "--data.batch_size=8"]
     with pytest.raises(ConfigError, match=r"10000 validation tokens .* fewer than one batch of .* = 32769; raise data.val_fraction") as e:
@@ -306,7 +306,7 @@ def test_rerunning_a_finished_run_shows_its_summary_and_how_to_start_again(runs,
 
 def test_train_help_lists_every_config_key(capsys):
     from agoq.cli import main
-    from agoq.train.config import TrainConfig
+    from agoq.launch.config import TrainConfig
 
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])
@@ -363,8 +363,8 @@ def test_the_run_plot_shows_memory_per_rank_beside_the_bf16_baseline(tmp_path):
 
 
 def test_the_opening_lines_say_what_will_run_and_where(capsys, monkeypatch):
-    from agoq.train import run
-    from agoq.train.run import announce
+    from agoq.launch import run
+    from agoq.launch.run import announce
 
     monkeypatch.setattr(run, "cpu_cores", lambda: 4)  # as many cores as processes: no notice
     cfg = load_config(None, ["--precision.compute_dtype=fp32", "--precision.quant_backend=compiled", "--train.out_dir=runs/x"])
@@ -379,7 +379,7 @@ def test_the_opening_lines_say_what_will_run_and_where(capsys, monkeypatch):
 
 
 def test_more_processes_than_cores_get_a_one_line_notice_in_the_opening_lines(capsys, monkeypatch):
-    from agoq.train import run
+    from agoq.launch import run
 
     monkeypatch.setattr(run, "cpu_cores", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -475,7 +475,7 @@ def _stage_parameter_names(runs, stage: int):
 
 def test_the_summary_of_a_run_whose_every_step_was_skipped_says_so():
     from agoq.train.metrics import summary_text
-    from agoq.train.run import run_figures
+    from agoq.launch.run import run_figures
 
     records = [{"step": s, "loss": float("nan"), "skipped": True, "step_time_s": 1.0} for s in (1, 2)]
     run = run_figures(records, records, 256)

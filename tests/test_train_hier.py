@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agoq.train.config import ConfigError, load_config
+from agoq.launch.config import ConfigError, load_config
 from tests._dist import run_distributed
 from tests.test_train import BASE as TRAIN_BASE
 from tests._data import data_args, data_cache, train_corpus
@@ -23,7 +23,7 @@ COMMON = [*TRAIN_BASE, "--parallel.pp=1", "--parallel.dp=4", "--precision.comput
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     torch.manual_seed(0)
     out = {}
@@ -35,7 +35,7 @@ def _runs(rank: int, world: int, cfgs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     tmp = tmp_path_factory.mktemp("train_hier")
     prepare_data(train_corpus(), None, 512, data_cache(), 0.01)

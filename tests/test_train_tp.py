@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agoq.plan import from_train_config, plan_memory
-from agoq.train.config import load_config
+from agoq.launch.config import load_config
 from tests._dist import run_distributed
 from tests.test_train import BASE as TRAIN_BASE
 from tests._data import data_args, data_cache, train_corpus
@@ -27,7 +27,7 @@ TP1 = ["--parallel.tp=1", "--parallel.pp=2", "--parallel.dp=2"]
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     torch.manual_seed(0)
     out = {}
@@ -52,7 +52,7 @@ def _cfg(tmp, folder, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     tmp = tmp_path_factory.mktemp("train_tp")
     prepare_data(train_corpus(), None, 512, data_cache(), 0.01)

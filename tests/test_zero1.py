@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from agoq.train.config import OptimSection, load_config
+from agoq.launch.config import OptimSection, load_config
 from agoq.gradient.sharded import Fp32ShardedGradientSync, _shard_buckets, plan_buckets
 from agoq.train.zero1 import Zero1Optimizer
 from tests._dist import run_distributed
@@ -184,7 +184,7 @@ def _cfg(tmp: Path, name: str, *extra: str):
 
 
 def _runs(rank: int, world: int, cfgs: dict) -> dict:
-    from agoq.train.run import train_worker
+    from agoq.launch.run import train_worker
 
     from agoq.train.checkpoint import CheckpointError
 
@@ -295,7 +295,7 @@ def _checkpoint(step_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     tmp = tmp_path_factory.mktemp("zero1")
     prepare_data(train_corpus(), None, 512, data_cache(), 0.01)
@@ -342,7 +342,7 @@ def _initial_weights(runs: dict) -> dict:
     """The model's initial weights, built in this process with the run's config."""
     from agoq.activation import make_policy
     from agoq.models import Llama
-    from agoq.train.data import prepare_data
+    from agoq.data.tokens import prepare_data
 
     cfg = _cfg(runs["tmp"], "plain_fp32", *FP32)
     data = prepare_data(train_corpus(), None, 512, data_cache(), 0.01)

@@ -193,7 +193,7 @@ class _TrainStep:
 
         from agoq.activation import make_policy
         from agoq.gradient.sync import PlainGradientSync, QuantizedGradientSync
-        from agoq.train.config import OptimSection
+        from agoq.launch.config import OptimSection
         from agoq.train.optim import MasterWeightOptimizer
 
         acts, grads, recompute = TRAIN_MODES[mode]

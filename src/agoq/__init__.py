@@ -48,8 +48,8 @@ _HOMES = {
     "quantize": "agoq.quant",
     "dequantize": "agoq.quant",
     "make_policy": "agoq.activation.policy",
-    "TrainConfig": "agoq.train.config",
-    "load_config": "agoq.train.config",
+    "TrainConfig": "agoq.launch.config",
+    "load_config": "agoq.launch.config",
 }
 
 __all__ = sorted(_HOMES)

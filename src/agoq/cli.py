@@ -31,7 +31,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     every = command is None
     if every or command == "train":
-        from agoq.train.config import config_help
+        from agoq.launch.config import config_help
 
         train = sub.add_parser(
             "train",
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     command = _command(argv)
     if command == "train" and not {"-h", "--help", "--print-config"} & set(argv):
         from agoq.inductor_cache import use_capability_cache, use_layout_cache_tag
-        from agoq.train.forkserver import start_early
+        from agoq.launch.forkserver import start_early
 
         use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
         use_layout_cache_tag()
-        start_early()  # its imports overlap the launcher's own (see agoq.train.forkserver)
+        start_early()  # its imports overlap the launcher's own (see agoq.launch.forkserver)
     if command == "bench":
         print(BENCH_MOVED, file=sys.stderr)
         return 2
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from agoq.train.config import ConfigError, load_config
+    from agoq.launch.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, overrides)
@@ -103,11 +103,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"agoq train: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        from agoq.train.config import to_toml
+        from agoq.launch.config import to_toml
 
         print(to_toml(cfg), end="")
         return 0
-    from agoq.train.environment import environment_problem
+    from agoq.launch.environment import environment_problem
 
     problem = environment_problem()
     if problem is not None:
@@ -120,9 +120,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from agoq.plan.fit import check_memory
-    from agoq.train.forkserver import under_torchrun
-    from agoq.train.lock import FolderInUse
-    from agoq.train.run import checkpoint_root, failure_line, launch
+    from agoq.launch.forkserver import under_torchrun
+    from agoq.launch.lock import FolderInUse
+    from agoq.launch.run import checkpoint_root, failure_line, launch
 
     import torch.distributed.launcher.api  # noqa: F401  (its loggers must exist to be quieted)
 
@@ -178,9 +178,9 @@ def console_main() -> None:
     """
     import signal
 
-    from agoq.train.forkserver import defer_interrupts, raise_deferred_interrupt
+    from agoq.launch.forkserver import defer_interrupts, raise_deferred_interrupt
 
-    defer_interrupts()  # the launch raises a Ctrl-C noted until then (agoq.train.run._launch_local)
+    defer_interrupts()  # the launch raises a Ctrl-C noted until then (agoq.launch.run._launch_local)
     try:
         code = main()
         raise_deferred_interrupt()

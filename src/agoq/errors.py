@@ -1,5 +1,5 @@
 """The error a bad setting is refused with, below every layer: the file writers that refuse links
-(agoq.train.nofollow) raise it as the config's own checks do, and the command line prints it as
+(agoq.nofollow) raise it as the config's own checks do, and the command line prints it as
 one line."""
 
 

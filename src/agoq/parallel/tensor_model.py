@@ -20,7 +20,7 @@ The loss is always the sequence- and vocab-parallel chunked one, which keeps no 
 ``policy.fused_loss`` says: there is no plain-logits vocab-parallel path (it would keep
 [tokens, vocab / tp] fp32 log-probs per rank).
 
-``agoq train --parallel.tp`` builds one of these per pipeline stage (agoq.train.trainer); checkpoint
+``agoq train --parallel.tp`` builds one of these per pipeline stage (agoq.launch.components); checkpoint
 names carry the shard (:func:`shard_name`). Not supported: activation checkpointing
 (``Llama.recompute``). ``compile_layers`` compiles each decoder layer with ``fullgraph=True``, as
 ``Llama.compile_layers`` does: the tp ops are custom ops that take the group and the byte counter

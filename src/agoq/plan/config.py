@@ -18,7 +18,7 @@ from agoq.parallel.pipeline import check_schedule, schedule_name, split_layers
 from agoq.quant import parse_format
 
 if TYPE_CHECKING:
-    from agoq.train.config import TrainConfig
+    from agoq.launch.config import TrainConfig
 
 DEFAULT_SETUPS = ("baseline", "baseline+zero1", "A", "A+G", "A+G+O", "A+G+O+zero1")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -275,7 +275,7 @@ def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory:
     dtype = pr.compute_dtype
     if dtype == "auto":
         # The dtype the trainer would pick on this machine (the same rule).
-        from agoq.train.compute_dtype import compute_dtype_for
+        from agoq.launch.choices import compute_dtype_for
 
         dtype = compute_dtype_for(cfg, "cuda" if torch.cuda.is_available() else "cpu").name
     if pr.activations not in ("bf16", "agoq"):

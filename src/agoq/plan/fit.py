@@ -7,7 +7,7 @@ import os
 
 from agoq.plan.config import from_train_config
 from agoq.plan.memory import plan_memory
-from agoq.train.config import ConfigError, TrainConfig
+from agoq.launch.config import ConfigError, TrainConfig
 
 
 def machine_memory_bytes() -> int | None:

@@ -1,1 +1,1 @@
-"""`agoq train`: the typed config, data and tokenizer, trainer, optimizer, checkpoints, metrics and launcher."""
+"""One rank's training: the Trainer and its loop, the optimizer on fp32 masters, ZeRO-1, checkpoints and metrics."""

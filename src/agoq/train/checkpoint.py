@@ -42,6 +42,7 @@ import json
 import os
 import random
 import re
+from dataclasses import dataclass
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -61,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from agoq.train.nofollow import ensure_folder, refuse_link, write_atomic
+from agoq.nofollow import ensure_folder, refuse_link, write_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -258,6 +259,24 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, key, pos, has_gauss, gauss))
 
 
+@dataclass
+class Checkpointer:
+    """Where a run's checkpoints go and what each one records: how many to keep, the parallel
+    layout a resume must match, and the run's config and data fingerprints for the manifest."""
+
+    root: Path
+    keep: int = 2
+    layout: dict | None = None
+    config: dict | None = None
+    data: dict | None = None
+
+    def save(self, step: int, state: dict[str, Any], extra: dict) -> Path:
+        """Save ``state`` (``{"model": ..., "optimizer": ...}``) and ``extra`` as step ``step``."""
+        return save_checkpoint(
+            self.root, step, state["model"], state["optimizer"], extra, keep=self.keep, layout=self.layout, config=self.config, data=self.data
+        )
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -366,7 +385,7 @@ def _prepare_save(
             tmp.mkdir()
         except OSError as e:
             error = f"cannot create checkpoint folder {tmp}: {e}; check that {root} is writable"
-        except ValueError as e:  # a symbolic link where the save would write (agoq.train.nofollow)
+        except ValueError as e:  # a symbolic link where the save would write (agoq.nofollow)
             error = str(e)
     _agree(error, process_group)
     assert parts is not None  # _agree raised otherwise

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from agoq.train.nofollow import ensure_folder, open_in_place, write_atomic
+from agoq.nofollow import ensure_folder, open_in_place, write_atomic
 
 
 def peak_rss_bytes() -> int:
@@ -44,7 +44,7 @@ def fmt_bytes(n: float | None) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line to a rank's metrics file (never through a link: agoq.train.nofollow)."""
+    """Appends one JSON object per line to a rank's metrics file (never through a link: agoq.nofollow)."""
 
     def __init__(self, path: Path) -> None:
         self.path = ensure_folder(path.parent) / path.name

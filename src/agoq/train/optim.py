@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.optim.adamw import adamw
 
 from agoq.quant.pieces import size_key
-from agoq.train.config import OptimSection
+from agoq.train.optim_section import OptimSection
 
 # fp32 gradient bytes handed to the optimizer per partial step: they are temporaries (read back from
 # the 8-bit buffer). On a CPU the fused AdamW gains nothing from groups beyond a few MiB, and 2 MiB

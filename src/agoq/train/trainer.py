@@ -1,54 +1,41 @@
-"""The training loop of one rank: pipeline x data x tensor parallel, AGoQ activations and gradients.
+"""One rank's training loop, built from explicit parts: pipeline x data x tensor parallel, AGoQ
+activations and gradients.
 
-Reads top to bottom: set up the process groups, the run's decided ``auto`` choices (compute dtype,
-quantization backend) and data, build this rank's pipeline stage(s) under the activation policy
-(with tp > 1, this rank's tensor/sequence-parallel shard of each, agoq.parallel.tensor_model) and
-its gradient path, then for each step run the pipeline schedule, reduce gradients over the
-data-parallel group (8-bit or plain), clip by the global norm, and step AdamW on fp32 masters.
+A :class:`Trainer` holds what the launch layer (agoq.launch.components) or a user built for this
+rank, its :class:`Components`, and the loop's :class:`LoopSettings`; its constructor only keeps
+them (no file, no collective, no global setting). Each step runs the pipeline schedule (or the
+micro-batches of one stage), reduces gradients over the data-parallel group (8-bit or plain), clips
+by the global norm and steps AdamW on fp32 masters; :meth:`Trainer.train` runs the steps with
+evaluation, metrics and checkpoints. Without a process group (one process, no ``dist.init_*``)
+the collectives between ranks are skipped: the run is its own world.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import warnings
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from agoq.activation.policy import ActivationPolicy, make_policy, with_loss_path
-from agoq.models import Llama, LlamaConfig
-from agoq.parallel.layout import PipelineLayout
+from agoq.activation.policy import ActivationPolicy, make_policy
 from agoq.gradient.counter import CommCounter
-from agoq.train.compute_dtype import ResolvedChoices, resolve_choices, worker_threads
-from agoq.train.config import TrainConfig
-from agoq.gradient.build import make_gradient_sync
 from agoq.gradient.sync import GradientSync
-from agoq.train.metrics import JsonlWriter, peak_rss_bytes
-from agoq.train.optim import MasterWeightOptimizer, largest_layer_values, lr_at, step_group_bytes
+from agoq.models import LlamaConfig
+from agoq.train.metrics import Progress, peak_rss_bytes
+from agoq.train.optim import largest_layer_values, lr_at, step_group_bytes
+from agoq.train.optim_section import OptimSection
 from agoq.train.saved import SavedActivationTracker, StepAllocations
-
-
-class StageForward(nn.Module):
-    """What a pipeline stage runs: the Llama slice's hidden states (the loss takes the last one)."""
-
-    def __init__(self, model: Llama) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.hidden_states(x)
 
 
 @dataclass
 class RankContext:
-    """Where this process sits in the (pp, dp, tp) layout."""
+    """Where this process sits in the (pp, dp, tp) layout; :meth:`single` for one process alone."""
 
     rank: int
     world: int
@@ -60,215 +47,123 @@ class RankContext:
     tp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     tp: int = 1
-    stages: list[int] = field(default_factory=list)
+    dp: int = 1  # data-parallel replicas, whose identical reduced gradients the norm counts once
+    stages: list[int] = field(default_factory=lambda: [0])
     owns_group: bool = False  # this run created the process group (and destroys it at the end)
 
-
-def layer_bits_for(
-    cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int, policy: ActivationPolicy, layout: PipelineLayout, dtype: torch.dtype
-) -> tuple[int, ...] | None:
-    """Per-layer bit widths: uniform, or stage-aware (DBCA) from the schedule's in-flight counts under ``policy``."""
-    pr, p = cfg.precision, cfg.parallel
-    if pr.activations == "bf16":
-        return None
-    from agoq.quant import parse_format
-
-    fmt = parse_format(pr.activation_format)
-    if pr.stage_bits == "uniform" or p.pp == 1 or fmt.kind != "int":
-        return None
-    from agoq.parallel.dbca import stage_layer_bits
-
-    seq_per_rank = cfg.data.seq_len // p.tp  # sequence parallelism: each tp rank holds seq / tp tokens
-    return tuple(stage_layer_bits(model_cfg, layout, micro_batch, seq_per_rank, policy, fmt.bits, dtype=dtype, tp=p.tp))
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "RankContext":
+        """One process that is the whole run: one stage, no data or tensor parallelism."""
+        return cls(rank=0, world=1, pp_rank=0, dp_rank=0, pp_group=None, dp_group=None, device=torch.device(device))
 
 
-def pipeline_layout(cfg: TrainConfig) -> PipelineLayout:
-    """The run's pipeline layout, from its parallel section."""
-    p = cfg.parallel
-    return PipelineLayout(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.dp)
+class Loader(Protocol):
+    """Where the training batches come from: agoq.data.tokens.TrainSampler, or any object alike.
+    ``state_dict`` and ``load_state_dict`` are needed only to checkpoint and resume."""
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def make_policy_for(cfg: TrainConfig, layer_bits: tuple[int, ...] | None = None) -> ActivationPolicy:
-    """The activation policy a config asks for."""
-    pr = cfg.precision
-    from agoq.parallel.inflight import loss_recompute_needed, loss_weight_grad_in_forward
+class StageLoss:
+    """The micro-batch loss on the last pipeline stage, divided there: it sees grad_output 1 (see
+    agoq.parallel.inflight.loss_weight_grad_in_forward). The schedule is built with it before the
+    Trainer exists; the Trainer marks when the schedule's first step initialises its stages (their
+    shape inference runs the loss once without a backward)."""
 
-    recompute = loss_recompute_needed(cfg.parallel.pp)
-    policy = make_policy(
-        pr.activations, fmt=pr.activation_format, layer_bits=layer_bits, fused_loss=pr.fused_loss, checkpoint_format=pr.checkpoint_format
-    )
-    return with_loss_path(policy, recompute=recompute, weight_grad_in_forward=loss_weight_grad_in_forward(cfg.parallel.pp, cfg.parallel.tp))
+    def __init__(self, last: nn.Module | None, microbatches: int) -> None:
+        self.last = last
+        self.microbatches = microbatches
+        self.initializing = True
 
-
-def rank_policy(
-    cfg: TrainConfig, model_cfg: LlamaConfig, micro_batch: int, layout: PipelineLayout, dtype: torch.dtype
-) -> tuple[tuple[int, ...] | None, ActivationPolicy]:
-    """The run's layer bits and activation policy, built once: the config's policy, and the same
-    policy with the DBCA bits it sizes (None: every layer keeps the config's format)."""
-    policy = make_policy_for(cfg)
-    layer_bits = layer_bits_for(cfg, model_cfg, micro_batch, policy, layout, dtype)
-    return layer_bits, policy if layer_bits is None else replace(policy, layer_bits=layer_bits)
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.last is None:
+            raise RuntimeError("the loss runs on the last pipeline stage only")
+        in_forward, self.initializing = not self.initializing, False
+        return self.last.loss(hidden, targets, divisor=self.microbatches, weight_grad_in_forward=in_forward)
 
 
-def _setup_distributed(cfg: TrainConfig) -> RankContext:
-    """Join the process group that torchrun (or the local launcher) described in the environment."""
-    from agoq.parallel.pipeline import make_mesh, rank_stages
+@dataclass
+class Pipeline:
+    """This rank's torch pipeline stages, the schedule that runs them, and the loss it calls."""
 
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        # Share the cores: more threads than cores per process only thrashes.
-        torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))))
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        from agoq.train.forkserver import LOOPBACK_ENV
-        from agoq.train.loopback import process_group_store
-
-        if os.environ.get(LOOPBACK_ENV) == "1":  # a local run: every endpoint on 127.0.0.1
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend, store=process_group_store(), rank=rank, world_size=world)
-        else:
-            dist.init_process_group(backend)
-    world = dist.get_world_size()
-    if world != cfg.world_size:
-        raise RuntimeError(
-            f"the launcher started {world} processes but parallel.pp x parallel.dp x parallel.tp = {cfg.world_size}; "
-            f"launch with --nproc-per-node x nodes = {cfg.world_size} or change the config"
-        )
-    mesh = make_mesh(world, cfg.parallel.pp, device.type, tp=cfg.parallel.tp)
-    pp_rank = mesh["pp"].get_local_rank()
-    dp_rank = mesh["dp"].get_local_rank()
-    return RankContext(
-        rank=dist.get_rank(),
-        world=world,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        pp_group=mesh["pp"].get_group(),
-        dp_group=mesh["dp"].get_group(),
-        device=device,
-        tp_rank=mesh["tp"].get_local_rank(),
-        tp_group=mesh["tp"].get_group(),
-        tp=cfg.parallel.tp,
-        stages=rank_stages(cfg.parallel.schedule, pp_rank, cfg.parallel.pp, cfg.parallel.virtual_stages),
-        owns_group=owns_group,
-    )
+    stages: list[Any]
+    schedule: Any
+    loss: StageLoss
 
 
-def worker_choices(cfg: TrainConfig, device: torch.device, choices: ResolvedChoices | None) -> ResolvedChoices:
-    """The run's decided compute dtype and quantization backend, with this process's backend set to it.
+@dataclass
+class Components:
+    """Everything one rank trains with, built outside the Trainer.
 
-    The local launcher decides before the workers start and passes its choices; under torchrun
-    nothing decided before launch (agoq.train.run.resolve_auto_choices), so the workers do, alike
-    on every rank. The config is left as validated.
+    ``modules``: this rank's model parts, one per pipeline stage it runs (each with ``forward(x, y)``
+    returning the loss, ``loss``, ``set_policy`` and ``layer_range``, as agoq.models.Llama);
+    ``params``: their parameters under global names (checkpoints key on them); ``sync`` and
+    ``optimizer``: the gradient path; ``pipeline``: with pp > 1, the stages and schedule;
+    ``layer_bits``: each of this rank's layers' saved-activation bits, or the policy's name;
+    ``replicated``: indices into ``params`` that every tp rank holds whole; ``checkpointer`` and
+    ``metrics``: None for a run that keeps neither.
     """
-    if choices is None:
-        # rank 0 decides (the backend from what this machine has installed), so that every rank
-        # computes alike; its lines go with the choices, for the caller to print.
-        decided = [resolve_choices(cfg, device.type) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(decided, src=0)
-        choices = decided[0]
-    # Process-wide: every quantize, fold and reduction of this worker takes this path.
-    from agoq.quant import backend as quant_backend
 
-    quant_backend.set_backend(choices.quant_backend)
-    return choices
-
-
-def _prepare_data(cfg: TrainConfig, ctx: RankContext):
-    """Tokenizer and packed tokens; rank 0 builds the cache, the others then read it."""
-    from agoq.train.data import prepare_data
-
-    d = cfg.data
-
-    def build():
-        # The launcher (or, under torchrun, rank 0) verified the token file's digest: the others only read it.
-        return prepare_data(d.corpus if d.corpus != "kjv" else None, d.tokenizer, d.vocab_size, d.cache_dir, d.val_fraction, verify=ctx.rank == 0)
-
-    if ctx.rank == 0:
-        data = build()
-        dist.barrier()
-    else:
-        dist.barrier()
-        data = build()
-    return data
+    ctx: RankContext
+    modules: list[nn.Module]
+    params: list[tuple[str, nn.Parameter]]
+    policy: ActivationPolicy
+    sync: GradientSync
+    optimizer: Any
+    loader: Loader
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pipeline: Pipeline | None = None
+    layer_bits: list[int] | str = "bf16"
+    replicated: set[int] = field(default_factory=set)
+    tp_counter: CommCounter = field(default_factory=CommCounter)  # the bytes this rank sends over its tp group
+    model_config: LlamaConfig | None = None  # the whole model's architecture, recorded in and checked by checkpoints
+    checkpointer: Any = None  # agoq.train.checkpoint.Checkpointer
+    metrics: Any = None  # agoq.train.metrics.JsonlWriter
 
 
-def build_stage_modules(
-    cfg: TrainConfig,
-    ctx: RankContext,
-    model_cfg: LlamaConfig,
-    policy: ActivationPolicy,
-    layout: PipelineLayout,
-    dtype: torch.dtype,
-    tp_counter: CommCounter | None = None,
-) -> list[nn.Module]:
-    """This rank's Llama slices, one per pipeline stage it runs, initialised from the run's seed
-    (under tp > 1, this rank's tp shard of each: the same initial model at every tp)."""
-    ranges = layout.stage_ranges(model_cfg.n_layers)
-    modules: list[nn.Module] = []
-    for s in ctx.stages:
-        m = Llama(model_cfg, policy, layers=ranges[s], embed=s == 0, head=s == layout.num_stages - 1)
-        m.reset_parameters(cfg.train.seed)
-        m.recompute = set(list(ranges[s])[: cfg.precision.recompute_layers])
-        m = m.to(device=ctx.device, dtype=dtype)
-        if ctx.tp > 1:
-            from agoq.parallel.tensor_model import shard_llama
+@dataclass
+class LoopSettings:
+    """How the loop runs: its length, the micro-batches per step, the learning-rate schedule and
+    clipping (``optim``), and how often it evaluates, logs and checkpoints (0: never)."""
 
-            m = shard_llama(m, ctx.tp_group, tp_counter)
-        if cfg.train.compile:
-            m.compile_layers()
-        modules.append(m)
-    return modules
+    steps: int
+    microbatches: int
+    tokens_per_step: int
+    optim: OptimSection = field(default_factory=OptimSection)
+    eval_every: int = 0
+    log_every: int = 10
+    max_skipped_steps: int = 10
+    checkpoint_every: int = 0
 
 
-def replicated_over_tp(modules: list[nn.Module], ctx: RankContext) -> set[int]:
-    """Indices (in :func:`named_parameters_of`'s order) of the parameters every tp rank holds whole."""
-    if ctx.tp == 1:
-        return set()
-    from agoq.parallel.tensor_model import split_dim
-
-    return {i for i, (n, _) in enumerate((n, p) for m in modules for n, p in m.named_parameters()) if split_dim(n) is None}
+class TrainingDiverged(RuntimeError):
+    """The run stopped because its loss or gradients stayed non-finite; the message says for how long and what to change."""
 
 
-def named_parameters_of(modules: list[nn.Module], ctx: RankContext) -> list[tuple[str, nn.Parameter]]:
-    """This rank's parameters under their global names; under tp > 1 each name carries its shard
-    (agoq.parallel.tensor_model.shard_name), so checkpoints keep every shard."""
-    if ctx.tp == 1:
-        return [(n, p) for m in modules for n, p in m.named_parameters()]
-    from agoq.parallel.tensor_model import shard_name
-
-    return [(shard_name(n, ctx.tp_rank, ctx.tp), p) for m in modules for n, p in m.named_parameters()]
+ESTIMATE_AFTER = 3  # records before rank 0 estimates the time left
 
 
-def build_gradient_path(cfg: TrainConfig, params: list[tuple[str, nn.Parameter]], ctx: RankContext) -> tuple[GradientSync, Any]:
-    """The gradient sync over the dp group and the optimizer that reads it: ZeRO-1's sharded pair, or
-    the full buffer (8-bit, fp32 or bf16 all-reduce) with AdamW on fp32 masters."""
-    p, pr = cfg.parallel, cfg.precision
-    node_size = p.node_size or min(p.dp, int(os.environ.get("LOCAL_WORLD_SIZE", p.dp)))  # hier-8/4; the 8-bit all-gather at pp = tp = 1
-    sync = make_gradient_sync(pr.gradients, params, ctx.dp_group, ctx.device, p.microbatches, pr.gradient_block, sharded=p.zero1, node_size=node_size)
-    if p.zero1:
-        from agoq.train.zero1 import Zero1Optimizer
+def skipped_step_line(rec: dict[str, Any]) -> str:
+    """The line rank 0 prints for a skipped step: every global rank that saw a non-finite gradient,
+    its pipeline stage(s) and replica, and the first such parameter (:func:`nonfinite_ranks`)."""
+    where = []
+    for r in rec.get("nonfinite") or []:
+        stages = ",".join(map(str, r["stages"]))
+        tp = f", tp rank {r['tp_rank']}" if r.get("tp_rank") else ""
+        where.append(f"rank {r['rank']} (pipeline stage {stages}, dp replica {r['dp_rank']}{tp}) in {r['parameter']}")
+    seen = f"non-finite gradients on {'; '.join(where)}" if where else f"the loss ({rec['loss']}) or the reduced gradients were not finite"
+    return f"agoq train: step {rec['step']} skipped, the weights left as they were: {seen}"
 
-        return sync, Zero1Optimizer(params, cfg.optim, sync)
-    return sync, MasterWeightOptimizer(params, cfg.optim)
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def build_pipeline(cfg: TrainConfig, ctx: RankContext, modules: list[Llama], num_stages: int, loss: Any) -> tuple[list[Any], Any]:
-    """This rank's torch pipeline stages and the schedule that runs them, with ``loss`` on the last stage."""
-    from agoq.parallel.pipeline import build_schedule, build_stages
-
-    p = cfg.parallel
-    stages = build_stages([StageForward(m) for m in modules], ctx.stages, num_stages, group=ctx.pp_group, device=ctx.device)
-    # Every rank passes the loss: torch enables the backward passes only where one is given.
-    # Gradients leave p.grad as soon as they accumulate (into the fp32 or 8-bit buffer), so
-    # torch's post-step division by the micro-batch count would find nothing: the loss is
-    # divided instead, and the recorded losses are summed back.
-    return stages, build_schedule(p.schedule, stages, p.microbatches, loss, scale_grads=False)
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over every rank of the run, in place; a run without a process group is one rank."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
 
 
 def _loss_terms(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -291,87 +186,62 @@ def nonfinite_ranks(sync: GradientSync, ctx: RankContext) -> list[dict[str, Any]
     gradient, with its pipeline stage(s), dp replica and tp rank, and the first such parameter."""
     seen = dict(sync.nonfinite_last_step())
     mine = {"rank": ctx.rank, "stages": list(ctx.stages), "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "parameter": seen.get(ctx.rank)}
-    every: list[Any] = [None] * ctx.world
-    dist.all_gather_object(every, mine)
+    every: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized():
+        every = [None] * ctx.world
+        dist.all_gather_object(every, mine)
     return [r for r in every if r["parameter"] is not None]
 
 
 class Trainer:
-    """One rank's share of a training run."""
+    """One rank's share of a training run, from the parts it trains (:class:`Components`) and how
+    its loop runs (:class:`LoopSettings`)."""
 
-    def __init__(self, cfg: TrainConfig, choices: ResolvedChoices | None = None, group_ready: Callable[[], object] | None = None) -> None:
-        from agoq.train.data import TrainSampler, validation_batches
-
-        self.cfg = cfg
-        self.ctx = ctx = _setup_distributed(cfg)
-        if group_ready is not None:
-            group_ready()
-        self.choices = worker_choices(cfg, ctx.device, choices)
-        torch.manual_seed(cfg.train.seed)
-        self.data = _prepare_data(cfg, ctx)
-        p = cfg.parallel
-        # The model the opening lines announce: its vocabulary is data.vocab_size or the tokenizer
-        # file's (a BPE that found fewer tokens on a small corpus leaves the last rows unused).
-        self.model_cfg = cfg.model_config()
-        self.local_batch = cfg.data.batch_size // p.dp
-        self.micro_batch = self.local_batch // p.microbatches
-        layout = pipeline_layout(cfg)
-        self.layer_bits, self.policy = rank_policy(cfg, self.model_cfg, self.micro_batch, layout, self.choices.dtype)
-        self.tp_counter = CommCounter()  # the bytes this rank sends over its tp group
-        self.modules = build_stage_modules(cfg, ctx, self.model_cfg, self.policy, layout, self.choices.dtype, self.tp_counter)
-        num_stages = layout.num_stages
-        self.last = self.modules[-1] if ctx.stages[-1] == num_stages - 1 else None
-        self.params = named_parameters_of(self.modules, ctx)
-        # tp-replicated parameters (norm weights): every tp rank holds the same reduced gradient.
-        self.replicated = replicated_over_tp(self.modules, ctx)
-        self.pipelined = p.pp > 1
-        if self.pipelined:
-            self.stages, self.schedule = build_pipeline(cfg, ctx, self.modules, num_stages, self._stage_loss)
-            self._schedule_initializing = True
-        self.sync, self.optimizer = build_gradient_path(cfg, self.params, ctx)
-        self.sampler = TrainSampler(self.data.train, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.seed)
-        self.val = (
-            validation_batches(self.data.val, cfg.data.seq_len, cfg.data.batch_size, ctx.dp_rank, p.dp, cfg.train.eval_batches)
-            if cfg.uses_validation()
-            else []
-        )
+    def __init__(self, components: Components, settings: LoopSettings) -> None:
+        self.components = components
+        self.settings = settings
+        self.ctx = components.ctx
+        self.modules = components.modules
+        self.params = components.params
+        self.policy = components.policy
+        self.sync = components.sync
+        self.optimizer = components.optimizer
+        self.sampler = components.loader
+        self.val = components.val_batches
+        self.replicated = components.replicated
+        self.tp_counter = components.tp_counter
+        self.metrics = components.metrics
+        self.checkpointer = components.checkpointer
+        self.pipeline = components.pipeline
+        self.pipelined = components.pipeline is not None
+        self.last = components.pipeline.loss.last if components.pipeline is not None else self.modules[-1]
         self.tracker = SavedActivationTracker([prm for _, prm in self.params])
-        self.out_dir = Path(cfg.train.out_dir)
-        self.metrics = JsonlWriter(self.out_dir / "metrics" / f"rank{ctx.rank}.jsonl")
         self.step = 0
         self.steps_run = 0  # by this process (a resumed run starts at a later step)
 
     # ---------------------------------------------------------------------------- one step
 
-    def _stage_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The micro-batch loss on the last stage, divided there: it sees grad_output 1 (see inflight.loss_weight_grad_in_forward)."""
-        if self.last is None:
-            raise RuntimeError("the loss runs on the last pipeline stage only")
-        in_forward, self._schedule_initializing = not self._schedule_initializing, False
-        return self.last.loss(hidden, targets, divisor=self.cfg.parallel.microbatches, weight_grad_in_forward=in_forward)
-
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Run every micro-batch forward and backward; the mean loss on the last stage, else None (fp64, on the device)."""
-        p = self.cfg.parallel
+        microbatches = self.settings.microbatches
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         if self.pipelined:
             losses: list[torch.Tensor] = []
             first = 0 in self.ctx.stages
             args = (inputs,) if first else ()
-            self.schedule.step(*args, target=targets if self.last is not None else None, losses=losses)
+            self.pipeline.schedule.step(*args, target=targets if self.last is not None else None, losses=losses)
             return torch.stack([l.detach().float() for l in losses]).sum().to(torch.float64) if losses else None
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         model = self.modules[0]
-        for x, y in zip(inputs.chunk(p.microbatches), targets.chunk(p.microbatches)):
+        for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
             loss = model(x, y)
-            (loss / p.microbatches).backward()
-            total += loss.detach().to(torch.float64) / p.microbatches
+            (loss / microbatches).backward()
+            total += loss.detach().to(torch.float64) / microbatches
         return total
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """The mean over dp replicas of a loss known on the last stage, on every rank."""
-        t = _loss_terms(loss, self.ctx.device)
-        dist.all_reduce(t)
+        t = _sum_over_ranks(_loss_terms(loss, self.ctx.device))
         return float(t[0] / t[1])
 
     def train_step(self) -> dict[str, Any]:
@@ -400,7 +270,7 @@ class Trainer:
             if temporaries is not None:
                 temporaries.enter_phase(name)
 
-        cfg = self.cfg
+        settings = self.settings
         t0 = time.perf_counter()
         phase("data")
         inputs, targets = self.sampler.next_batch()
@@ -420,14 +290,13 @@ class Trainer:
         # the step's loss. dp replicas hold identical reduced gradients, so their squares are
         # divided out; ZeRO-1 shards are disjoint, so theirs add up to the full norm. Everything
         # stays on the device until this one read: a host read waits for the device's queue.
-        sq = grad_sq if self.sync.sharded else grad_sq / cfg.parallel.dp
-        agree = torch.cat([torch.stack([sq, nonfinite]), _loss_terms(local_loss, self.ctx.device)])
-        dist.all_reduce(agree)
+        sq = grad_sq if self.sync.sharded else grad_sq / self.ctx.dp
+        agree = _sum_over_ranks(torch.cat([torch.stack([sq, nonfinite]), _loss_terms(local_loss, self.ctx.device)]))
         sq_sum, nonfinite_sum, loss_sum, loss_count = agree.tolist()
         loss = loss_sum / loss_count
         grad_norm = math.sqrt(sq_sum) if nonfinite_sum == 0 and math.isfinite(sq_sum) else float("nan")
         skipped = not math.isfinite(grad_norm)
-        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        lr = lr_at(self.step, settings.optim, settings.steps)
         phase("optimizer")
         if not skipped:
             self._update(grad_norm, lr)
@@ -435,7 +304,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.step += 1
         self.steps_run += 1
-        tokens = cfg.data.batch_size * cfg.data.seq_len
+        tokens = settings.tokens_per_step
         return {
             **({"nonfinite": nonfinite_ranks(self.sync, self.ctx)} if skipped else {}),
             "step": self.step,
@@ -457,29 +326,59 @@ class Trainer:
 
     def _update(self, grad_norm: float, lr: float) -> None:
         """Clip by the global gradient norm and step AdamW."""
-        clip = self.cfg.optim.grad_clip
+        clip = self.settings.optim.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         self.optimizer.set_lr(lr)
         # Step in groups of at most step_group_bytes of gradients (a larger tensor a slice at a
         # time where the optimizer can), so fp32 gradients read back from 8 bits never all exist at once.
         self.sync.step_optimizer(self.optimizer, coef, step_group_bytes(self.ctx.device, largest_layer_values(self.modules)))
 
-    def measure_baseline(self) -> dict[str, Any]:
-        """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
-        bf16 = make_policy("bf16")
-        for m in self.modules:
-            m.set_policy(bf16)
-        try:
-            x, y = self.val[0]
-            self.sync.start_step()
-            with self.tracker:
-                self.forward_backward(x, y)
-            peak = self.tracker.step_peak_bytes
-            self.sync.finish_step()
-        finally:
-            for m in self.modules:
-                m.set_policy(self.policy)
-        return {"peak_saved_bytes": peak}
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(rec)
+
+    def train(self, after_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        """Train to ``settings.steps``: evaluate, log, checkpoint good steps, stop a run that stays
+        non-finite; every step's record. ``after_step`` is called with each step's record first."""
+        s = self.settings
+        progress = Progress(s.steps, initial=self.step, enabled=self.ctx.rank == 0, every=s.log_every)
+        records: list[dict[str, Any]] = []
+        bad_in_a_row = 0
+        while self.step < s.steps:
+            rec = self.train_step()
+            if after_step is not None:
+                after_step(rec)
+            if rec["skipped"]:
+                progress.note(skipped_step_line(rec))
+            # Loss and gradient norm are all-reduced, so every rank counts alike and stops together.
+            bad_in_a_row = bad_in_a_row + 1 if rec["skipped"] or not math.isfinite(rec["loss"]) else 0
+            if bad_in_a_row >= s.max_skipped_steps:
+                self._write(rec)
+                raise TrainingDiverged(
+                    f"the loss or gradients were non-finite for {bad_in_a_row} steps in a row (steps {self.step - bad_in_a_row + 1}-{self.step}, "
+                    f"train.max_skipped_steps={s.max_skipped_steps}); no checkpoint was written since. Lower optim.lr "
+                    f"(now {s.optim.lr}), keep optim.grad_clip on, or resume from the last checkpoint"
+                )
+            last = self.step == s.steps
+            if s.eval_every and (self.step % s.eval_every == 0 or last):
+                rec["val_loss"] = self.evaluate()
+            self._write(rec)
+            records.append(rec)
+            progress.update(self.step, rec["loss"], rec["tokens_per_s"])
+            if len(records) == ESTIMATE_AFTER and not last:
+                # The first step holds one-time setup and the second counts every allocation: the third
+                # is the first ordinary one.
+                left = (s.steps - self.step) * rec["step_time_s"]
+                progress.note(f"agoq train: {rec['step_time_s']:.2f} s per step here; about {_duration(left)} to go")
+            if self.checkpointer is not None and s.checkpoint_every and (self.step % s.checkpoint_every == 0 or last):
+                if bad_in_a_row or not self.weights_finite():
+                    # Skipped steps leave the weights as they were, but a checkpoint is only ever written
+                    # from a good step: the good ones it would prune stay.
+                    progress.note(f"agoq train: step {self.step} not saved: its loss, gradients or weights are not finite")
+                    continue
+                self.checkpointer.save(self.step, self.checkpoint_state(), self.extra_state())
+        progress.close()
+        return records
 
     @torch.no_grad()
     def weights_finite(self) -> bool:
@@ -491,7 +390,7 @@ class Trainer:
         bad = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for _, p in self.params:
             bad += (~torch.isfinite(p)).sum()
-        dist.all_reduce(bad)
+        _sum_over_ranks(bad)
         return bad.item() == 0
 
     @torch.no_grad()
@@ -504,8 +403,8 @@ class Trainer:
             if self.pipelined:
                 out: list[torch.Tensor] = []
                 args = (x.to(self.ctx.device),) if 0 in self.ctx.stages else ()
-                self.schedule.eval(*args, target=y.to(self.ctx.device) if self.last is not None else None, losses=out)
-                self._schedule_initializing = True  # again at the next training step
+                self.pipeline.schedule.eval(*args, target=y.to(self.ctx.device) if self.last is not None else None, losses=out)
+                self.pipeline.loss.initializing = True  # again at the next training step
                 local = torch.stack([l.float() for l in out]).sum() if out else None
             else:
                 local = self.modules[0](x.to(self.ctx.device), y.to(self.ctx.device))
@@ -516,20 +415,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- state
 
-    def my_layer_bits(self) -> list[int] | str:
-        """Bit width of each of this rank's layers (16 = kept bf16), or the policy name if uniform."""
-        if self.policy.name == "bf16":
-            return "bf16"
-        layers = [i for m in self.modules for i in m.layer_range]
-        if self.layer_bits is None:
-            from agoq.quant import parse_format
-
-            return [parse_format(self.cfg.precision.activation_format).bits] * len(layers)
-        return [self.layer_bits[i] for i in layers]
-
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds for this rank: model weights (global names) and optimizer state."""
-        return {"model": _NamedParams(self.params, self.model_cfg), "optimizer": self.optimizer}
+        return {"model": _NamedParams(self.params, self.components.model_config), "optimizer": self.optimizer}
 
     def extra_state(self) -> dict[str, Any]:
         """Step, data position, RNG and gradient-sync state (error-feedback residuals) of this rank."""
@@ -548,13 +436,31 @@ class Trainer:
             restore_rng_state(extra["rng"])
 
 
+def measure_baseline(trainer: Trainer) -> dict[str, Any]:
+    """Saved-activation peak of one step under the bf16 policy, on a held-out batch, with no update."""
+    bf16 = make_policy("bf16")
+    for m in trainer.modules:
+        m.set_policy(bf16)
+    try:
+        x, y = trainer.val[0]
+        trainer.sync.start_step()
+        with trainer.tracker:
+            trainer.forward_backward(x, y)
+        peak = trainer.tracker.step_peak_bytes
+        trainer.sync.finish_step()
+    finally:
+        for m in trainer.modules:
+            m.set_policy(trainer.policy)
+    return {"peak_saved_bytes": peak}
+
+
 class _NamedParams(nn.Module):
     """The parameters of this rank's stages under their global names (a checkpointable module)."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], cfg: LlamaConfig) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], cfg: LlamaConfig | None) -> None:
         super().__init__()
         self._named = params
-        self.cfg = cfg
+        self.cfg = cfg  # read by agoq.train.checkpoint into the manifest's model_config
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return {n: p.detach() for n, p in self._named}

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from agoq.compat import all_gather_single
 from agoq.gradient.sharded import ShardedBucket, ShardedGradientSync
-from agoq.train.config import OptimSection
+from agoq.train.optim_section import OptimSection
 from agoq.train.optim import fused_adamw, no_weight_decay, set_lr, tensor_bytes
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from agoq.train.nofollow import CACHE_ELSEWHERE, open_in_place, write_atomic
+from agoq.nofollow import CACHE_ELSEWHERE, open_in_place, write_atomic
 
 DEFAULT_VOCAB_SIZE = 4096
 EOS_TOKEN = "<|endoftext|>"
@@ -87,7 +87,7 @@ class Tokenizer:
 def vocab_fingerprint(backend: tokenizers.Tokenizer, eos_id: int, serialized: str | None = None) -> str:
     """SHA-256 of what a token id means: the vocabulary (token of each id), the merges and the end-of-document id.
 
-    What a checkpoint pins (agoq.train.run.check_resume_data). Taken from the tokenizer's content,
+    What a checkpoint pins (agoq.launch.run.check_resume_data). Taken from the tokenizer's content,
     not its file: a file saved again, reformatted or with its keys in another order, matches, and
     so does one written by another ``tokenizers`` version (merges "a b" or ["a", "b"]).
     """

@@ -17,7 +17,8 @@ from typing import Any
 
 from agoq.errors import ConfigError
 from agoq.models.config import PRESETS, LlamaConfig, get_config
-from agoq.train.tokenizer import MIN_VOCAB_SIZE
+from agoq.data.tokenizer import MIN_VOCAB_SIZE
+from agoq.train.optim_section import OptimSection
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ACTIVATION_POLICIES = ("bf16", "agoq", "uniform4")
@@ -63,7 +64,7 @@ class PrecisionSection:
     gradients: str = "int8"  # int8 (QuanGrad buffer + 8-bit all-reduce) | int4 / int4-ef (the same buffer sent in 4 bits, -ef: with error feedback) | hier-8/4 (two hops: int8 within a node, int4 between nodes) | fp32 | bf16 all-reduce
     gradient_block: int = 256  # values per scale of the 8-bit gradient buffer and wire format
     fused_loss: bool | None = None  # default: on for agoq/uniform4, off for bf16
-    # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.train.compute_dtype);
+    # auto: bf16 on GPUs, and on CPUs only where bf16 measures faster (agoq.launch.choices);
     # bf16 | fp32 force one. Master weights are always fp32.
     compute_dtype: str = "auto"
     # How quantization runs (agoq.quant.backend). auto: Triton on GPUs; on CPUs the compiled path for runs long enough to repay compiling, else eager torch
@@ -71,21 +72,6 @@ class PrecisionSection:
     quant_backend: str = "auto"
     recompute_layers: int = 0  # activation checkpointing of the first N decoder layers of each stage (the baseline's way to fit)
     checkpoint_format: str = "none"  # none: recomputed layers keep their input in the compute dtype; int8/128: compressed checkpoints
-
-
-@dataclass
-class OptimSection:
-    """AdamW with warmup + cosine decay."""
-
-    name: str = "adamw"  # torch fused AdamW, or torchao's 8-bit AdamW
-    lr: float = 3e-3  # peak learning rate, after warmup
-    min_lr: float = 3e-4  # end of the cosine decay
-    warmup_steps: int = 20  # linear warmup from 0
-    weight_decay: float = 0.1  # decoupled (AdamW), on matrices only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global norm over all pp and dp ranks; 0 disables
 
 
 @dataclass
@@ -235,7 +221,7 @@ def _tokenizer_vocab(d: DataSection) -> int:
         return d.vocab_size
     if not Path(d.tokenizer).expanduser().is_file():
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a file; pass a tokenizer.json or leave it unset to train one")
-    from agoq.train.tokenizer import tokenizer_vocab_size
+    from agoq.data.tokenizer import tokenizer_vocab_size
 
     try:
         return tokenizer_vocab_size(d.tokenizer)

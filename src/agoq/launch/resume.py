@@ -15,9 +15,14 @@ from typing import TYPE_CHECKING, Any
 from agoq.errors import ConfigError
 
 if TYPE_CHECKING:
-    from agoq.train.config import TrainConfig
+    from agoq.launch.config import TrainConfig
 
 NEW_RUN = "or start a new run with --train.out_dir=runs/NAME"
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    """Where a run's checkpoints live: out_dir/checkpoints."""
+    return Path(cfg.train.out_dir) / "checkpoints"
 
 
 def checkpoint_layout(cfg: TrainConfig) -> dict[str, Any]:
@@ -35,7 +40,7 @@ def resumed_manifest(cfg: TrainConfig) -> tuple[Path, dict[str, Any] | None] | N
     from agoq.train.checkpoint import MANIFEST, CheckpointError, latest_checkpoint
 
     try:
-        latest = latest_checkpoint(Path(cfg.train.out_dir) / "checkpoints", trust_unverified=cfg.checkpoint.trust_unverified)
+        latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=cfg.checkpoint.trust_unverified)
         if latest is None:
             return None
         path = latest / MANIFEST

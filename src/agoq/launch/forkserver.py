@@ -32,14 +32,14 @@ from types import TracebackType
 from typing import Any, Callable, Iterator
 
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
-# (agoq.train.loopback).
+# (agoq.launch.loopback).
 LOOPBACK_ENV = "AGOQ_LOOPBACK"
 # Set by the local launcher in the environment of what it starts: its pid (guard_fork_server).
 LAUNCHER_ENV = "AGOQ_LAUNCHER_PID"
 # What the fork server imports once, before any worker forks from it; its guard first.
 FORKSERVER_PRELOAD = (
-    "agoq.train.forkserver_guard",
-    "agoq.train.run",
+    "agoq.launch.forkserver_guard",
+    "agoq.launch.run",
     "agoq.train.trainer",
     "agoq.quant.compiled",
     "torch._dynamo",
@@ -273,12 +273,12 @@ def _quiet_exit(signum: int, frame: object) -> None:
 
 
 def guard_fork_server() -> None:
-    """In the local launcher's fork server (agoq.train.forkserver_guard, which it imports first):
+    """In the local launcher's fork server (agoq.launch.forkserver_guard, which it imports first):
     die with the launcher, and leave without a traceback on a Ctrl-C.
 
     A Ctrl-C reaches every process of the terminal's group, the server too; it would print the
     traceback of whatever it was importing. Workers forked from the server inherit the handler,
-    until :func:`agoq.train.run.worker_entry` puts the interpreter's own back.
+    until :func:`agoq.launch.run.worker_entry` puts the interpreter's own back.
     """
     launcher = os.environ.get(LAUNCHER_ENV)
     if launcher is None or launcher != str(os.getppid()) or launcher == str(os.getpid()):

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from agoq.train.config import ConfigError
-from agoq.train.nofollow import atomic_file, temp_file_beside, write_atomic
-from agoq.train.tokenizer import (
+from agoq.errors import ConfigError
+from agoq.nofollow import atomic_file, temp_file_beside, write_atomic
+from agoq.data.tokenizer import (
     CACHE_ENV,
     DEFAULT_VOCAB_SIZE,
     Tokenizer,

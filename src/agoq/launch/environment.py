@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from agoq.quant.backend import BACKENDS, ENV_VAR as QUANT_BACKEND_ENV
-from agoq.train.forkserver import LAUNCHER_ENV, LOOPBACK_ENV
-from agoq.train.tokenizer import CACHE_ENV
+from agoq.launch.forkserver import LAUNCHER_ENV, LOOPBACK_ENV
+from agoq.data.tokenizer import CACHE_ENV
 
 PREFIX = "AGOQ_"
 
@@ -38,7 +38,7 @@ def _backend_problem(value: str) -> str | None:
 
 def _cache_problem(value: str) -> str | None:
     if not value:
-        return None  # unset or empty: ~/.cache/agoq (agoq.train.tokenizer.cache_dir)
+        return None  # unset or empty: ~/.cache/agoq (agoq.data.tokenizer.cache_dir)
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         return "is not a folder; name a folder (it is made if missing), or unset it and pass --data.cache_dir=PATH"

@@ -8,7 +8,7 @@ GPUs with bf16 support get bf16. A CPU gets bf16 where it computes it natively: 
 gets fp32. No timing is read or recorded: a run's arithmetic follows from the machine it names in
 its opening lines, so a loss curve is reproduced from the flags alone. Whether bf16 pays on a given CPU is what ``python -m benchmarks.train_dtype``
 measures. A run that resumes a checkpoint keeps the checkpoint's dtype
-(:func:`agoq.train.resume.checkpoint_compute_dtype`).
+(:func:`agoq.launch.resume.checkpoint_compute_dtype`).
 
 Nothing here prints: :func:`resolve_choices` returns the opening lines for its caller to print.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from agoq.train.config import TrainConfig
+    from agoq.launch.config import TrainConfig
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 # torch.backends.cpu.get_cpu_capability() values whose kernels have no native bf16 arithmetic.
@@ -133,7 +133,7 @@ def quant_backend_for(cfg: "TrainConfig", device_type: str) -> BackendChoice:
 class ResolvedChoices:
     """What a run computes with: the config's compute_dtype and quant_backend with ``auto`` decided.
 
-    Decided once, by the local launcher before the workers start (agoq.train.run.resolve_auto_choices)
+    Decided once, by the local launcher before the workers start (agoq.launch.run.resolve_auto_choices)
     or, under torchrun, by the workers themselves, and passed beside the config, which keeps what
     was asked for; what a run records as its config (summary.json, checkpoints) has these in place.
     """
@@ -159,7 +159,7 @@ def resolve_choices(cfg: "TrainConfig", device_type: str) -> ResolvedChoices:
     """The config's compute dtype and quantization backend with ``auto`` decided for this machine and
     run, with a line for each ``auto`` saying which and why. A resumed run's ``auto`` dtype is its
     checkpoint's. The config itself is left as validated."""
-    from agoq.train.resume import checkpoint_compute_dtype
+    from agoq.launch.resume import checkpoint_compute_dtype
 
     pr = cfg.precision
     saved = checkpoint_compute_dtype(cfg) if pr.compute_dtype == "auto" else None

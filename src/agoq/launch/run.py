@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from agoq.models.config import parameter_count_text
-from agoq.train.compute_dtype import ResolvedChoices, cpu_cores
-from agoq.train.config import ConfigError, TrainConfig
-from agoq.train.forkserver import (
+from agoq.launch.choices import ResolvedChoices, cpu_cores
+from agoq.launch.config import ConfigError, TrainConfig
+from agoq.launch.forkserver import (
     die_with_launcher,
     inherited_gloo_interface,
     raise_deferred_interrupt,
@@ -28,10 +28,10 @@ from agoq.train.forkserver import (
     unnamed_locks,
     workers_environment,
 )
-from agoq.train.lock import LOCK_NAME, join_run_lock, run_lock
-from agoq.train.metrics import Progress, peak_rss_bytes, plot_run, summary_markdown, summary_text
-from agoq.train.nofollow import ensure_folder, open_in_place, refuse_link, write_atomic
-from agoq.train.resume import checkpoint_layout
+from agoq.launch.lock import LOCK_NAME, join_run_lock, run_lock
+from agoq.train.metrics import peak_rss_bytes, plot_run, summary_markdown, summary_text
+from agoq.nofollow import ensure_folder, open_in_place, refuse_link, write_atomic
+from agoq.launch.resume import checkpoint_layout, checkpoint_root
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -78,30 +78,6 @@ def run_figures(records: list[dict[str, Any]], timed: list[dict[str, Any]], toke
     }
 
 
-def skipped_step_line(rec: dict[str, Any]) -> str:
-    """The line rank 0 prints for a skipped step: every global rank that saw a non-finite gradient,
-    its pipeline stage(s) and replica, and the first such parameter (Trainer._nonfinite_ranks)."""
-    where = []
-    for r in rec.get("nonfinite") or []:
-        stages = ",".join(map(str, r["stages"]))
-        tp = f", tp rank {r['tp_rank']}" if r.get("tp_rank") else ""
-        where.append(f"rank {r['rank']} (pipeline stage {stages}, dp replica {r['dp_rank']}{tp}) in {r['parameter']}")
-    seen = f"non-finite gradients on {'; '.join(where)}" if where else f"the loss ({rec['loss']}) or the reduced gradients were not finite"
-    return f"agoq train: step {rec['step']} skipped, the weights left as they were: {seen}"
-
-
-ESTIMATE_AFTER = 3  # records before rank 0 estimates the time left
-
-
-class TrainingDiverged(RuntimeError):
-    """The run stopped because its loss or gradients stayed non-finite; the message says for how long and what to change."""
-
-
-def checkpoint_root(cfg: TrainConfig) -> Path:
-    """Where a run's checkpoints live: out_dir/checkpoints."""
-    return Path(cfg.train.out_dir) / "checkpoints"
-
-
 class _DeferredInterrupt:
     """A Ctrl-C that lands inside a callback Python runs from C (a weakref's, as the step's allocation
     meter uses) cannot propagate: Python prints "Exception ignored in ..." with a traceback and goes on.
@@ -128,33 +104,31 @@ class _DeferredInterrupt:
             raise KeyboardInterrupt
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
 def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None, group_ready: Callable[[], object] | None = None) -> dict[str, Any]:
     """Entry point of every rank; rank 0 returns the run summary, the others their records and stats.
 
     ``choices`` are the launcher's decisions for the config's ``auto`` values; without them (under
-    torchrun) the workers decide (agoq.train.trainer.worker_choices). ``group_ready`` is called
+    torchrun) the workers decide (agoq.launch.components.worker_choices). ``group_ready`` is called
     once this rank has joined the process group.
     """
-    from agoq.train.trainer import Trainer
+    from agoq.launch.components import build_run
+    from agoq.train.trainer import measure_baseline
 
-    trainer = Trainer(cfg, choices, group_ready)
+    run = build_run(cfg, choices, group_ready)
+    trainer = run.trainer
     ctx = trainer.ctx
     if choices is None and ctx.rank == 0:  # decided by the workers: rank 0 says which and why
-        _say_choices(trainer.choices)
-    _resume(trainer, cfg, data_checked=choices is not None)
-    records = _train_loop(trainer, cfg)
+        _say_choices(run.choices)
+    _resume(trainer, cfg, run.data, data_checked=choices is not None)
+    records = trainer.train(after_step=lambda rec: _DeferredInterrupt.raise_pending())
     # After training, so torch's one-off first-step shape inference is behind both measurements.
-    baseline = trainer.measure_baseline() if cfg.train.baseline and cfg.precision.activations != "bf16" else None
+    baseline = measure_baseline(trainer) if cfg.train.baseline and cfg.precision.activations != "bf16" else None
     mine = _rank_stats(trainer, records, baseline)
     gathered: list[Any] = [None] * ctx.world
     dist.all_gather_object(gathered, mine)
     summary = None
     if ctx.rank == 0 and records:
-        summary = summarize(cfg, trainer.choices, trainer.model_cfg, records, gathered, baseline is not None)
+        summary = summarize(cfg, run.choices, run.model_cfg, records, gathered, baseline is not None)
         _write_summary(cfg, summary)
     trainer.metrics.close()
     dist.barrier()
@@ -163,7 +137,7 @@ def train_worker(cfg: TrainConfig, choices: ResolvedChoices | None = None, group
     return summary if ctx.rank == 0 else {"rank": ctx.rank, "records": records, "stats": mine}
 
 
-def _resume(trainer: Any, cfg: TrainConfig, data_checked: bool = False) -> None:
+def _resume(trainer: Any, cfg: TrainConfig, data: Any, data_checked: bool = False) -> None:
     """Continue from the newest checkpoint when resuming (or, with checkpoint.overwrite, delete the old
     ones first), and drop metrics rows of the steps this run will (re)do. ``data_checked``: the
     local launcher found the checkpoint trained on this run's data (:func:`check_resume_data`)."""
@@ -173,7 +147,7 @@ def _resume(trainer: Any, cfg: TrainConfig, data_checked: bool = False) -> None:
 
         latest = latest_checkpoint(checkpoint_root(cfg), trust_unverified=ck.trust_unverified)
         if latest is not None and not data_checked:  # under torchrun, no launcher of agoq's looked before the workers started
-            check_resume_data(cfg, trainer.data, notice=trainer.ctx.rank == 0)
+            check_resume_data(cfg, data, notice=trainer.ctx.rank == 0)
         if latest is not None:
             state = trainer.checkpoint_state()
             step, extra = load_checkpoint(
@@ -203,60 +177,6 @@ def _resume(trainer: Any, cfg: TrainConfig, data_checked: bool = False) -> None:
     trainer.metrics.keep_until(trainer.step)
 
 
-def _train_loop(trainer: Any, cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Train to train.steps: evaluate, log, checkpoint good steps, stop a run that stays non-finite."""
-    progress = Progress(cfg.train.steps, initial=trainer.step, enabled=trainer.ctx.rank == 0, every=cfg.train.log_every)
-    records: list[dict[str, Any]] = []
-    bad_in_a_row = 0
-    while trainer.step < cfg.train.steps:
-        rec = trainer.train_step()
-        _DeferredInterrupt.raise_pending()
-        if rec["skipped"]:
-            progress.note(skipped_step_line(rec))
-        # Loss and gradient norm are all-reduced, so every rank counts alike and stops together.
-        bad_in_a_row = bad_in_a_row + 1 if rec["skipped"] or not math.isfinite(rec["loss"]) else 0
-        if bad_in_a_row >= cfg.train.max_skipped_steps:
-            trainer.metrics.write(rec)
-            raise TrainingDiverged(
-                f"the loss or gradients were non-finite for {bad_in_a_row} steps in a row (steps {trainer.step - bad_in_a_row + 1}-{trainer.step}, "
-                f"train.max_skipped_steps={cfg.train.max_skipped_steps}); no checkpoint was written since. Lower optim.lr "
-                f"(now {cfg.optim.lr}), keep optim.grad_clip on, or resume from the last checkpoint"
-            )
-        last = trainer.step == cfg.train.steps
-        if cfg.train.eval_every and (trainer.step % cfg.train.eval_every == 0 or last):
-            rec["val_loss"] = trainer.evaluate()
-        trainer.metrics.write(rec)
-        records.append(rec)
-        progress.update(trainer.step, rec["loss"], rec["tokens_per_s"])
-        if len(records) == ESTIMATE_AFTER and not last:
-            # The first step holds one-time setup and the second counts every allocation: the third
-            # is the first ordinary one.
-            left = (cfg.train.steps - trainer.step) * rec["step_time_s"]
-            progress.note(f"agoq train: {rec['step_time_s']:.2f} s per step here; about {_duration(left)} to go")
-        if cfg.checkpoint.every and (trainer.step % cfg.checkpoint.every == 0 or last):
-            if bad_in_a_row or not trainer.weights_finite():
-                # Skipped steps leave the weights as they were, but a checkpoint is only ever written
-                # from a good step: the good ones it would prune stay.
-                progress.note(f"agoq train: step {trainer.step} not saved: its loss, gradients or weights are not finite")
-                continue
-            from agoq.train.checkpoint import save_checkpoint
-
-            state = trainer.checkpoint_state()
-            save_checkpoint(
-                checkpoint_root(cfg),
-                trainer.step,
-                state["model"],
-                state["optimizer"],
-                trainer.extra_state(),
-                keep=cfg.checkpoint.keep,
-                layout=checkpoint_layout(cfg),
-                config=trainer.choices.config_dict(cfg),
-                data=trainer.data.fingerprints(),
-            )
-    progress.close()
-    return records
-
-
 def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str, Any] | None) -> dict[str, Any]:
     """This rank's memory and communication figures for the summary."""
     ctx = trainer.ctx
@@ -269,7 +189,7 @@ def _rank_stats(trainer: Any, records: list[dict[str, Any]], baseline: dict[str,
         "dp_rank": ctx.dp_rank,
         "tp_rank": ctx.tp_rank,
         "stages": ctx.stages,
-        "layer_bits": trainer.my_layer_bits(),
+        "layer_bits": trainer.components.layer_bits,
         "peak_saved_bytes": max((r["peak_saved_bytes"] for r in measured), default=0),
         "peak_temporary_bytes": probe.get("peak_temporary_bytes"),
         "peak_temporary_bytes_by_phase": probe.get("peak_temporary_bytes_by_phase"),
@@ -383,7 +303,7 @@ def announce(cfg: TrainConfig, processes: str, choices: ResolvedChoices | None =
         + ")",
         flush=True,
     )
-    from agoq.train.environment import unread_notice
+    from agoq.launch.environment import unread_notice
 
     unread = unread_notice()
     if unread:
@@ -441,7 +361,7 @@ def finished_run(cfg: TrainConfig) -> int | None:
     problem = unverified_problem(latest)
     if problem is not None and not ck.trust_unverified:
         raise ConfigError(_unverified_line(latest, problem))
-    from agoq.train.resume import check_resume_dtype, check_resume_job
+    from agoq.launch.resume import check_resume_dtype, check_resume_job
 
     check_resume_job(cfg)
     check_resume_dtype(cfg)
@@ -730,8 +650,8 @@ def failure_line(out_dir: str | os.PathLike[str], failures: dict[int, Any], worl
 
 def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
     """The compute dtype and quantization backend of a local run, decided by the launcher for its
-    workers (agoq.train.compute_dtype.resolve_choices), each ``auto`` printed with which and why."""
-    from agoq.train.compute_dtype import resolve_choices
+    workers (agoq.launch.choices.resolve_choices), each ``auto`` printed with which and why."""
+    from agoq.launch.choices import resolve_choices
 
     choices = resolve_choices(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     _say_choices(choices)
@@ -739,7 +659,7 @@ def resolve_auto_choices(cfg: TrainConfig) -> ResolvedChoices:
 
 
 def _say_choices(choices: ResolvedChoices) -> None:
-    """The opening lines of the run's decided ``auto`` values (agoq.train.compute_dtype returns them, the launch prints)."""
+    """The opening lines of the run's decided ``auto`` values (agoq.launch.choices returns them, the launch prints)."""
     for line in choices.lines:
         print(line, flush=True)
 
@@ -761,8 +681,8 @@ def launch(cfg: TrainConfig, max_restarts: int = 0) -> dict[str, Any] | None:
     # Build the tokenizer and token file once, here: a bad corpus, or one other than a resumed
     # checkpoint's, is refused before the run folder is touched, and the workers only read the cache.
     # A folder in use is refused before that work, and claimed after it.
-    from agoq.train.data import prepare_data
-    from agoq.train.lock import check_not_in_use
+    from agoq.data.tokens import prepare_data
+    from agoq.launch.lock import check_not_in_use
 
     check_not_in_use(cfg.train.out_dir)
 
@@ -783,7 +703,7 @@ def check_run_folder(out_dir: str | os.PathLike[str]) -> None:
     """ConfigError (one line naming it and the fix) for a link among what a run writes in ``out_dir``.
 
     Checked before anything is written; the writes themselves never follow a link either
-    (agoq.train.nofollow), so one made after this check is replaced or refused, never written through.
+    (agoq.nofollow), so one made after this check is replaced or refused, never written through.
     """
     out = Path(out_dir)
     for name in RUN_FILES + RUN_FOLDERS:
@@ -800,7 +720,7 @@ def check_run_folder(out_dir: str | os.PathLike[str]) -> None:
 
 def check_resume_data(cfg: TrainConfig, data: Any, notice: bool = True) -> None:
     """ConfigError when the checkpoint a run resumes was trained on another corpus or tokenizer than
-    ``data`` (agoq.train.data.TokenData); one line of ``notice`` when the checkpoint does not say."""
+    ``data`` (agoq.data.tokens.TokenData); one line of ``notice`` when the checkpoint does not say."""
     from agoq.train.checkpoint import CheckpointError, latest_checkpoint, trained_on
 
     if not cfg.checkpoint.resume:
@@ -855,9 +775,9 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
 
     choices = resolve_auto_choices(cfg)
     announce(cfg, f"{cfg.world_size} local process{'es' if cfg.world_size > 1 else ''}", choices)
-    # Nothing of a local run listens beyond this machine (agoq.train.loopback): the rendezvous store
+    # Nothing of a local run listens beyond this machine (agoq.launch.loopback): the rendezvous store
     # is hosted here on 127.0.0.1, rank 0's store likewise, and gloo connects over loopback.
-    from agoq.train.loopback import loopback_store
+    from agoq.launch.loopback import loopback_store
 
     rdzv_store, rdzv_port = loopback_store()
     config = LaunchConfig(

@@ -8,7 +8,7 @@ file records who holds it (pid, host, start time) for the message a second run p
 A run claims the folder with an exclusive lock, then holds it shared, and each of its workers
 takes it shared too (:func:`join_run_lock`): another run's exclusive claim fails as long as any
 process of this one lives, the launcher or a worker it left. The file is opened as every file
-written in place in the run folder is (agoq.train.nofollow.open_in_place): never through a
+written in place in the run folder is (agoq.nofollow.open_in_place): never through a
 symbolic link, and refused if it is a hard link, since ``.lock`` naming another file would have
 that file truncated and overwritten.
 """
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from agoq.train.nofollow import open_in_place
+from agoq.nofollow import open_in_place
 
 LOCK_NAME = ".lock"
 
@@ -34,7 +34,7 @@ class FolderInUse(RuntimeError):
 
 def _open(out_dir: str | os.PathLike[str]) -> tuple[Path, int]:
     """The lock file of ``out_dir`` (folder and file created if missing), opened for reading and writing."""
-    from agoq.train.config import ConfigError
+    from agoq.errors import ConfigError
 
     folder = Path(out_dir)
     try:

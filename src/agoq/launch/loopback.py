@@ -4,7 +4,7 @@ torch's TCPStore binds its listening socket to every interface, unless it is han
 already listens (its ``master_listen_fd`` option). A local run therefore creates both of its stores
 on sockets bound to 127.0.0.1: the launcher's rendezvous store, and rank 0's process-group store.
 gloo's own connections follow ``GLOO_SOCKET_IFNAME``, set to the loopback interface
-(agoq.train.forkserver.local_worker_env). Multi-node runs (torchrun) are left as torch sets them
+(agoq.launch.forkserver.local_worker_env). Multi-node runs (torchrun) are left as torch sets them
 up: their stores must be reachable from other hosts.
 """
 
