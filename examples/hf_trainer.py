@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from agoq.integrations.hf_trainer import AgoqTrainer
-from agoq.train.data import prepare_data
+from agoq.data.tokens import prepare_data
 
 
 class Windows(torch.utils.data.Dataset):

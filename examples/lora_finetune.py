@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from agoq.integrations.hf_trainer import AgoqMixin
-from agoq.train.data import prepare_data
+from agoq.data.tokens import prepare_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer import Windows  # noqa: E402  (the same fixed-length windows of the token stream)
