@@ -224,8 +224,8 @@ def test_a_batch_longer_than_the_corpus_is_refused_before_launch(tmp_path, capsy
 def test_a_batch_that_cannot_fit_in_memory_is_refused_before_launch(tmp_path, capsys, launches, monkeypatch):
     """The check compares agoq plan's estimate of every local process's tensors with the machine's
     memory; here the machine is made to report 64 MiB, less than the default run's four processes need."""
-    import agoq.plan.fit as fit
-    from agoq.plan.config import from_train_config
+    import agoq.launch.planning as fit
+    from agoq.launch.planning import from_train_config
     from agoq.plan.memory import plan_memory
 
     cfg = load_config(None, ["--precision.compute_dtype=fp32"])

@@ -19,16 +19,17 @@ ALLOWED = {
     # One rank's loop, optimizer, checkpoints and metrics, built from explicit parts (no config).
     "train": {"models", "activation", "gradient", "parallel", "quant"},
     # From a config to running ranks: the config, the choices, the launcher and the component builders.
-    "launch": {"models", "activation", "gradient", "parallel", "quant", "data", "train"},
-    # The planner models what the trainer allocates for a given training config.
-    "plan": {"models", "activation", "gradient", "parallel", "quant", "train", "launch"},
+    "launch": {"models", "activation", "gradient", "parallel", "quant", "data", "train", "plan"},
+    # The planner models what the trainer allocates; a training config reaches it through launch/planning.py.
+    "plan": {"models", "activation", "gradient", "parallel", "quant", "train"},
     # Other libraries' models and loops (transformers) get the activation ops and the 8-bit gradients.
     "integrations": {"models", "activation", "gradient", "quant"},
 }
 # Below every layer: modules of the standard library alone, so that the launcher can use them before
 # it imports torch (inductor_cache: the folder a torch held to another instruction set compiles into).
 # nofollow: file writes that never follow a link, for every layer that writes (it raises errors' ConfigError).
-BASE = {"inductor_cache", "errors", "nofollow"}
+# values: typed config values from text, for agoq train's config and agoq plan's --model-field.
+BASE = {"inductor_cache", "errors", "nofollow", "values"}
 # Below every layer too, above torch alone: the one home of torch names newer than the floor and of
 # private torch names (tests/test_compat.py).
 TORCH_BASE = {"compat"}
@@ -181,3 +182,33 @@ def test_the_package_has_no_import_cycles():
     for name in sorted(graph):
         visit(name, [])
     assert not cycles, "\n".join(cycles)
+
+
+def _names_and_imports(path: Path) -> tuple[set[str], set[str]]:
+    """Every identifier ``path`` uses (names and attributes) and every agoq module it imports."""
+    names, modules = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Import):
+            modules |= {a.name for a in node.names if a.name.startswith("agoq.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agoq"):
+            modules |= {f"{node.module}.{a.name}" if node.module == "agoq" else node.module for a in node.names}
+            names |= {a.name for a in node.names}
+    return names, modules
+
+
+def test_the_whole_train_config_is_read_only_in_the_launch_layer():
+    # The Trainer and every component take their own section or explicit values (agoq.launch.components
+    # builds them); only agoq.launch and the command line above it see a TrainConfig or import launch.
+    readers = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] == "launch" or rel == Path("cli.py"):
+            continue
+        names, modules = _names_and_imports(path)
+        if "TrainConfig" in names or any(m == "agoq.launch" or m.startswith("agoq.launch.") for m in modules):
+            readers.append(str(rel))
+    assert not readers, f"modules outside agoq.launch that read the whole training config or import launch: {sorted(readers)}"

@@ -119,7 +119,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from agoq.plan.fit import check_memory
+    from agoq.launch.planning import check_memory
     from agoq.launch.forkserver import under_torchrun
     from agoq.launch.lock import FolderInUse
     from agoq.launch.run import checkpoint_root, failure_line, launch

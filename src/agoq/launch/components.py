@@ -321,9 +321,7 @@ def build_run(cfg: TrainConfig, choices: ResolvedChoices | None = None, group_re
     layout = pipeline_layout(p)
     layer_bits, policy = rank_policy(pr, p, d.seq_len, model_cfg, micro_batch, layout, choices.dtype)
     tp_counter = CommCounter()
-    modules = build_stage_modules(
-        model_cfg, ctx, policy, layout, choices.dtype, cfg.train.seed, pr.recompute_layers, cfg.train.compile, tp_counter
-    )
+    modules = build_stage_modules(model_cfg, ctx, policy, layout, choices.dtype, cfg.train.seed, pr.recompute_layers, cfg.train.compile, tp_counter)
     params = named_parameters_of(modules, ctx)
     pipeline = build_pipeline(p, ctx, modules, layout.num_stages) if p.pp > 1 else None
     sync, optimizer = build_gradient_path(pr, p, cfg.optim, params, ctx)
@@ -343,9 +341,7 @@ def build_run(cfg: TrainConfig, choices: ResolvedChoices | None = None, group_re
         replicated=replicated_over_tp(modules, ctx),
         tp_counter=tp_counter,
         model_config=model_cfg,
-        checkpointer=Checkpointer(
-            checkpoint_root(cfg), cfg.checkpoint.keep, checkpoint_layout(cfg), choices.config_dict(cfg), data.fingerprints()
-        ),
+        checkpointer=Checkpointer(checkpoint_root(cfg), cfg.checkpoint.keep, checkpoint_layout(cfg), choices.config_dict(cfg), data.fingerprints()),
         metrics=JsonlWriter(Path(cfg.train.out_dir) / "metrics" / f"rank{ctx.rank}.jsonl"),
     )
     return LaunchedRun(Trainer(components, loop_settings(cfg)), choices, data, model_cfg)

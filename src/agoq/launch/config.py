@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agoq.errors import ConfigError
+from agoq.values import coerce, is_text, literal, parse_value
 from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.data.tokenizer import MIN_VOCAB_SIZE
 from agoq.train.optim_section import OptimSection
@@ -28,8 +28,6 @@ MOVED_GRADIENT_MODES = {"ring8": "python -m benchmarks.allreduce"}
 STAGE_BITS_MODES = ("dbca", "uniform")
 OPTIMIZERS = ("adamw", "adamw8bit")
 DTYPES = ("auto", "bf16", "fp32")
-# What a boolean may be written as, in any case (TOML's true and false, and the usual others).
-BOOLEAN_SPELLINGS = ("true", "false", "yes", "no", "1", "0")
 
 
 @dataclass
@@ -154,61 +152,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}={value!r} has the wrong type; expected {annotation}")
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if type(value) is int and value in (0, 1):  # "1" parses as the TOML integer 1
-            return bool(value)
-        if isinstance(value, str) and value.lower() in BOOLEAN_SPELLINGS:
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}={value!r} is not a boolean; use true or false (or yes/no, 1/0)")
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}={value!r} is not an integer")
-    if annotation is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}={value!r} is not a number") from None
-    if annotation is str:
-        return str(value)
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a table of key = value pairs, got {value!r}")
-        return dict(value)
-    return value
-
-
-def parse_value(text: Any, annotation: Any, where: str) -> Any:
-    """A command-line value for a field typed ``annotation``, as ``--section.key=value`` takes it:
-    TOML where it is one, else the text; ConfigError naming ``where`` when it does not fit."""
-    return _coerce(_literal(text), annotation, where)
-
-
 def _section_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
@@ -243,7 +186,7 @@ def _model_overrides(cfg: TrainConfig) -> None:
             )
         if key not in fields:
             raise ConfigError(f"model.overrides has unknown field {key!r}; valid fields: {', '.join(settable)}")
-        coerced = _coerce(value, fields[key], f"model.{key}")
+        coerced = coerce(value, fields[key], f"model.{key}")
         if type(coerced) is not type(value) and not (fields[key] is float and type(value) is int):
             raise ConfigError(f"model.{key}={value!r} has the wrong type; expected {fields[key].__name__}")
 
@@ -258,36 +201,19 @@ def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_litera
         if key not in LlamaConfig.__dataclass_fields__:
             raise ConfigError(f"unknown model field model.{key}; valid: preset, {', '.join(LlamaConfig.__dataclass_fields__)}")
         ftype = typing.get_type_hints(LlamaConfig)[key]
-        obj.overrides[key] = parse_value(value, ftype, f"model.{key}") if parse_literal else _coerce(value, ftype, f"model.{key}")
+        obj.overrides[key] = parse_value(value, ftype, f"model.{key}") if parse_literal else coerce(value, ftype, f"model.{key}")
         return
     field_types = _section_types(type(obj))
     if key not in field_types:
         raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(field_types)}")
-    if parse_literal and not _is_text(field_types[key]):
-        value = _literal(value)
-    value = _coerce(value, field_types[key], f"{section}.{key}")
+    if parse_literal and not is_text(field_types[key]):
+        value = literal(value)
+    value = coerce(value, field_types[key], f"{section}.{key}")
     if section == "model" and key == "overrides":
         # Typed like model.FIELD=value: a table's values are coerced to their fields' types.
         hints = typing.get_type_hints(LlamaConfig)
-        value = {k: _coerce(v, hints[k], f"model.{k}") if k in hints else v for k, v in value.items()}
+        value = {k: coerce(v, hints[k], f"model.{k}") if k in hints else v for k, v in value.items()}
     setattr(obj, key, value)
-
-
-def _is_text(annotation: Any) -> bool:
-    """Whether a field holds a string (str, or str | None): its command-line value is taken as written."""
-    if annotation is str:
-        return True
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in typing.get_args(annotation)
-
-
-def _literal(text: Any) -> Any:
-    """Parse a command-line value as TOML if it is one (numbers, booleans, tables), else keep the string."""
-    if not isinstance(text, str):
-        return text
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:

@@ -7,7 +7,9 @@ sizes, setups and accounting behind them stay in their modules (``config``, ``ac
 from agoq import _lazy_dir, _lazy_exports
 
 _HOMES = {
-    **{name: "agoq.plan.config" for name in ("PlanConfig", "PlanError", "from_train_config", "make_plan_config")},
+    **{name: "agoq.plan.config" for name in ("PlanConfig", "PlanError", "make_plan_config")},
+    # The PlanConfig of an `agoq train` configuration: read there, where the whole TrainConfig is read.
+    "from_train_config": "agoq.launch.planning",
     "Plan": "agoq.plan.result",
     "plan_memory": "agoq.plan.memory",
     "markdown": "agoq.plan.report",

@@ -67,7 +67,8 @@ def _fields(items: list[str]) -> dict[str, object]:
 
     from agoq.models.config import LlamaConfig
     from agoq.plan.config import PlanError
-    from agoq.launch.config import ConfigError, parse_value
+    from agoq.errors import ConfigError
+    from agoq.values import parse_value
 
     types = typing.get_type_hints(LlamaConfig)
     out: dict[str, object] = {}

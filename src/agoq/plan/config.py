@@ -1,14 +1,13 @@
 """What ``agoq plan`` plans: the training configuration (:class:`PlanConfig`, validated), which of
-AGoQ's parts a memory configuration turns on (:class:`Setup`), sizes as people write them, and the
-PlanConfig of an ``agoq train`` configuration (:func:`from_train_config`).
+AGoQ's parts a memory configuration turns on (:class:`Setup`), and sizes as people write them. The
+PlanConfig of an ``agoq train`` configuration is agoq.launch.planning.from_train_config.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
@@ -16,9 +15,6 @@ from agoq.models.config import PRESETS, LlamaConfig, get_config
 from agoq.parallel.dbca import BIT_CANDIDATES
 from agoq.parallel.pipeline import check_schedule, schedule_name, split_layers
 from agoq.quant import parse_format
-
-if TYPE_CHECKING:
-    from agoq.launch.config import TrainConfig
 
 DEFAULT_SETUPS = ("baseline", "baseline+zero1", "A", "A+G", "A+G+O", "A+G+O+zero1")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -264,48 +260,3 @@ def make_plan_config(model: str = "tiny", model_fields: dict[str, object] | None
     plan = PlanConfig(model=cfg, model_name=name.replace("()", ""), **kwargs)  # type: ignore[arg-type]
     plan.validate()
     return plan
-
-
-def from_train_config(cfg: TrainConfig, vocab_size: int | None = None, **memory: object) -> PlanConfig:
-    """The PlanConfig of an ``agoq train`` configuration, to predict what its ranks hold.
-
-    ``vocab_size`` is the tokenizer's real vocabulary when it differs from data.vocab_size.
-    """
-    p, pr, d = cfg.parallel, cfg.precision, cfg.data
-    dtype = pr.compute_dtype
-    if dtype == "auto":
-        # The dtype the trainer would pick on this machine (the same rule).
-        from agoq.launch.choices import compute_dtype_for
-
-        dtype = compute_dtype_for(cfg, "cuda" if torch.cuda.is_available() else "cpu").name
-    if pr.activations not in ("bf16", "agoq"):
-        raise PlanError(f"precision.activations={pr.activations!r} is not planned; the planner models bf16 and agoq")
-    if pr.fused_loss is not None and pr.fused_loss != (pr.activations == "agoq"):
-        raise PlanError(f"precision.fused_loss={pr.fused_loss} differs from the {pr.activations} default the planner models")
-    model = cfg.model_config()
-    if vocab_size is not None:
-        model = replace(model, vocab_size=vocab_size)
-    if pr.gradients == "int4-ef":
-        raise PlanError("precision.gradients='int4-ef' is not planned: its error-feedback residuals are not in the planner's accounting yet")
-    # int4 sends the 8-bit buffer in 4 bits: what a rank holds is int8's.
-    setup = Setup(pr.activations == "agoq", pr.gradients in ("int8", "int4"), cfg.optim.name == "adamw8bit", p.zero1)
-    return PlanConfig(
-        model=model,
-        seq_len=d.seq_len,
-        model_name=cfg.model.preset,
-        tp=p.tp,
-        pp=p.pp,
-        dp=p.dp,
-        micro_batch=d.batch_size // (p.dp * p.microbatches),
-        global_batch=d.batch_size,
-        schedule=p.schedule,
-        virtual_stages=p.virtual_stages,
-        dtype=dtype,
-        activation_format=pr.activation_format,
-        gradient_block=pr.gradient_block,
-        stage_bits=pr.stage_bits,
-        recompute_layers=pr.recompute_layers or None,
-        setups=(setup.name,),
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        **memory,  # type: ignore[arg-type]
-    )

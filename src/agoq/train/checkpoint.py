@@ -42,10 +42,10 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
