@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from agoq.train import data as data_mod
+from agoq.data import tokens as data_mod
 from agoq.data.tokens import (
     TrainSampler,
     corpus_files,

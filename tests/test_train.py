@@ -266,11 +266,14 @@ def test_each_rank_reports_its_own_peak_rss_not_the_launchers(runs):
     import resource
 
     launcher = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # Ranks report at the end of each run; their high-water mark can only have grown since.
+    # Ranks report at the end of each run; their high-water mark can only have grown since, but
+    # Linux sums a process's RSS counters from per-CPU batches when it reads them (approximate to
+    # a few pages per CPU), so a later read may come out a few pages lower.
+    slack = 2**20
     reported = {s["rank"]: s["peak_rss_bytes"] for s in runs["results"][0]["adamw8bit"]["all_stats"]}
     for rank, result in enumerate(runs["results"]):
         vmhwm = result["_vmhwm_bytes"]
-        assert 0.9 * vmhwm <= reported[rank] <= vmhwm, (rank, reported[rank], vmhwm)
+        assert 0.9 * vmhwm <= reported[rank] <= vmhwm + slack, (rank, reported[rank], vmhwm)
         assert reported[rank] != launcher
     assert len(set(reported.values())) > 1, reported  # four processes, four high-water marks
 
