@@ -329,7 +329,8 @@ def test_a_node_size_that_does_not_divide_dp_and_a_boolean_that_is_not_one_get_o
 
 def test_model_fields_read_booleans_and_numbers_as_agoq_train_does():
     from agoq.plan.cli import _fields
-    from agoq.launch.config import BOOLEAN_SPELLINGS, load_config
+    from agoq.launch.config import load_config
+    from agoq.values import BOOLEAN_SPELLINGS
 
     for word in BOOLEAN_SPELLINGS + ("TRUE", "No"):
         expected = word.lower() in ("true", "yes", "1")

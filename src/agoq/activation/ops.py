@@ -42,6 +42,7 @@ from agoq.activation.lora import (
     mask_bytes,
     out_features,
 )
+from agoq.activation.layouts import Layout, SavedAdapter, adapter_arguments, arguments_of, saved_adapters
 from agoq.activation.meter import meter_scope
 from agoq.compat import outer_saved_tensor_hooks
 from agoq.quant import QTensor, QuantFormat, backend, dequantize, parse_format, quantize
@@ -152,7 +153,7 @@ def _norm_linear_forward(
     weights: Sequence[torch.Tensor],
     eps: float,
     fmt: QuantFormat,
-    adapters: Sequence[tuple[int, LoraAdapter]] = (),
+    adapters: Sequence[SavedAdapter] = (),
 ) -> tuple[tuple[torch.Tensor, ...], QTensor, list[torch.Tensor]]:
     """(RMSNorm(x) times each weight plus its adapters, quantized x, packed dropout masks): the fused forward."""
     kernels = _norm_kernels(x.device, fmt, x.shape[-1])
@@ -164,8 +165,8 @@ def _norm_linear_forward(
     outs = [F.linear(h, dense_weight(w, h.dtype)) for w in weights]
     masks = []
     # Adapters in PEFT's order (projection by projection), so dropout draws PEFT's masks.
-    for target, adapter in adapters:
-        outs[target], mask = lora_forward(h, outs[target], adapter)
+    for s in adapters:
+        outs[s.target], mask = lora_forward(h, outs[s.target], s.adapter)
         masks.append(mask)
     return tuple(outs), q, masks
 
@@ -187,10 +188,10 @@ def _norm_linear_backward(
     eps: float,
     need_norm_weight: bool,
     need_weights: Sequence[bool],
-    adapters: Sequence[tuple[int, LoraAdapter, torch.Tensor, bool, bool]] = (),
+    adapters: Sequence[SavedAdapter] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
     """(grad of x, of the norm weight or None, of each weight or None, (grad of A, of B) of each adapter)
-    of the fused norm + GEMMs; ``adapters``: (target weight, adapter, packed mask, need A, need B)."""
+    of the fused norm + GEMMs."""
     payload, shape, dtype, fmt = q.payload, q.shape, q.dtype, q.fmt
     width = shape[-1]
     kernels = _norm_kernels(payload.device, fmt, width)
@@ -201,7 +202,7 @@ def _norm_linear_backward(
     grad_rows = _tokens(grad_x)
     outputs = [None if g is None else _tokens(g) for g in grads]
     need_weight_grads = [g is not None and need for g, need in zip(outputs, need_weights)]
-    lora = ChunkedLoraBackward([(outputs[t], ad, mask, na, nb) for t, ad, mask, na, nb in adapters if outputs[t] is not None])
+    lora = ChunkedLoraBackward([(outputs[s.target], s.adapter, s.mask, s.need_a, s.need_b) for s in adapters if outputs[s.target] is not None])
     # A dequantized 4-bit base weight lives for this backward only, never saved.
     dense = [dense_weight(w, dtype) for w in weights]
     # The recomputed norm output of every token in the compute dtype (what the bf16 policy saves):
@@ -235,17 +236,10 @@ def _norm_linear_backward(
         del gx, gw, grad_h, x
     weight_grads = [g.t().mm(h_all).to(w.dtype) if need else None for g, w, need in zip(outputs, weights, need_weight_grads)]
     live_grads = iter(lora.grads())
-    lora_grads = [next(live_grads) if outputs[t] is not None else (None, None) for t, *_ in adapters]
+    lora_grads = [next(live_grads) if outputs[s.target] is not None else (None, None) for s in adapters]
     if grad_norm_weight is not None:
         grad_norm_weight = grad_norm_weight.to(norm_weight.dtype)
     return grad_x, grad_norm_weight, weight_grads, lora_grads
-
-
-def _adapters(
-    lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], lora_scale: Sequence[float], lora_p: Sequence[float]
-) -> list[LoraAdapter]:
-    """The adapters a custom op's flat argument lists describe."""
-    return [LoraAdapter(a, b, s, p) for a, b, s, p in zip(lora_a, lora_b, lora_scale, lora_p)]
 
 
 def _fake_masks(x: torch.Tensor, lora_p: Sequence[float]) -> list[torch.Tensor]:
@@ -263,8 +257,26 @@ def _or_none(grads: Sequence[torch.Tensor], wanted: Sequence[bool]) -> list[torc
     return [g if want else None for g, want in zip(grads, wanted)]
 
 
-@torch.library.custom_op("agoq::norm_linear", mutates_args=())
-def _norm_linear_op(
+def _fake_grad(t: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """A fake kernel's gradient of ``t``: its shape where wanted, else the empty tensor the op returns."""
+    return torch.empty_like(t) if wanted else t.new_empty(0)
+
+
+def _adapter_grads(grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]], like: torch.Tensor) -> list:
+    """A backward op's adapter outputs: every A's gradient, then every B's (empty where not computed)."""
+    return [_or_empty(ga, like) for ga, _ in grads] + [_or_empty(gb, like) for _, gb in grads]
+
+
+# What a forward op takes of its adapters, and what its backward op takes besides.
+FORWARD_ADAPTER_ARGS = ("lora_a", "lora_b", "lora_scale", "lora_p")
+BACKWARD_ADAPTER_ARGS = (*FORWARD_ADAPTER_ARGS, "masks", "need_a", "need_b")
+
+# norm + linear: what autograd keeps, and what the backward op returns.
+NORM_LINEAR_SAVED = Layout("payload", "scales", "masks*", "norm_weight", "weights*", "lora_a*", "lora_b*")
+NORM_LINEAR_GRADS = Layout("x", "norm_weight", "weights*", "lora_a*", "lora_b*")
+
+
+def _norm_linear_impl(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     weights: list[torch.Tensor],
@@ -277,19 +289,23 @@ def _norm_linear_op(
     lora_p: list[float],
 ) -> list[torch.Tensor]:
     """[RMSNorm(x) times each weight plus its adapters..., x's packed codes, x's block scales, each adapter's packed dropout mask...]."""
-    adapters = list(zip(lora_target, _adapters(lora_a, lora_b, lora_scale, lora_p)))
+    adapters = saved_adapters(lora_a, lora_b, lora_scale, lora_p, lora_target)
     outs, q, masks = _norm_linear_forward(x, norm_weight, weights, eps, parse_format(fmt), adapters)
     return [*(_declared(o, x.dtype) for o in outs), q.payload, q.scales, *masks]
 
 
+_norm_linear_op = torch.library.custom_op("agoq::norm_linear", mutates_args=())(_norm_linear_impl)
+_norm_linear_args = arguments_of(_norm_linear_impl)
+
+
 @_norm_linear_op.register_fake
-def _(x, norm_weight, weights, eps, fmt, lora_a, lora_b, lora_target, lora_scale, lora_p):  # noqa: ANN001, ANN202
-    outs = [x.new_empty((*x.shape[:-1], out_features(w))) for w in weights]
-    return outs + _fake_codes(x, parse_format(fmt)) + _fake_masks(x, lora_p)
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _norm_linear_args(*args, **kwargs)
+    outs = [a.x.new_empty((*a.x.shape[:-1], out_features(w))) for w in a.weights]
+    return outs + _fake_codes(a.x, parse_format(a.fmt)) + _fake_masks(a.x, a.lora_p)
 
 
-@torch.library.custom_op("agoq::norm_linear_backward", mutates_args=())
-def _norm_linear_backward_op(
+def _norm_linear_backward_impl(
     grads: list[Optional[torch.Tensor]],
     payload: torch.Tensor,
     scales: torch.Tensor,
@@ -310,78 +326,65 @@ def _norm_linear_backward_op(
     need_a: list[bool],
     need_b: list[bool],
 ) -> list[torch.Tensor]:
-    """[grad of x, of the norm weight, of each weight, of each adapter's A, of each adapter's B], an empty tensor for each one not needed."""
+    """NORM_LINEAR_GRADS: [grad of x, of the norm weight, of each weight, of each adapter's A, of each adapter's B], an empty tensor for each one not needed."""
     q = QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt))
-    adapters = list(zip(lora_target, _adapters(lora_a, lora_b, lora_scale, lora_p), masks, need_a, need_b))
+    adapters = saved_adapters(lora_a, lora_b, lora_scale, lora_p, lora_target, masks, need_a, need_b)
     gx, gnw, gws, lora_grads = _norm_linear_backward(grads, q, norm_weight, weights, eps, need_norm_weight, need_weights, adapters)
-    gas = [_or_empty(ga, payload) for ga, _ in lora_grads]
-    gbs = [_or_empty(gb, payload) for _, gb in lora_grads]
-    return [gx, *(_or_empty(g, payload) for g in (gnw, *gws)), *gas, *gbs]
+    return [gx, *(_or_empty(g, payload) for g in (gnw, *gws)), *_adapter_grads(lora_grads, payload)]
+
+
+_norm_linear_backward_op = torch.library.custom_op("agoq::norm_linear_backward", mutates_args=())(_norm_linear_backward_impl)
+_norm_linear_backward_args = arguments_of(_norm_linear_backward_impl)
 
 
 @_norm_linear_backward_op.register_fake
-def _(
-    grads,
-    payload,
-    scales,
-    norm_weight,
-    weights,
-    shape,
-    dtype,
-    eps,
-    fmt,
-    need_norm_weight,
-    need_weights,
-    lora_a,
-    lora_b,
-    lora_target,
-    lora_scale,
-    lora_p,
-    masks,
-    need_a,
-    need_b,
-):  # noqa: ANN001, ANN202, E501
-    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
-    gws = [torch.empty_like(w) if need else w.new_empty(0) for w, need in zip(weights, wanted)]
-    gnw = torch.empty_like(norm_weight) if need_norm_weight else norm_weight.new_empty(0)
-    live = [grads[t] is not None for t in lora_target]
-    gas = [torch.empty_like(a) if need and ok else a.new_empty(0) for a, need, ok in zip(lora_a, need_a, live)]
-    gbs = [torch.empty_like(b) if need and ok else b.new_empty(0) for b, need, ok in zip(lora_b, need_b, live)]
-    return [payload.new_empty(shape, dtype=dtype), gnw, *gws, *gas, *gbs]
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _norm_linear_backward_args(*args, **kwargs)
+    adapters = saved_adapters(a.lora_a, a.lora_b, a.lora_scale, a.lora_p, a.lora_target, a.masks, a.need_a, a.need_b)
+    live = [a.grads[s.target] is not None for s in adapters]
+    flat, _ = NORM_LINEAR_GRADS.flatten(
+        x=a.payload.new_empty(a.shape, dtype=a.dtype),
+        norm_weight=_fake_grad(a.norm_weight, a.need_norm_weight),
+        weights=[_fake_grad(w, g is not None and need) for w, g, need in zip(a.weights, a.grads, a.need_weights)],
+        lora_a=[_fake_grad(s.adapter.a, s.need_a and ok) for s, ok in zip(adapters, live)],
+        lora_b=[_fake_grad(s.adapter.b, s.need_b and ok) for s, ok in zip(adapters, live)],
+    )
+    return flat
 
 
 def _norm_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    x, norm_weight, weights, eps, fmt, lora_a, lora_b, lora_target, lora_scale, lora_p = inputs
-    codes = output[len(weights) :]
-    ctx.mark_non_differentiable(*codes)
+    a = _norm_linear_args(*inputs)
+    n = len(a.weights)
+    ctx.mark_non_differentiable(*output[n:])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*codes, norm_weight, *weights, *lora_a, *lora_b)
-    ctx.meta = (list(x.shape), x.dtype, eps, fmt, len(weights), list(lora_target), list(lora_scale), list(lora_p))
+    payload, scales, *masks = output[n:]
+    flat, ctx.lengths = NORM_LINEAR_SAVED.flatten(
+        payload=payload, scales=scales, masks=masks, norm_weight=a.norm_weight, weights=a.weights, lora_a=a.lora_a, lora_b=a.lora_b
+    )
+    ctx.save_for_backward(*flat)
+    ctx.meta = (list(a.x.shape), a.x.dtype, a.eps, a.fmt, list(a.lora_target), list(a.lora_scale), list(a.lora_p))
 
 
 def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
-    shape, dtype, eps, fmt, n, lora_target, lora_scale, lora_p = ctx.meta
-    m = len(lora_target)
-    saved = ctx.saved_tensors
-    payload, scales, masks, norm_weight = saved[0], saved[1], list(saved[2 : 2 + m]), saved[2 + m]
-    weights, lora_a, lora_b = list(saved[3 + m : 3 + m + n]), list(saved[3 + m + n : 3 + 2 * m + n]), list(saved[3 + 2 * m + n :])
-    need_norm_weight, need_weights, _, _, need_a, need_b = ctx.needs_input_grad[1:7]
+    shape, dtype, eps, fmt, lora_target, lora_scale, lora_p = ctx.meta
+    saved = NORM_LINEAR_SAVED.unflatten(ctx.saved_tensors, ctx.lengths)
+    n = len(saved.weights)
+    need = _norm_linear_args(*ctx.needs_input_grad)
+    adapters = saved_adapters(saved.lora_a, saved.lora_b, lora_scale, lora_p, lora_target, saved.masks, need.lora_a, need.lora_b)
     outs = _norm_linear_backward_op(
-        list(grads[:n]), payload, scales, norm_weight, weights, shape, dtype, eps, fmt, need_norm_weight, list(need_weights),
-        lora_a, lora_b, lora_target, lora_scale, lora_p, masks, list(need_a), list(need_b),
+        list(grads[:n]), saved.payload, saved.scales, saved.norm_weight, saved.weights, shape, dtype, eps, fmt,
+        need.norm_weight, list(need.weights), lora_target=lora_target, **adapter_arguments(adapters, *BACKWARD_ADAPTER_ARGS),
     )  # fmt: skip
-    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
-    live = [grads[t] is not None for t in lora_target]
-    gas = _or_none(outs[2 + n : 2 + n + m], [na and ok for na, ok in zip(need_a, live)])
-    gbs = _or_none(outs[2 + n + m :], [nb and ok for nb, ok in zip(need_b, live)])
+    out = NORM_LINEAR_GRADS.unflatten(outs, (n, len(adapters), len(adapters)))
+    live = [grads[s.target] is not None for s in adapters]
     return (
-        outs[0],
-        outs[1] if need_norm_weight else None,
-        _or_none(outs[2 : 2 + n], wanted),
+        out.x,
+        out.norm_weight if need.norm_weight else None,
+        _or_none(out.weights, [g is not None and w for g, w in zip(grads, need.weights)]),
         None,
         None,
-        gas,
-        gbs,
+        _or_none(out.lora_a, [s.need_a and ok for s, ok in zip(adapters, live)]),
+        _or_none(out.lora_b, [s.need_b and ok for s, ok in zip(adapters, live)]),
         _no_grad(lora_target),
         _no_grad(lora_scale),
         _no_grad(lora_p),
@@ -391,16 +394,9 @@ def _norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
 _norm_linear_op.register_autograd(_norm_linear_grad, setup_context=_norm_linear_setup)
 
 
-def _flat_adapters(adapters: Sequence[Sequence[LoraAdapter]]) -> tuple[list, list, list[int], list[float], list[float]]:
-    """(A's, B's, target weight, scale, dropout p) of adapters given per weight, in that order."""
-    flat = [(t, ad) for t, ads in enumerate(adapters) for ad in ads]
-    return (
-        [ad.a for _, ad in flat],
-        [ad.b for _, ad in flat],
-        [t for t, _ in flat],
-        [float(ad.scale) for _, ad in flat],
-        [float(ad.dropout) for _, ad in flat],
-    )
+def _saved_adapters_of(adapters: Sequence[Sequence[LoraAdapter]]) -> list[SavedAdapter]:
+    """Adapters given per weight as records, in that order (PEFT's: projection by projection)."""
+    return [SavedAdapter(ad, target) for target, ads in enumerate(adapters) for ad in ads]
 
 
 def _plain_lora(x: torch.Tensor, out: torch.Tensor, adapters: Sequence[LoraAdapter]) -> torch.Tensor:
@@ -428,7 +424,9 @@ def rms_norm_linear(
             # attention saving v would then keep q's and k's GEMM outputs alive as well.
             return tuple(_plain_lora(h, F.linear(h, dense_weight(w, h.dtype)), ads) for w, ads in zip(weights, adapters))
     with meter_scope(kind="norm_input"):
-        return tuple(_norm_linear_op(x, norm_weight, list(weights), eps, fmt.name, *_flat_adapters(adapters))[: len(weights)])
+        records = _saved_adapters_of(adapters)
+        args = adapter_arguments(records, "lora_target", *FORWARD_ADAPTER_ARGS)
+        return tuple(_norm_linear_op(x, norm_weight, list(weights), eps, fmt.name, **args)[: len(weights)])
 
 
 # ---- SwiGLU + linear -----------------------------------------------------------------------------
@@ -440,7 +438,7 @@ SILU_MAX_CURVATURE = 0.5
 
 
 def _swiglu_linear_forward(
-    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat, adapters: Sequence[LoraAdapter] = ()
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, fmt: QuantFormat, adapters: Sequence[SavedAdapter] = ()
 ) -> tuple[torch.Tensor, QTensor, QTensor, list[torch.Tensor]]:
     """((SiLU(gate) * up) times down_weight plus its adapters, quantized gate, quantized up, packed dropout masks)."""
     kernels = backend.kernels(gate.device, fmt) if gate.shape == up.shape and gate.dtype == up.dtype else None
@@ -458,8 +456,8 @@ def _swiglu_linear_forward(
         del rows
         qg, qu = _quantize_saved(gate, fmt), _quantize_saved(up, fmt)
     masks = []
-    for adapter in adapters:
-        out, mask = lora_forward(act, out, adapter)
+    for s in adapters:
+        out, mask = lora_forward(act, out, s.adapter)
         masks.append(mask)
     return out, qg, qu, masks
 
@@ -470,11 +468,10 @@ def _swiglu_linear_backward(
     qu: QTensor,
     down_weight: torch.Tensor,
     need_down: bool,
-    adapters: Sequence[tuple[LoraAdapter, torch.Tensor, bool, bool]] = (),
+    adapters: Sequence[SavedAdapter] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
-    """(grad of gate, of up, of down_weight or None, (grad of A, of B) of each adapter) of the fused SwiGLU + GEMM;
-    ``adapters``: (adapter, packed mask, need A, need B)."""
-    need_act = need_down or any(na or nb for *_, na, nb in adapters)
+    """(grad of gate, of up, of down_weight or None, (grad of A, of B) of each adapter) of the fused SwiGLU + GEMM."""
+    need_act = need_down or any(s.need_a or s.need_b for s in adapters)
     gp, gshape, gdtype, ushape, udtype, fmt = qg.payload, qg.shape, qg.dtype, qu.shape, qu.dtype, qg.fmt
     act_dtype = grad_out.dtype if need_act else None
     kernels = backend.layer_kernels(gp.device, fmt) if gdtype == udtype == grad_out.dtype else None
@@ -495,9 +492,9 @@ def _swiglu_linear_backward(
     # from, so the down-weight gradient is one GEMM as well: whole GEMMs, and the recompute's
     # fp32 temporaries still a chunk's rows (row-chunked GEMMs cost more: benchmarks/op_overhead.py).
     grad_act = F.linear(go, dense_weight(down_weight, go.dtype).t())
-    a_inputs = [lora_grad_a_input(go, ad) for ad, *_ in adapters]
-    for (ad, mask, _, _), ga_in in zip(adapters, a_inputs):
-        lora_backward_rows(ad, mask, ga_in, 0, grad=grad_act)
+    a_inputs = [lora_grad_a_input(go, s.adapter) for s in adapters]
+    for s, ga_in in zip(adapters, a_inputs):
+        lora_backward_rows(s.adapter, s.mask, ga_in, 0, grad=grad_act)
     into_rows = eager or kernels is not None  # the gradients written into their rows, not copied there
     for r0, r1 in _row_chunks(go.shape[0], width, fmt.block_size, gp.device, SWIGLU_CHUNK_VALUES):
         grad_act_rows = grad_act[r0:r1]
@@ -518,12 +515,16 @@ def _swiglu_linear_backward(
             grad_act_rows.copy_(act)
         del act, grad_act_rows
     grad_down = go.t().mm(grad_act).to(down_weight.dtype) if need_down else None
-    lora_grads = [lora_weight_grads(go, ga_in, grad_act, ad, mask, na, nb) for (ad, mask, na, nb), ga_in in zip(adapters, a_inputs)]
+    lora_grads = [lora_weight_grads(go, ga_in, grad_act, s.adapter, s.mask, s.need_a, s.need_b) for s, ga_in in zip(adapters, a_inputs)]
     return grad_gate, grad_up, grad_down, lora_grads
 
 
-@torch.library.custom_op("agoq::swiglu_linear", mutates_args=())
-def _swiglu_linear_op(
+# SwiGLU + linear: what autograd keeps, and what the backward op returns.
+SWIGLU_LINEAR_SAVED = Layout("gate_payload", "gate_scales", "up_payload", "up_scales", "masks*", "down_weight", "lora_a*", "lora_b*")
+SWIGLU_LINEAR_GRADS = Layout("gate", "up", "down_weight", "lora_a*", "lora_b*")
+
+
+def _swiglu_linear_impl(
     gate: torch.Tensor,
     up: torch.Tensor,
     down_weight: torch.Tensor,
@@ -534,20 +535,24 @@ def _swiglu_linear_op(
     lora_p: list[float],
 ) -> list[torch.Tensor]:
     """[(SiLU(gate) * up) times down_weight plus its adapters, gate's codes, gate's scales, up's codes, up's scales, each adapter's packed dropout mask...]."""
-    out, qg, qu, masks = _swiglu_linear_forward(gate, up, down_weight, parse_format(fmt), _adapters(lora_a, lora_b, lora_scale, lora_p))
+    adapters = saved_adapters(lora_a, lora_b, lora_scale, lora_p)
+    out, qg, qu, masks = _swiglu_linear_forward(gate, up, down_weight, parse_format(fmt), adapters)
     return [_declared(out, torch.promote_types(gate.dtype, up.dtype)), qg.payload, qg.scales, qu.payload, qu.scales, *masks]
 
 
+_swiglu_linear_op = torch.library.custom_op("agoq::swiglu_linear", mutates_args=())(_swiglu_linear_impl)
+_swiglu_linear_args = arguments_of(_swiglu_linear_impl)
+
+
 @_swiglu_linear_op.register_fake
-def _(gate, up, down_weight, fmt, lora_a, lora_b, lora_scale, lora_p):  # noqa: ANN001, ANN202
-    f = parse_format(fmt)
-    act_dtype = torch.promote_types(gate.dtype, up.dtype)
-    out = gate.new_empty((*gate.shape[:-1], out_features(down_weight)), dtype=act_dtype)
-    return [out, *_fake_codes(gate, f), *_fake_codes(up, f), *_fake_masks(gate, lora_p)]
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _swiglu_linear_args(*args, **kwargs)
+    f = parse_format(a.fmt)
+    out = a.gate.new_empty((*a.gate.shape[:-1], out_features(a.down_weight)), dtype=torch.promote_types(a.gate.dtype, a.up.dtype))
+    return [out, *_fake_codes(a.gate, f), *_fake_codes(a.up, f), *_fake_masks(a.gate, a.lora_p)]
 
 
-@torch.library.custom_op("agoq::swiglu_linear_backward", mutates_args=())
-def _swiglu_linear_backward_op(
+def _swiglu_linear_backward_impl(
     grad_out: torch.Tensor,
     gate_payload: torch.Tensor,
     gate_scales: torch.Tensor,
@@ -568,71 +573,61 @@ def _swiglu_linear_backward_op(
     need_a: list[bool],
     need_b: list[bool],
 ) -> list[torch.Tensor]:
-    """[grad of gate, of up, of down_weight, of each adapter's A, of each adapter's B], an empty tensor for each one not needed."""
+    """SWIGLU_LINEAR_GRADS: [grad of gate, of up, of down_weight, of each adapter's A, of each adapter's B], an empty tensor for each one not needed."""
     f = parse_format(fmt)
     qg = QTensor(gate_payload, gate_scales, torch.Size(gate_shape), gate_dtype, f)
     qu = QTensor(up_payload, up_scales, torch.Size(up_shape), up_dtype, f)
-    adapters = list(zip(_adapters(lora_a, lora_b, lora_scale, lora_p), masks, need_a, need_b))
+    adapters = saved_adapters(lora_a, lora_b, lora_scale, lora_p, None, masks, need_a, need_b)
     gg, gu, gd, lora_grads = _swiglu_linear_backward(grad_out, qg, qu, down_weight, need_down, adapters)
-    gas = [_or_empty(ga, gate_payload) for ga, _ in lora_grads]
-    gbs = [_or_empty(gb, gate_payload) for _, gb in lora_grads]
-    return [gg, gu, _or_empty(gd, gate_payload), *gas, *gbs]
+    return [gg, gu, _or_empty(gd, gate_payload), *_adapter_grads(lora_grads, gate_payload)]
+
+
+_swiglu_linear_backward_op = torch.library.custom_op("agoq::swiglu_linear_backward", mutates_args=())(_swiglu_linear_backward_impl)
+_swiglu_linear_backward_args = arguments_of(_swiglu_linear_backward_impl)
 
 
 @_swiglu_linear_backward_op.register_fake
-def _(
-    grad_out,
-    gate_payload,
-    gate_scales,
-    up_payload,
-    up_scales,
-    down_weight,
-    gate_shape,
-    gate_dtype,
-    up_shape,
-    up_dtype,
-    fmt,
-    need_down,
-    lora_a,
-    lora_b,
-    lora_scale,
-    lora_p,
-    masks,
-    need_a,
-    need_b,
-):  # noqa: ANN001, ANN202, E501
-    gd = torch.empty_like(down_weight) if need_down else down_weight.new_empty(0, dtype=torch.float32)
-    gas = [torch.empty_like(a) if need else a.new_empty(0) for a, need in zip(lora_a, need_a)]
-    gbs = [torch.empty_like(b) if need else b.new_empty(0) for b, need in zip(lora_b, need_b)]
-    return [grad_out.new_empty(gate_shape, dtype=gate_dtype), grad_out.new_empty(up_shape, dtype=up_dtype), gd, *gas, *gbs]
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _swiglu_linear_backward_args(*args, **kwargs)
+    flat, _ = SWIGLU_LINEAR_GRADS.flatten(
+        gate=a.grad_out.new_empty(a.gate_shape, dtype=a.gate_dtype),
+        up=a.grad_out.new_empty(a.up_shape, dtype=a.up_dtype),
+        down_weight=torch.empty_like(a.down_weight) if a.need_down else a.down_weight.new_empty(0, dtype=torch.float32),
+        lora_a=[_fake_grad(t, need) for t, need in zip(a.lora_a, a.need_a)],
+        lora_b=[_fake_grad(t, need) for t, need in zip(a.lora_b, a.need_b)],
+    )
+    return flat
 
 
 def _swiglu_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    gate, up, down_weight, fmt, lora_a, lora_b, lora_scale, lora_p = inputs
+    a = _swiglu_linear_args(*inputs)
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(*output[1:], down_weight, *lora_a, *lora_b)
-    ctx.meta = (list(gate.shape), gate.dtype, list(up.shape), up.dtype, fmt, list(lora_scale), list(lora_p))
+    gate_payload, gate_scales, up_payload, up_scales, *masks = output[1:]
+    flat, ctx.lengths = SWIGLU_LINEAR_SAVED.flatten(
+        gate_payload=gate_payload, gate_scales=gate_scales, up_payload=up_payload, up_scales=up_scales, masks=masks,
+        down_weight=a.down_weight, lora_a=a.lora_a, lora_b=a.lora_b,
+    )  # fmt: skip
+    ctx.save_for_backward(*flat)
+    ctx.meta = (list(a.gate.shape), a.gate.dtype, list(a.up.shape), a.up.dtype, a.fmt, list(a.lora_scale), list(a.lora_p))
 
 
 def _swiglu_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
-    grad_out = grads[0]
     gshape, gdtype, ushape, udtype, fmt, lora_scale, lora_p = ctx.meta
-    m = len(lora_p)
-    gp, gs, up_p, up_s, *rest = ctx.saved_tensors
-    masks, down_weight, lora_a, lora_b = rest[:m], rest[m], rest[m + 1 : 2 * m + 1], rest[2 * m + 1 :]
-    need_down, need_a, need_b = ctx.needs_input_grad[2], list(ctx.needs_input_grad[4]), list(ctx.needs_input_grad[5])
+    saved = SWIGLU_LINEAR_SAVED.unflatten(ctx.saved_tensors, ctx.lengths)
+    need = _swiglu_linear_args(*ctx.needs_input_grad)
+    adapters = saved_adapters(saved.lora_a, saved.lora_b, lora_scale, lora_p, None, saved.masks, need.lora_a, need.lora_b)
     outs = _swiglu_linear_backward_op(
-        grad_out, gp, gs, up_p, up_s, down_weight, gshape, gdtype, ushape, udtype, fmt, need_down,
-        lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b,
+        grads[0], saved.gate_payload, saved.gate_scales, saved.up_payload, saved.up_scales, saved.down_weight,
+        gshape, gdtype, ushape, udtype, fmt, need.down_weight, **adapter_arguments(adapters, *BACKWARD_ADAPTER_ARGS),
     )  # fmt: skip
-    gg, gu, gd = outs[:3]
+    out = SWIGLU_LINEAR_GRADS.unflatten(outs, (len(adapters), len(adapters)))
     return (
-        gg,
-        gu,
-        gd if need_down else None,
+        out.gate,
+        out.up,
+        out.down_weight if need.down_weight else None,
         None,
-        _or_none(outs[3 : 3 + m], need_a),
-        _or_none(outs[3 + m :], need_b),
+        _or_none(out.lora_a, list(need.lora_a)),
+        _or_none(out.lora_b, list(need.lora_b)),
         _no_grad(lora_scale),
         _no_grad(lora_p),
     )
@@ -727,16 +722,20 @@ def swiglu_linear(
             act = F.silu(gate) * up
         with meter_scope(kind="gemm_input"):
             return _plain_lora(act, F.linear(act, dense_weight(down_weight, act.dtype)), adapters)
-    lora = ([ad.a for ad in adapters], [ad.b for ad in adapters], [float(ad.scale) for ad in adapters], [float(ad.dropout) for ad in adapters])
+    lora = adapter_arguments([SavedAdapter(ad) for ad in adapters], *FORWARD_ADAPTER_ARGS)
     with meter_scope(kind="act_input"):
-        return _swiglu_linear_op(gate, up, down_weight, fmt.name, *lora)[0]
+        return _swiglu_linear_op(gate, up, down_weight, fmt.name, **lora)[0]
 
 
 # ---- linear with a quantized saved input ---------------------------------------------------------
 
 
-@torch.library.custom_op("agoq::saved_input_linear", mutates_args=())
-def _saved_input_linear_op(
+# linear with a quantized saved input: what autograd keeps, and what the adapters' backward op returns.
+SAVED_INPUT_LINEAR_SAVED = Layout("payload", "scales", "masks*", "weight", "lora_a*", "lora_b*")
+SAVED_INPUT_LORA_GRADS = Layout("lora_a*", "lora_b*")
+
+
+def _saved_input_linear_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     fmt: str,
@@ -748,16 +747,21 @@ def _saved_input_linear_op(
     """[x times weight transposed plus its adapters, x's packed codes, x's block scales, each adapter's packed dropout mask...]."""
     out = F.linear(x, dense_weight(weight, x.dtype))
     masks = []
-    for adapter in _adapters(lora_a, lora_b, lora_scale, lora_p):
-        out, mask = lora_forward(x, out, adapter)
+    for s in saved_adapters(lora_a, lora_b, lora_scale, lora_p):
+        out, mask = lora_forward(x, out, s.adapter)
         masks.append(mask)
     q = _quantize_saved(x, parse_format(fmt))
     return [_declared(out, x.dtype), q.payload, q.scales, *masks]
 
 
+_saved_input_linear_op = torch.library.custom_op("agoq::saved_input_linear", mutates_args=())(_saved_input_linear_impl)
+_saved_input_linear_args = arguments_of(_saved_input_linear_impl)
+
+
 @_saved_input_linear_op.register_fake
-def _(x, weight, fmt, lora_a, lora_b, lora_scale, lora_p):  # noqa: ANN001, ANN202
-    return [x.new_empty((*x.shape[:-1], out_features(weight))), *_fake_codes(x, parse_format(fmt)), *_fake_masks(x, lora_p)]
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _saved_input_linear_args(*args, **kwargs)
+    return [a.x.new_empty((*a.x.shape[:-1], out_features(a.weight))), *_fake_codes(a.x, parse_format(a.fmt)), *_fake_masks(a.x, a.lora_p)]
 
 
 @torch.library.custom_op("agoq::saved_input_weight_grad", mutates_args=())
@@ -774,8 +778,7 @@ def _(grad_out: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, shape
     return grad_out.new_empty((grad_out.shape[-1], shape[-1]), dtype=torch.promote_types(grad_out.dtype, dtype))
 
 
-@torch.library.custom_op("agoq::saved_input_lora_grads", mutates_args=())
-def _saved_input_lora_grads_op(
+def _saved_input_lora_grads_impl(
     grad_out: torch.Tensor,
     payload: torch.Tensor,
     scales: torch.Tensor,
@@ -790,50 +793,60 @@ def _saved_input_lora_grads_op(
     need_a: list[bool],
     need_b: list[bool],
 ) -> list[torch.Tensor]:
-    """[grad of each adapter's A, grad of each adapter's B] of x @ w^T plus adapters, x read back from its codes; empty where not needed."""
+    """SAVED_INPUT_LORA_GRADS: [grad of each adapter's A, grad of each adapter's B] of x @ w^T plus adapters, x read back from its codes; empty where not needed."""
     x = dequantize(QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt)))
     grads = [
-        lora_weight_grads(grad_out, lora_grad_a_input(grad_out, ad), x, ad, mask, na, nb)
-        for ad, mask, na, nb in zip(_adapters(lora_a, lora_b, lora_scale, lora_p), masks, need_a, need_b)
+        lora_weight_grads(grad_out, lora_grad_a_input(grad_out, s.adapter), x, s.adapter, s.mask, s.need_a, s.need_b)
+        for s in saved_adapters(lora_a, lora_b, lora_scale, lora_p, None, masks, need_a, need_b)
     ]
-    return [_or_empty(ga, payload) for ga, _ in grads] + [_or_empty(gb, payload) for _, gb in grads]
+    return _adapter_grads(grads, payload)
+
+
+_saved_input_lora_grads_op = torch.library.custom_op("agoq::saved_input_lora_grads", mutates_args=())(_saved_input_lora_grads_impl)
+_saved_input_lora_grads_args = arguments_of(_saved_input_lora_grads_impl)
 
 
 @_saved_input_lora_grads_op.register_fake
-def _(grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, masks, need_a, need_b):  # noqa: ANN001, ANN202
-    gas = [torch.empty_like(a) if need else a.new_empty(0) for a, need in zip(lora_a, need_a)]
-    return gas + [torch.empty_like(b) if need else b.new_empty(0) for b, need in zip(lora_b, need_b)]
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _saved_input_lora_grads_args(*args, **kwargs)
+    flat, _ = SAVED_INPUT_LORA_GRADS.flatten(
+        lora_a=[_fake_grad(t, need) for t, need in zip(a.lora_a, a.need_a)], lora_b=[_fake_grad(t, need) for t, need in zip(a.lora_b, a.need_b)]
+    )
+    return flat
 
 
 def _saved_input_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    x, weight, fmt, lora_a, lora_b, lora_scale, lora_p = inputs
+    a = _saved_input_linear_args(*inputs)
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(*output[1:], weight, *lora_a, *lora_b)
-    ctx.meta = (list(x.shape), x.dtype, fmt, list(lora_scale), list(lora_p))
+    payload, scales, *masks = output[1:]
+    flat, ctx.lengths = SAVED_INPUT_LINEAR_SAVED.flatten(
+        payload=payload, scales=scales, masks=masks, weight=a.weight, lora_a=a.lora_a, lora_b=a.lora_b
+    )
+    ctx.save_for_backward(*flat)
+    ctx.meta = (list(a.x.shape), a.x.dtype, a.fmt, list(a.lora_scale), list(a.lora_p))
 
 
 def _saved_input_linear_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     grad_out = grads[0]
     shape, dtype, fmt, lora_scale, lora_p = ctx.meta
-    m = len(lora_p)
-    payload, scales, *rest = ctx.saved_tensors
-    masks, weight, lora_a, lora_b = rest[:m], rest[m], rest[m + 1 : 2 * m + 1], rest[2 * m + 1 :]
-    adapters = _adapters(lora_a, lora_b, lora_scale, lora_p)
-    need_a, need_b = list(ctx.needs_input_grad[3]), list(ctx.needs_input_grad[4])
+    saved = SAVED_INPUT_LINEAR_SAVED.unflatten(ctx.saved_tensors, ctx.lengths)
+    need = _saved_input_linear_args(*ctx.needs_input_grad)
+    adapters = saved_adapters(saved.lora_a, saved.lora_b, lora_scale, lora_p, None, saved.masks, need.lora_a, need.lora_b)
     grad_x = None
-    if ctx.needs_input_grad[0]:
+    if need.x:
         # The input gradient needs no saved activation: it is traced as plain GEMMs (and mask reads).
-        grad_x = F.linear(grad_out, dense_weight(weight, grad_out.dtype).t())
-        for ad, mask in zip(adapters, masks):
-            lora_backward_rows(ad, mask, lora_grad_a_input(grad_out, ad), 0, grad=_tokens(grad_x))
-    grad_w = _saved_input_weight_grad_op(grad_out, payload, scales, shape, dtype, fmt) if ctx.needs_input_grad[1] else None
-    gas: list = [None] * m
-    gbs: list = [None] * m
-    if any(need_a) or any(need_b):
-        outs = _saved_input_lora_grads_op(
-            grad_out, payload, scales, shape, dtype, fmt, lora_a, lora_b, lora_scale, lora_p, list(masks), need_a, need_b
+        grad_x = F.linear(grad_out, dense_weight(saved.weight, grad_out.dtype).t())
+        for s in adapters:
+            lora_backward_rows(s.adapter, s.mask, lora_grad_a_input(grad_out, s.adapter), 0, grad=_tokens(grad_x))
+    grad_w = _saved_input_weight_grad_op(grad_out, saved.payload, saved.scales, shape, dtype, fmt) if need.weight else None
+    gas: list = [None] * len(adapters)
+    gbs: list = [None] * len(adapters)
+    if any(need.lora_a) or any(need.lora_b):
+        args = adapter_arguments(adapters, *BACKWARD_ADAPTER_ARGS)
+        outs = SAVED_INPUT_LORA_GRADS.unflatten(
+            _saved_input_lora_grads_op(grad_out, saved.payload, saved.scales, shape, dtype, fmt, **args), (len(adapters), len(adapters))
         )
-        gas, gbs = _or_none(outs[:m], need_a), _or_none(outs[m:], need_b)
+        gas, gbs = _or_none(outs.lora_a, list(need.lora_a)), _or_none(outs.lora_b, list(need.lora_b))
     return grad_x, grad_w, None, gas, gbs, _no_grad(lora_scale), _no_grad(lora_p)
 
 
@@ -869,8 +882,8 @@ def saved_input_linear(
         if fmt is None or (attention_output and torch.compiler.is_compiling()) or kept_by_attention(x):
             # In a compiled graph SDPA's backward needs its output too: the partitioner saves it once for both.
             return _plain_lora(x, F.linear(x, dense_weight(weight, x.dtype)), adapters)
-        lora = ([ad.a for ad in adapters], [ad.b for ad in adapters], [float(ad.scale) for ad in adapters], [float(ad.dropout) for ad in adapters])
-        return _saved_input_linear_op(x, weight, fmt.name, *lora)[0]
+        lora = adapter_arguments([SavedAdapter(ad) for ad in adapters], *FORWARD_ADAPTER_ARGS)
+        return _saved_input_linear_op(x, weight, fmt.name, **lora)[0]
 
 
 # ---- attention core ------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ LAUNCHER_ENV = "AGOQ_LAUNCHER_PID"
 FORKSERVER_PRELOAD = (
     "agoq.launch.forkserver_guard",
     "agoq.launch.run",
-    "agoq.train.trainer",
+    "agoq.launch.components",
     "agoq.quant.compiled",
     "torch._dynamo",
     "torch._inductor.compile_fx",

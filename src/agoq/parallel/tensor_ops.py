@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from agoq.compat import all_gather_single, reduce_scatter_single
 from agoq.activation.loss import default_chunk_size
 from agoq.activation.meter import meter_scope
+from agoq.activation.layouts import Layout, arguments_of
 from agoq.activation.ops import _fake_codes, _norm_backward, _norm_forward, _or_empty, _quantize_saved, rms_norm
 from agoq.gradient.counter import COMM_COUNTER, CommCounter, ring_all_reduce_bytes
 from agoq.quant import QTensor, QuantFormat, dequantize, parse_format
@@ -217,8 +218,12 @@ def _gather_quantized(q: QTensor, group: Group, counter: CommCounter) -> torch.T
     return torch.cat(parts, dim=1)
 
 
-@torch.library.custom_op("agoq::tp_sp_norm_linear", mutates_args=())
-def _sp_norm_linear_op(
+# The sequence-parallel norm + GEMMs: what autograd keeps, and what the backward op returns.
+SP_NORM_LINEAR_SAVED = Layout("payload", "scales", "norm_weight", "weights*")
+SP_NORM_LINEAR_GRADS = Layout("x", "norm_weight", "weights*")
+
+
+def _sp_norm_linear_impl(
     x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor], eps: float, fmt: str, group: str, counter: str
 ) -> list[torch.Tensor]:
     """RMSNorm of the sequence-sharded x, all-gathered, times each column-parallel weight; then
@@ -232,14 +237,18 @@ def _sp_norm_linear_op(
     return [*outs, q.payload, q.scales]
 
 
+_sp_norm_linear_op = torch.library.custom_op("agoq::tp_sp_norm_linear", mutates_args=())(_sp_norm_linear_impl)
+_sp_norm_linear_args = arguments_of(_sp_norm_linear_impl)
+
+
 @_sp_norm_linear_op.register_fake
-def _(x, norm_weight, weights, eps, fmt, group, counter):  # noqa: ANN001, ANN202
-    full = _fake_gathered(x, group)
-    return [full.new_empty((*full.shape[:-1], w.shape[0])) for w in weights] + _fake_codes(x, parse_format(fmt))
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _sp_norm_linear_args(*args, **kwargs)
+    full = _fake_gathered(a.x, a.group)
+    return [full.new_empty((*full.shape[:-1], w.shape[0])) for w in a.weights] + _fake_codes(a.x, parse_format(a.fmt))
 
 
-@torch.library.custom_op("agoq::tp_sp_norm_linear_backward", mutates_args=())
-def _sp_norm_linear_backward_op(
+def _sp_norm_linear_backward_impl(
     grads: list[Optional[torch.Tensor]],
     payload: torch.Tensor,
     scales: torch.Tensor,
@@ -254,7 +263,7 @@ def _sp_norm_linear_backward_op(
     need_norm_weight: bool,
     need_weights: list[bool],
 ) -> list[torch.Tensor]:
-    """[grad of x, grad of the norm weight, grad of each weight], an empty tensor for each one not needed."""
+    """SP_NORM_LINEAR_GRADS: [grad of x, grad of the norm weight, grad of each weight], an empty tensor for each one not needed."""
     g_, c_ = _group(group), _counter(counter)
     q = QTensor(payload, scales, torch.Size(shape), dtype, parse_format(fmt))
     # Every token's GEMM input is recomputed from the gathered 4-bit shards, so the weight
@@ -281,46 +290,45 @@ def _sp_norm_linear_backward_op(
     return [gx, *(_or_empty(g, payload) for g in (gw, *weight_grads))]
 
 
+_sp_norm_linear_backward_op = torch.library.custom_op("agoq::tp_sp_norm_linear_backward", mutates_args=())(_sp_norm_linear_backward_impl)
+_sp_norm_linear_backward_args = arguments_of(_sp_norm_linear_backward_impl)
+
+
 @_sp_norm_linear_backward_op.register_fake
-def _(grads, payload, scales, norm_weight, weights, shape, dtype, eps, fmt, group, counter, need_norm_weight, need_weights):  # noqa: ANN001, ANN202
-    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
-    gws = [torch.empty_like(w) if need else payload.new_empty(0, dtype=torch.float32) for w, need in zip(weights, wanted)]
-    gnw = torch.empty_like(norm_weight) if need_norm_weight else payload.new_empty(0, dtype=torch.float32)
-    return [payload.new_empty(shape, dtype=dtype), gnw, *gws]
+def _(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    a = _sp_norm_linear_backward_args(*args, **kwargs)
+    none = a.payload.new_empty(0, dtype=torch.float32)
+    flat, _ = SP_NORM_LINEAR_GRADS.flatten(
+        x=a.payload.new_empty(a.shape, dtype=a.dtype),
+        norm_weight=torch.empty_like(a.norm_weight) if a.need_norm_weight else none,
+        weights=[torch.empty_like(w) if g is not None and need else none for w, g, need in zip(a.weights, a.grads, a.need_weights)],
+    )
+    return flat
 
 
 def _sp_norm_linear_setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    x, norm_weight, weights, eps, fmt, group, counter = inputs
+    a = _sp_norm_linear_args(*inputs)
     payload, scales = output[-2:]
     ctx.mark_non_differentiable(payload, scales)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(payload, scales, norm_weight, *weights)
-    ctx.meta = (list(x.shape), x.dtype, eps, fmt, group, counter)
-    _hold(ctx, group, counter)
+    flat, ctx.lengths = SP_NORM_LINEAR_SAVED.flatten(payload=payload, scales=scales, norm_weight=a.norm_weight, weights=a.weights)
+    ctx.save_for_backward(*flat)
+    ctx.meta = (list(a.x.shape), a.x.dtype, a.eps, a.fmt, a.group, a.counter)
+    _hold(ctx, a.group, a.counter)
 
 
 def _sp_norm_linear_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
-    payload, scales, norm_weight, *weights = ctx.saved_tensors
+    saved = SP_NORM_LINEAR_SAVED.unflatten(ctx.saved_tensors, ctx.lengths)
     shape, dtype, eps, fmt, group, counter = ctx.meta
-    need_norm_weight, need_weights = ctx.needs_input_grad[1:3]
+    need = _sp_norm_linear_args(*ctx.needs_input_grad)
+    n = len(saved.weights)
     outs = _sp_norm_linear_backward_op(
-        list(grads[: len(weights)]),
-        payload,
-        scales,
-        norm_weight,
-        weights,
-        shape,
-        dtype,
-        eps,
-        fmt,
-        group,
-        counter,
-        need_norm_weight,
-        list(need_weights),
-    )
-    wanted = [g is not None and need for g, need in zip(grads, need_weights)]
-    gws = [g if need else None for g, need in zip(outs[2:], wanted)]
-    return outs[0], outs[1] if need_norm_weight else None, gws, None, None, None, None
+        list(grads[:n]), saved.payload, saved.scales, saved.norm_weight, saved.weights, shape, dtype, eps, fmt, group, counter,
+        need.norm_weight, list(need.weights),
+    )  # fmt: skip
+    out = SP_NORM_LINEAR_GRADS.unflatten(outs, (n,))
+    gws = [g if g_out is not None and w else None for g, g_out, w in zip(out.weights, grads, need.weights)]
+    return out.x, out.norm_weight if need.norm_weight else None, gws, None, None, None, None
 
 
 _sp_norm_linear_op.register_autograd(_sp_norm_linear_grad, setup_context=_sp_norm_linear_setup)
