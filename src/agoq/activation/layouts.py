@@ -121,8 +121,13 @@ def saved_adapters(
 def arguments_of(fn: Callable[..., Any]) -> Callable[..., SimpleNamespace]:
     """A binder of ``fn``'s parameters: called with an op's arguments, it returns them by name."""
     signature = inspect.signature(fn)
+    names = tuple(signature.parameters)
 
     def bind(*args: Any, **kwargs: Any) -> SimpleNamespace:
+        # autograd's setup and backward pass every argument by position, once per op call: zip the
+        # names there; Signature.bind (ten times the cost) only for keywords or a short call.
+        if not kwargs and len(args) == len(names):
+            return SimpleNamespace(**dict(zip(names, args)))
         return SimpleNamespace(**signature.bind(*args, **kwargs).arguments)
 
     return bind

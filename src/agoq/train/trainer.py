@@ -159,9 +159,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
+def _grouped() -> bool:
+    """Whether this process is in a process group; without one the run is this one rank."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """``t`` summed over every rank of the run, in place; a run without a process group is one rank."""
-    if dist.is_available() and dist.is_initialized():
+    """``t`` summed over every rank of the run, in place."""
+    if _grouped():
         dist.all_reduce(t)
     return t
 
@@ -187,7 +192,7 @@ def nonfinite_ranks(sync: GradientSync, ctx: RankContext) -> list[dict[str, Any]
     seen = dict(sync.nonfinite_last_step())
     mine = {"rank": ctx.rank, "stages": list(ctx.stages), "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "parameter": seen.get(ctx.rank)}
     every: list[Any] = [mine]
-    if dist.is_available() and dist.is_initialized():
+    if _grouped():
         every = [None] * ctx.world
         dist.all_gather_object(every, mine)
     return [r for r in every if r["parameter"] is not None]
@@ -216,6 +221,9 @@ class Trainer:
         self.pipelined = components.pipeline is not None
         self.last = components.pipeline.loss.last if components.pipeline is not None else self.modules[-1]
         self.tracker = SavedActivationTracker([prm for _, prm in self.params])
+        # Gradients per partial optimizer step: a fixed size (the layers do not change), so that
+        # fp32 gradients read back from 8 bits never all exist at once.
+        self.step_group_bytes = step_group_bytes(self.ctx.device, largest_layer_values(self.modules))
         self.step = 0
         self.steps_run = 0  # by this process (a resumed run starts at a later step)
 
@@ -329,9 +337,9 @@ class Trainer:
         clip = self.settings.optim.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         self.optimizer.set_lr(lr)
-        # Step in groups of at most step_group_bytes of gradients (a larger tensor a slice at a
-        # time where the optimizer can), so fp32 gradients read back from 8 bits never all exist at once.
-        self.sync.step_optimizer(self.optimizer, coef, step_group_bytes(self.ctx.device, largest_layer_values(self.modules)))
+        # Step in groups of at most step_group_bytes of gradients (a larger tensor a slice at a time
+        # where the optimizer can).
+        self.sync.step_optimizer(self.optimizer, coef, self.step_group_bytes)
 
     def _write(self, rec: dict[str, Any]) -> None:
         if self.metrics is not None:
