@@ -227,7 +227,10 @@ def check(env: Env, venv: Path, tests: str, timeout: float, log, out_dir: Path |
     junit = venv / "junit.xml"
     junit.unlink(missing_ok=True)
     selection = SELECTIONS[tests]
-    rc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *selection], log, env=run_env, timeout=timeout)
+    # Two test processes as the README's command runs them, where agoq[dev] brought pytest-xdist
+    # (the GPU image's mirror has plain pytest only).
+    workers = ["-n", "2", "--dist", "loadfile"] if env.install_agoq else []
+    rc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, f"--junitxml={junit}", *selection], log, env=run_env, timeout=timeout)
     out["tests"] = {"selection": tests, "exit_code": rc, **_junit_counts(junit)}
     if not env.install_agoq:
         dry = (out_dir or RESULTS_DIR) / "gpu_image_dry_run"

@@ -401,7 +401,10 @@ def test_without_matplotlib_the_plot_is_skipped_not_the_run(tmp_path, monkeypatc
 
     from agoq.train.metrics import plot_run
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
+    # What an install without the plot extra sees (its submodules too, which this process may hold).
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     summary = {"ranks": [], "baseline": None, "records": [{"step": 1, "loss": 5.0}]}
     assert plot_run(summary, tmp_path / "loss.png", "t") is None
     assert not (tmp_path / "loss.png").exists()

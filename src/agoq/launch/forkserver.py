@@ -44,6 +44,10 @@ FORKSERVER_PRELOAD = (
     "agoq.quant.compiled",
     "torch._dynamo",
     "torch._inductor.compile_fx",
+    # Rank 0 draws loss.png at the end of a run (agoq.train.metrics.plot_run); a missing optional
+    # package is skipped by the server's preload.
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
 )
 _forkserver_env: dict[str, str] | None = None
 # What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://

@@ -260,16 +260,17 @@ def plot_run(summary: dict[str, Any], path: Path, title: str) -> Path | None:
     None if matplotlib cannot be imported.
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A Figure drawn by the Agg canvas, not pyplot: no global backend is chosen or changed.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     records = summary["records"]
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    fig, (ax, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    FigureCanvasAgg(fig)
+    ax, mem = fig.subplots(1, 2)
     if train:
         ax.plot(*zip(*train), label="train")
     if val:
@@ -307,6 +308,5 @@ def plot_run(summary: dict[str, Any], path: Path, title: str) -> Path | None:
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
     write_atomic(path, png.getvalue())
     return path
