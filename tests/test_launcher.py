@@ -26,6 +26,16 @@ def test_a_fork_server_is_reused_only_in_the_environment_it_was_started_in(monke
     assert forkserver.start_method() == "forkserver"
 
 
+def test_a_test_process_forks_its_later_tests_workers_from_the_same_server(monkeypatch):
+    """pytest renames the running test in PYTEST_CURRENT_TEST: each test's launch still forks."""
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_one (call)")
+    monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_two (call)")
+    assert forkserver.start_method() == "forkserver"
+    monkeypatch.setenv("AGOQ_TEST_ONLY_VARIABLE", "x")  # any other difference still spawns
+    assert forkserver.start_method() == "spawn"
+
+
 def test_inductors_own_default_cache_folder_set_after_the_server_started_changes_nothing(monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

@@ -138,6 +138,12 @@ def start_method() -> str:
     return "forkserver" if _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
 
 
+# Variables a host process rewrites between launches that nothing reads at import: pytest names the
+# running test in PYTEST_CURRENT_TEST, so a launch from a test process's second test would spawn
+# its workers (each importing torch and agoq anew) instead of forking them from the server.
+PER_CALL_VARS = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
     """Whether workers forked in the ``server`` environment see what ``launch`` would give them.
 
@@ -145,9 +151,9 @@ def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
     launcher does, deciding its backend), to the folder it derives in any process: a worker that
     asks derives the same one.
     """
-    if server == launch:
+    differ = {k for k in set(server) | set(launch) if server.get(k) != launch.get(k)} - PER_CALL_VARS
+    if not differ:
         return True
-    differ = {k for k in set(server) | set(launch) if server.get(k) != launch.get(k)}
     if differ != {"TORCHINDUCTOR_CACHE_DIR"} or "TORCHINDUCTOR_CACHE_DIR" in server or "torch" not in sys.modules:
         return False
     from agoq.compat import inductor_default_cache_dir
