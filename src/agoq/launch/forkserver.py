@@ -50,6 +50,8 @@ FORKSERVER_PRELOAD = (
     "matplotlib.backends.backend_agg",
 )
 _forkserver_env: dict[str, str] | None = None
+# Where the server's standard output and error went when it started: its workers write there.
+_forkserver_stdio: tuple[tuple[int, int] | None, ...] | None = None
 # What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://
 # initialisation; torchrun sets TORCHELASTIC_RUN_ID besides.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -131,11 +133,26 @@ def start_method() -> str:
     """'forkserver' when this process's fork server was, or is about to be, started in the
     environment this launch gives its workers (the block of :func:`workers_environment`); 'spawn'
     otherwise (a long-lived process launching in another environment)."""
-    global _forkserver_env
+    global _forkserver_env, _forkserver_stdio
     if _forkserver_env is None:
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        _forkserver_env = dict(os.environ)
-    return "forkserver" if _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
+        _forkserver_env, _forkserver_stdio = dict(os.environ), stdio_targets()
+    # A process that has since sent its output elsewhere (pytest's capfd, a notebook's redirect)
+    # would not see its workers' lines: they write where the server's output went.
+    same_output = _forkserver_stdio is None or _forkserver_stdio == stdio_targets()
+    return "forkserver" if same_output and _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
+
+
+def stdio_targets() -> tuple[tuple[int, int] | None, ...]:
+    """The files this process's standard output and error write to, as (device, inode)."""
+    out = []
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+            out.append((st.st_dev, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 # Variables a host process rewrites between launches that nothing reads at import: pytest names the
