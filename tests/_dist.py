@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agoq.launch.forkserver import start_method, workers_environment
+from agoq.launch.forkserver import LauncherOutput, start_method, workers_environment
 from agoq.launch.loopback import HOST, loopback_store
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, env: dict[str, str]) -> None:
-    # Forked from the fork server, a worker has the server's environment: this check's is the caller's.
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, env: dict[str, str], output: LauncherOutput) -> None:
+    # Forked from the fork server, a worker has the server's environment and output: this check's
+    # are the caller's.
+    output.install()
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -60,7 +62,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         env = dict(os.environ)
         queue = ctx.Queue()
         store, port = loopback_store(timeout=timedelta(seconds=timeout))
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env, LauncherOutput())) for r in range(world_size)]
         for p in procs:
             p.start()
     try:

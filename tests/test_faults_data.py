@@ -50,7 +50,7 @@ def launches(monkeypatch):
     seen = []
 
     def fake(config, entry):
-        def run(cfg, choices, env):
+        def run(cfg, choices, launcher_pid, output):
             seen.append(cfg)
             return {0: None}
 

@@ -17,14 +17,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def test_a_fork_server_is_reused_only_in_the_environment_it_was_started_in(monkeypatch):
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", None)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert forkserver.start_method() == "forkserver"  # the first launch starts it
     monkeypatch.setenv("AGOQ_QUANT_BACKEND", "something else")  # read at run time: a worker would not see it
     assert forkserver.start_method() == "spawn"
     monkeypatch.undo()
     monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", forkserver.stdio_targets())
     assert forkserver.start_method() == "forkserver"
 
 
@@ -32,26 +30,42 @@ def test_a_test_process_forks_its_later_tests_workers_from_the_same_server(monke
     """pytest renames the running test in PYTEST_CURRENT_TEST: each test's launch still forks."""
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_one (call)")
     monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", forkserver.stdio_targets())
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_two (call)")
     assert forkserver.start_method() == "forkserver"
     monkeypatch.setenv("SOMETHING_OF_THE_USER", "x")  # any other difference still spawns
     assert forkserver.start_method() == "spawn"
 
 
-def test_a_launch_whose_output_goes_elsewhere_than_the_servers_spawns(monkeypatch, tmp_path):
-    monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", forkserver.stdio_targets())
-    assert forkserver.start_method() == "forkserver"
+def _print_line(text: str, output: forkserver.LauncherOutput) -> None:
+    output.install()
+    print(text, flush=True)
+
+
+def test_a_forked_worker_writes_where_its_launcher_writes_now(tmp_path):
+    """The server started with this process's output; the launch has redirected it since (what
+    pytest's capfd and a notebook do): the worker's line lands in the new place, not the old."""
+    import multiprocessing as mp
+
+    with forkserver.workers_environment():
+        method = forkserver.start_method()
+        ctx = mp.get_context(method)
+        warm = ctx.Process(target=_print_line, args=("before", forkserver.LauncherOutput()))
+        warm.start()  # the server (if this process had none) starts with the output as it is now
+        warm.join(60)
     saved = os.dup(1)
     try:
         with open(tmp_path / "out", "w") as f:
-            os.dup2(f.fileno(), 1)  # what pytest's capfd and a notebook's redirect do
-            assert forkserver.start_method() == "spawn"
+            os.dup2(f.fileno(), 1)
+            with forkserver.workers_environment():
+                assert forkserver.start_method() == method  # a redirect alone does not change how workers start
+                p = ctx.Process(target=_print_line, args=("from the worker", forkserver.LauncherOutput()))
+                p.start()
+                p.join(60)
     finally:
         os.dup2(saved, 1)
         os.close(saved)
-    assert forkserver.start_method() == "forkserver"
+    assert p.exitcode == 0
+    assert (tmp_path / "out").read_text() == "from the worker\n"
 
 
 def test_inductors_own_default_cache_folder_set_after_the_server_started_changes_nothing(monkeypatch):
@@ -59,7 +73,6 @@ def test_inductors_own_default_cache_folder_set_after_the_server_started_changes
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", forkserver.stdio_targets())
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor does when first asked
     assert forkserver.start_method() == "forkserver"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
@@ -92,7 +105,6 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
 
     started = []
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", None)
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: started.append(dict(os.environ)))
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -122,7 +134,6 @@ def test_no_fork_server_is_started_under_torchrun(monkeypatch):
 
     started = []
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
-    monkeypatch.setattr(forkserver, "_forkserver_stdio", None)
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: started.append(True))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     forkserver.start_early()

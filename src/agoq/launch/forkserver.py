@@ -50,8 +50,6 @@ FORKSERVER_PRELOAD = (
     "matplotlib.backends.backend_agg",
 )
 _forkserver_env: dict[str, str] | None = None
-# Where the server's standard output and error went when it started: its workers write there.
-_forkserver_stdio: tuple[tuple[int, int] | None, ...] | None = None
 # What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://
 # initialisation; torchrun sets TORCHELASTIC_RUN_ID besides.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -133,26 +131,45 @@ def start_method() -> str:
     """'forkserver' when this process's fork server was, or is about to be, started in the
     environment this launch gives its workers (the block of :func:`workers_environment`); 'spawn'
     otherwise (a long-lived process launching in another environment)."""
-    global _forkserver_env, _forkserver_stdio
+    global _forkserver_env
     if _forkserver_env is None:
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        _forkserver_env, _forkserver_stdio = dict(os.environ), stdio_targets()
-    # A process that has since sent its output elsewhere (pytest's capfd, a notebook's redirect)
-    # would not see its workers' lines: they write where the server's output went.
-    same_output = _forkserver_stdio is None or _forkserver_stdio == stdio_targets()
-    return "forkserver" if same_output and _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
+        _forkserver_env = dict(os.environ)
+    return "forkserver" if _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
 
 
-def stdio_targets() -> tuple[tuple[int, int] | None, ...]:
-    """The files this process's standard output and error write to, as (device, inode)."""
-    out = []
-    for fd in (1, 2):
-        try:
-            st = os.fstat(fd)
-            out.append((st.st_dev, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
+class LauncherOutput:
+    """The launching process's standard output and error as they are at the launch, for a worker.
+
+    A worker forked from the fork server inherits the server's, which are where the launcher's
+    output went when the server started: a long-lived process that has redirected its own since
+    (pytest's capfd, a notebook) would not see its workers' lines. Passed to the worker, this
+    carries the launcher's two descriptors over (multiprocessing's DupFd, while the worker is
+    started); the worker calls :meth:`install` first thing.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_ReceivedOutput, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def install(self) -> None:
+        """Nothing to do in the launching process itself."""
+
+
+class _ReceivedOutput:
+    """:class:`LauncherOutput` in the worker: the launcher's descriptors, not yet in place."""
+
+    def __init__(self, out: Any, err: Any) -> None:
+        self._fds = (out, err)
+
+    def install(self) -> None:
+        """Make this process's fds 1 and 2 the launcher's (Python's sys.stdout and sys.stderr write to them)."""
+        for target, dup in zip((1, 2), self._fds):
+            fd = dup.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
 
 
 # Variables a host process rewrites between launches that nothing reads at import: pytest names the

@@ -22,6 +22,7 @@ from agoq.launch.forkserver import (
     die_with_launcher,
     inherited_gloo_interface,
     raise_deferred_interrupt,
+    LauncherOutput,
     start_method,
     stray_rank_variables,
     under_torchrun,
@@ -556,8 +557,12 @@ def error_line(e: BaseException, cfg: TrainConfig) -> str:
     return f"{type(e).__name__}: {text}"
 
 
-def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launcher_pid: int | None = None) -> dict[str, Any] | None:
+def worker_entry(
+    cfg: TrainConfig, choices: ResolvedChoices | None = None, launcher_pid: int | None = None, output: LauncherOutput | None = None
+) -> dict[str, Any] | None:
     """What the local launcher runs in each worker: train_worker, with any error logged instead of printed.
+
+    ``output``: the launcher's standard output and error, where this worker writes its lines.
 
     The worker dies with its launcher (``launcher_pid``) and holds a share of the run folder's lock
     for as long as it lives. The full traceback of a failure goes to ``out_dir/logs/rank<R>.log``
@@ -566,6 +571,8 @@ def worker_entry(cfg: TrainConfig, choices: ResolvedChoices | None = None, launc
     """
     import signal
 
+    if output is not None:
+        output.install()
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
         unnamed_locks()
@@ -800,7 +807,7 @@ def _launch_local(cfg: TrainConfig, max_restarts: int) -> dict[str, Any] | None:
     try:
         with workers_environment():  # the workers inherit it; this process gets its own back after
             config.start_method = start_method()
-            results = elastic_launch(config, worker_entry)(cfg, choices, os.getpid())
+            results = elastic_launch(config, worker_entry)(cfg, choices, os.getpid(), LauncherOutput())
     finally:
         del rdzv_store  # closes its socket
     return results.get(0)
