@@ -31,3 +31,36 @@ os.environ.setdefault("AGOQ_QUANT_BACKEND", "torch")
 if DATA_CACHE_ENV not in os.environ:
     os.environ[DATA_CACHE_ENV] = tempfile.mkdtemp(prefix="agoq_test_data_")
     atexit.register(shutil.rmtree, os.environ[DATA_CACHE_ENV], ignore_errors=True)
+
+# The files that take longest (their whole runs and process groups; pytest --durations), handed to
+# the two test processes first. pytest-xdist otherwise hands out the files with the most tests
+# first, which leaves these few-but-long ones for last, and one process then runs them alone while
+# the other idles. Only the order changes; every file still runs whole in one process.
+LONGEST_FIRST = (
+    "test_faults_launcher.py",
+    "test_faults_checkpoint.py",
+    "test_compile_native.py",
+    "test_plan_train.py",
+    "test_faults.py",
+    "test_train_tp.py",
+    "test_fsdp_exact.py",
+    "test_benchmarks.py",
+    "test_parity.py",
+    "test_elastic.py",
+    "test_zero1.py",
+    "test_triton.py",
+    "test_train.py",
+    "test_lora.py",
+    "test_train_hier.py",
+    "test_gradient_error_feedback.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's scheduler is in use
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file stays whole and in order
