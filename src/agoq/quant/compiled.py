@@ -118,7 +118,7 @@ def _block_values(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, t
 
 
 def _quantize_graph(x: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return block_codes(x.to(torch.float32, copy=True).view(-1, fmt.block_size), fmt, tables)
+    return block_codes(x.to(torch.float32, copy=True).view(-1, fmt.block_size), fmt, tables, propagate=True)
 
 
 def _dequantize_graph(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None) -> None:
@@ -153,7 +153,7 @@ def _reduce_graph(
         acc = acc / rows
     out: tuple[torch.Tensor, ...] = (acc,) if keep_sum else ()  # flattened outside the graph
     if requantize:
-        out += block_codes(acc.view(-1, fmt.block_size).clone(), fmt, tables)
+        out += block_codes(acc.view(-1, fmt.block_size).clone(), fmt, tables, propagate=True)
     return out
 
 
@@ -168,7 +168,7 @@ def _swiglu_graph(
     g = gate.to(torch.float32, copy=True).view(-1, fmt.block_size)
     u = up.to(torch.float32, copy=True).view(-1, fmt.block_size)
     act = (F.silu(g) * u).to(act_dtype)  # in the blocks' shape, flattened outside the graph
-    return (act, *block_codes(g, fmt, tables), *block_codes(u, fmt, tables))
+    return (act, *block_codes(g, fmt, tables, propagate=True), *block_codes(u, fmt, tables, propagate=True))
 
 
 def _reading_codes_graph(fn: Callable[..., Any], items: tuple[Any, ...], fmt: QuantFormat, tables: CodebookTables | None, **constants: Any) -> Any:
@@ -213,9 +213,7 @@ def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
 
 def _qtensor(x: torch.Tensor, stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> QTensor:
     """The QTensor of ``x`` from the codes and scales of its ``stored`` values (:func:`stored_values`)
-    in whole blocks; the reference's where a block holds NaN/Inf."""
-    if not bool(torch.isfinite(scales).all()):
-        return reference_quantize(x, fmt, nonfinite="propagate")
+    in whole blocks (``block_codes(..., propagate=True)``'s: the reference's bits, NaN/Inf blocks too)."""
     n = stored.numel()
     codes = codes.view(-1)
     if codes.numel() != n:
@@ -374,12 +372,7 @@ def reduce_rows(
     if not requantize:
         return acc, None
     new_codes, new_scales = outputs[-2:]
-    if bool(torch.isfinite(new_scales).all()):
-        q = QTensor(_packed(new_codes, fmt), new_scales, torch.Size([n]), torch.float32, fmt)
-    else:
-        # A non-finite block: the reference requantizes the sum (rare; the sum is computed again if it was not kept).
-        summed = acc if acc is not None else reduce(codes, scale_rows, fmt, tables, average, True, False)[0].view(-1)
-        q = reference_quantize(summed, fmt, nonfinite="propagate")
+    q = QTensor(_packed(new_codes, fmt), new_scales, torch.Size([n]), torch.float32, fmt)
     if out is not None:
         q = QTensor(out[0].copy_(q.payload), out[1].copy_(q.scales), q.shape, q.dtype, fmt)
     return acc, q

@@ -264,16 +264,12 @@ def quantize(
         y[:m].copy_(flat[start : start + m])
         yb = y[: blocks * block].view(blocks, block)
         absmax = block_absmax(yb)
-        finite = torch.isfinite(absmax)
         bad = None
         if nonfinite == "raise":
-            if not bool(finite.all()):  # raising needs the host to know: one read per slab
+            if not bool(torch.isfinite(absmax).all()):  # raising needs the host to know: one read per slab
                 raise NonFiniteError(_nonfinite_message(x))
         else:
-            # Masked whether or not a block is bad: a host read per slab would stall a GPU's queue.
-            bad = ~finite
-            yb.masked_fill_(bad[:, None], 0.0)
-            absmax.masked_fill_(bad, 0.0)
+            bad = zero_nonfinite_blocks(yb, absmax)
         scale = block_scales(absmax, fmt.max_value)
         _divide_by_scales(yb, scale)
         noise = None
@@ -300,22 +296,40 @@ def block_absmax(yb: torch.Tensor) -> torch.Tensor:
     return torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg())
 
 
+def zero_nonfinite_blocks(yb: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """``nonfinite="propagate"``'s rule, in place: each block of ``yb`` ([blocks, block]) whose
+    ``absmax`` is NaN/Inf gets zero values and absmax, so that it encodes as zeros; returns those
+    blocks' mask, for their scales to be set to NaN once encoded."""
+    # Masked whether or not a block is bad: a host read to skip the mask would stall a GPU's queue.
+    bad = ~torch.isfinite(absmax)
+    yb.masked_fill_(bad[:, None], 0.0)
+    absmax.masked_fill_(bad, 0.0)
+    return bad
+
+
 def _divide_by_scales(yb: torch.Tensor, scale: torch.Tensor) -> None:
     """Divide each block of ``yb`` by its scale, in place (never by a reciprocal: the codes depend on it)."""
     # An all-zero block has scale 0: divide it by 1 so its codes are exact zeros, never 0/0.
     yb.div_(torch.where(scale > 0, scale, 1.0)[:, None])
 
 
-def block_codes(yb: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(one uint8 code per value, fp32 scales) of finite fp32 whole blocks ``yb`` ([blocks, block],
+def block_codes(
+    yb: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None = None, *, propagate: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one uint8 code per value, fp32 scales) of fp32 whole blocks ``yb`` ([blocks, block],
     overwritten), nearest rounding: the arithmetic of :func:`quantize` without its packing, which
     agoq.quant.compiled runs under torch.compile (``tables``: the format's codebook_tables, passed
-    in because compiled code does not trace a cache)."""
-    scale = block_scales(block_absmax(yb), fmt.max_value)
+    in because compiled code does not trace a cache). A block holding NaN/Inf gets unspecified
+    codes, or with ``propagate`` :func:`quantize`'s ``nonfinite="propagate"`` bits: the codes of
+    zeros and a NaN scale."""
+    absmax = block_absmax(yb)
+    bad = zero_nonfinite_blocks(yb, absmax) if propagate else None
+    scale = block_scales(absmax, fmt.max_value)
     _divide_by_scales(yb, scale)
     # Codes in the blocks' own shape: flattening a dynamic [blocks, block] tensor inside a compiled
     # graph loses the static block length, and inductor's loops with it.
-    return _encode(yb, fmt, None, tables), scale
+    codes = _encode(yb, fmt, None, tables)
+    return codes, (scale if bad is None else scale.masked_fill(bad, math.nan))
 
 
 def code_values(codes: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None = None) -> torch.Tensor:
