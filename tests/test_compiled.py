@@ -196,7 +196,9 @@ def test_a_formula_reading_codes_equals_the_formula_on_dequantized_values() -> N
     want = _swiglu_backward(grad, dequantize(qg, torch.float32), dequantize(qu, torch.float32), **constants)
     for g, w in zip(got, want):
         assert g.shape == (rows, width)
-        torch.testing.assert_close(g, w, rtol=2e-7, atol=0)  # the same fp32 operations; exp may round apart by an ulp
+        # The same fp32 operations; inductor's exp may round apart from torch's by an ulp, which the
+        # products after it carry to a few.
+        torch.testing.assert_close(g, w, rtol=4 * 2.0**-23, atol=0)
     with pytest.raises(ValueError, match="whole blocks"):
         fused(grad[:, :-1].contiguous(), quantize(gate[:, :-1], fmt), quantize(up[:, :-1], fmt))  # rows stored padded
 

@@ -158,6 +158,22 @@ def test_pack_rejects_codes_wider_than_the_bit_width():
         unpack(torch.zeros(2, dtype=torch.uint8), 4, 5)
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_the_per_group_packing_a_compiled_graph_runs_writes_the_swar_bytes(bits):
+    """pack_groups / unpack_groups (arithmetic per group, in compiled graphs) against pack / unpack
+    (SWAR): the same bytes, the rows' shape kept."""
+    from agoq.quant.packing import pack_groups, packing_group, unpack_groups
+
+    g, _ = packing_group(bits)
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (5, 16 * g), generator=gen, dtype=torch.uint8)
+    codes[0], codes[1] = (1 << bits) - 1, 0  # every bit of a group set, and none
+    payload = pack_groups(codes, bits)
+    assert payload.shape == (5, 16 * g * bits // 8) and payload.dtype == torch.uint8
+    assert torch.equal(payload.reshape(-1), pack(codes.reshape(-1), bits))
+    assert torch.equal(unpack_groups(payload, bits), codes)
+
+
 # --- format bit patterns ------------------------------------------------------------------------
 
 

@@ -173,11 +173,13 @@ def _norm_linear_forward(
 
 def _norm_output_grad(outputs: Sequence[torch.Tensor | None], dense: Sequence[torch.Tensor], r0: int, r1: int, width: int) -> torch.Tensor:
     """Rows r0 .. r1 of the gradient of the norm output, fp32: every GEMM's share (adapters add theirs after)."""
-    grad_h = torch.zeros((r1 - r0, width), dtype=torch.float32, device=dense[0].device)
+    grad_h = None
     for g, w in zip(outputs, dense):
         if g is not None:
-            grad_h += F.linear(g[r0:r1], w.t())
-    return grad_h
+            share = F.linear(g[r0:r1], w.t())
+            # The first share is the sum so far (0 + share's bits): no zero-filled buffer to add it to.
+            grad_h = share.float() if grad_h is None else grad_h.add_(share)
+    return torch.zeros((r1 - r0, width), dtype=torch.float32, device=dense[0].device) if grad_h is None else grad_h
 
 
 def _norm_linear_backward(

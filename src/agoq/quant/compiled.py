@@ -5,8 +5,10 @@ chosen through :mod:`agoq.quant.backend`. Each graph below is a small function t
 formulas of :mod:`agoq.quant.qtensor` (``block_codes``, ``code_values``, ``block_scales``) on whole
 blocks, compiled by plain ``torch.compile(fn)``: inductor fuses the reference's passes into a few
 loops, and the arithmetic is the reference's, op for op, so codes and scales are its bits
-(tests/test_compiled.py checks them). Packing and unpacking of sub-byte codes stay on the
-reference's SWAR path (:mod:`agoq.quant.packing`), outside the graphs.
+(tests/test_compiled.py checks them). Quantize and dequantize pack and unpack sub-byte codes in
+their graphs (``pack_groups``, ``unpack_groups``: the reference's layout by arithmetic on each
+group), so no tensor of one-byte codes is written or read between them and their payload; the
+gradient folds and reductions, 8-bit in practice, pack on the reference's SWAR path outside.
 
 Shapes follow torch.compile's default: a graph is first built for the sizes it meets, and rebuilt
 once with the block count symbolic when another size comes. A format's integers (block size,
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from agoq.quant.formats import CodebookTables, QuantFormat, codebook_tables
-from agoq.quant.packing import pack_into, packing_group, unpack_into
+from agoq.quant.packing import pack_groups, pack_into, packing_group, unpack_groups, unpack_into
 from agoq.quant.qtensor import (
     QTensor,
     block_codes,
@@ -117,13 +119,16 @@ def _block_values(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, t
     return code_values(codes, fmt, tables) * scales.unsqueeze(-1)
 
 
-def _quantize_graph(x: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return block_codes(x.to(torch.float32, copy=True).view(-1, fmt.block_size), fmt, tables, propagate=True)
+def _quantize_graph(x: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``packed``: the codes packed in the graph, [blocks, payload bytes of a block] (whole blocks only:
+    # a last block's padding gets code 0 outside the graph, before packing).
+    codes, scales = block_codes(x.to(torch.float32, copy=True).view(-1, fmt.block_size), fmt, tables, propagate=True)
+    return (pack_groups(codes, fmt.bits) if packed else codes), scales
 
 
-def _dequantize_graph(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None) -> None:
+def _dequantize_graph(payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None) -> None:
     # Multiplied in fp32 and rounded once into out's dtype, as the reference does.
-    out.copy_(_block_values(codes, scales, fmt, tables))
+    out.copy_(_block_values(unpack_groups(payload, fmt.bits), scales, fmt, tables))
 
 
 def _fold_graph(
@@ -162,18 +167,21 @@ def _sum_of_squares_graph(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantF
 
 
 def _swiglu_graph(
-    gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None, act_dtype: torch.dtype
+    gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None, act_dtype: torch.dtype, packed: bool
 ) -> tuple[torch.Tensor, ...]:
     # The product is computed in fp32 and rounded once (eagerly SiLU is rounded to the dtype first).
     g = gate.to(torch.float32, copy=True).view(-1, fmt.block_size)
     u = up.to(torch.float32, copy=True).view(-1, fmt.block_size)
     act = (F.silu(g) * u).to(act_dtype)  # in the blocks' shape, flattened outside the graph
-    return (act, *block_codes(g, fmt, tables, propagate=True), *block_codes(u, fmt, tables, propagate=True))
+    (g_codes, g_scales), (u_codes, u_scales) = block_codes(g, fmt, tables, propagate=True), block_codes(u, fmt, tables, propagate=True)
+    if packed:  # as in _quantize_graph
+        g_codes, u_codes = pack_groups(g_codes, fmt.bits), pack_groups(u_codes, fmt.bits)
+    return act, g_codes, g_scales, u_codes, u_scales
 
 
 def _reading_codes_graph(fn: Callable[..., Any], items: tuple[Any, ...], fmt: QuantFormat, tables: CodebookTables | None, **constants: Any) -> Any:
-    # ``items``: fn's arguments, a quantized one as its (codes, scales) pair.
-    args = [_block_values(item[0], item[1], fmt, tables) if isinstance(item, tuple) else item for item in items]
+    # ``items``: fn's arguments, a quantized one as its (payload, scales) pair, the payload [blocks, bytes].
+    args = [_block_values(unpack_groups(item[0], fmt.bits), item[1], fmt, tables) if isinstance(item, tuple) else item for item in items]
     return fn(*args, **constants)
 
 
@@ -211,9 +219,24 @@ def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(flat, (0, pad)) if pad else flat
 
 
+def _block_payload(payload: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """A payload of whole blocks as [blocks, bytes of a block]: what the graphs unpack."""
+    return payload.view(-1, fmt.payload_bytes(fmt.block_size))
+
+
+def _packed_in_graph(stored: torch.Tensor, fmt: QuantFormat) -> bool:
+    """Whether a graph packs the codes of ``stored`` values itself: when they fill whole blocks, of a
+    format whose codes fill whole bytes (1, 2, 4 or 8 bits). A group spanning bytes (3, 5, 6, 7 bits)
+    packs through a word per group that inductor leaves scalar, several times slower than SWAR."""
+    return stored.numel() % fmt.block_size == 0 and packing_group(fmt.bits)[1] == 1
+
+
 def _qtensor(x: torch.Tensor, stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> QTensor:
-    """The QTensor of ``x`` from the codes and scales of its ``stored`` values (:func:`stored_values`)
-    in whole blocks (``block_codes(..., propagate=True)``'s: the reference's bits, NaN/Inf blocks too)."""
+    """The QTensor of ``x`` from the codes (their payload where :func:`_packed_in_graph`) and scales of
+    its ``stored`` values (:func:`stored_values`) in whole blocks (``block_codes(..., propagate=True)``'s:
+    the reference's bits, NaN/Inf blocks too)."""
+    if _packed_in_graph(stored, fmt):
+        return QTensor(codes.view(-1), scales, x.shape, x.dtype, fmt)
     n = stored.numel()
     codes = codes.view(-1)
     if codes.numel() != n:
@@ -230,7 +253,8 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
     if x.numel() == 0:
         return reference_quantize(x, fmt, nonfinite="propagate")
     stored = stored_values(x, fmt)
-    codes, scales = _graph(_quantize_graph, fmt)(_whole_blocks(stored, fmt.block_size), fmt, _tables(fmt, x.device))
+    packed = _packed_in_graph(stored, fmt)
+    codes, scales = _graph(_quantize_graph, fmt, packed)(_whole_blocks(stored, fmt.block_size), fmt, _tables(fmt, x.device), packed)
     return _qtensor(x, stored, codes, scales, fmt)
 
 
@@ -250,8 +274,14 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     if not gate.numel():
         return torch.empty_like(gate), quantize(gate, fmt), quantize(up, fmt)
     stored_gate, stored_up = stored_values(gate, fmt), stored_values(up, fmt)
-    act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype)(
-        _whole_blocks(stored_gate, fmt.block_size), _whole_blocks(stored_up, fmt.block_size), fmt, _tables(fmt, gate.device), act_dtype=gate.dtype
+    packed = _packed_in_graph(stored_gate, fmt)
+    act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype, packed)(
+        _whole_blocks(stored_gate, fmt.block_size),
+        _whole_blocks(stored_up, fmt.block_size),
+        fmt,
+        _tables(fmt, gate.device),
+        act_dtype=gate.dtype,
+        packed=packed,
     )
     return (
         unpadded_rows(act.view(-1)[: stored_gate.numel()], gate.shape, fmt),
@@ -275,7 +305,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         payload = F.pad(payload, (0, fmt.payload_bytes(whole) - payload.numel()))
     direct = out is not None and out.is_contiguous() and out.numel() == whole  # the graph stores into out itself
     values = out.view(blocks, fmt.block_size) if direct else torch.empty(blocks, fmt.block_size, dtype=dtype, device=q.device)
-    _graph(_dequantize_graph, fmt)(_codes(payload, fmt).view(blocks, fmt.block_size), q.scales, values, fmt, _tables(fmt, q.device))
+    _graph(_dequantize_graph, fmt)(_block_payload(payload.contiguous(), fmt), q.scales, values, fmt, _tables(fmt, q.device))
     if direct:
         return out
     flat = values.view(-1)[:n]
@@ -393,7 +423,7 @@ def reading_codes(fn: Callable[..., Any], fmt: QuantFormat, positions: tuple[int
             if not (a.whole_blocks if quantized else a.numel() % fmt.block_size == 0 and a.is_contiguous()):
                 raise ValueError(f"reading_codes needs whole blocks of {fmt.block_size} values and contiguous tensors (argument {i})")
             if quantized:
-                items.append((_codes(a.payload, fmt).view(-1, fmt.block_size), a.scales))
+                items.append((_block_payload(a.payload.contiguous(), fmt), a.scales))
             else:
                 items.append(a.view(-1, fmt.block_size))
         out = _graph(_reading_codes_graph, fmt, fn, *sorted(constants.items()))(fn, tuple(items), fmt, _tables(fmt, args[0].device), **constants)

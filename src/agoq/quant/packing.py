@@ -95,6 +95,41 @@ def pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         out.view(-1, gbytes).copy_(w.view(torch.uint8).view(-1, g)[:, :gbytes])
 
 
+def _shifts(bits: int, count: int, step: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(0, count * step, step, device=device, dtype=dtype)
+
+
+def pack_groups(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The payload of one-byte ``codes`` [..., n] (n whole groups) as uint8 [..., n * bits / 8]: the
+    layout of :func:`pack_into`, computed per group by shifts into one integer, a form torch.compile
+    fuses into the loop that makes the codes (the SWAR steps' dtype views it cannot)."""
+    if bits == 8:
+        return codes
+    g, gbytes = packing_group(bits)
+    if gbytes == 1:  # whole codes per byte: each byte is the sum of its codes' disjoint bit fields
+        lanes = codes.unflatten(-1, (-1, g)) << _shifts(bits, g, bits, codes.device, torch.uint8)
+        return lanes.sum(-1, dtype=torch.uint8)
+    word_dtype = torch.int32 if gbytes < 4 else torch.int64
+    lanes = codes.unflatten(-1, (-1, g)).to(word_dtype) << _shifts(bits, g, bits, codes.device, word_dtype)
+    word = lanes.sum(-1, dtype=word_dtype)
+    return ((word.unsqueeze(-1) >> _shifts(8, gbytes, 8, codes.device, word_dtype)) & 255).to(torch.uint8).flatten(-2)
+
+
+def unpack_groups(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """The one-byte codes of ``payload`` [..., bytes] (whole groups) as uint8 [..., bytes * 8 / bits]:
+    :func:`pack_groups` undone, for the loop that reads the codes to fuse it."""
+    if bits == 8:
+        return payload
+    g, gbytes = packing_group(bits)
+    mask = (1 << bits) - 1
+    if gbytes == 1:
+        return ((payload.unsqueeze(-1) >> _shifts(bits, g, bits, payload.device, torch.uint8)) & mask).flatten(-2)
+    word_dtype = torch.int32 if gbytes < 4 else torch.int64
+    lanes = payload.unflatten(-1, (-1, gbytes)).to(word_dtype) << _shifts(8, gbytes, 8, payload.device, word_dtype)
+    word = lanes.sum(-1, dtype=word_dtype)
+    return ((word.unsqueeze(-1) >> _shifts(bits, g, bits, payload.device, word_dtype)) & mask).to(torch.uint8).flatten(-2)
+
+
 def unpack_into(payload: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """Unpack whole groups of ``bits``-bit codes from contiguous uint8 ``payload`` into ``out`` (any dtype)."""
     g, gbytes = group_shape(bits)
