@@ -227,7 +227,8 @@ def _block_payload(payload: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 def _packed_in_graph(stored: torch.Tensor, fmt: QuantFormat) -> bool:
     """Whether a graph packs the codes of ``stored`` values itself: when they fill whole blocks, of a
     format whose codes fill whole bytes (1, 2, 4 or 8 bits). A group spanning bytes (3, 5, 6, 7 bits)
-    packs through a word per group that inductor leaves scalar, several times slower than SWAR."""
+    packs through one integer word per group, a loop inductor leaves scalar: those stay on the
+    vectorized SWAR path."""
     return stored.numel() % fmt.block_size == 0 and packing_group(fmt.bits)[1] == 1
 
 
