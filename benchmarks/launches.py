@@ -732,11 +732,11 @@ def _profiled_op(name: str) -> str | None:
             continue
         try:
             func = getattr(packet, overload)
-            name = func.name()
+            qualified = func.name()
             if func.is_view:
                 return None
-            if not has(name, keys.CompositeImplicitAutograd):
-                own = own or any(has(name, getattr(keys, key)) for key in _KERNEL_KEYS)
+            if not has(qualified, keys.CompositeImplicitAutograd):
+                own = own or any(has(qualified, getattr(keys, key)) for key in _KERNEL_KEYS)
         except RuntimeError:  # an overload listed but not registered in this build
             continue
     return op if own else None

@@ -95,8 +95,23 @@ def pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         out.view(-1, gbytes).copy_(w.view(torch.uint8).view(-1, g)[:, :gbytes])
 
 
-def _shifts(bits: int, count: int, step: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.arange(0, count * step, step, device=device, dtype=dtype)
+def _word_dtype(gbytes: int) -> torch.dtype:
+    """The integer that holds one group's bits: its byte itself, else the narrowest signed word wide enough."""
+    return torch.uint8 if gbytes == 1 else torch.int32 if gbytes < 4 else torch.int64
+
+
+def _join_lanes(lanes: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., k] lanes of ``width`` bits each, lowest first, as one ``dtype`` integer [...]: the sum of
+    their disjoint bit fields."""
+    shifts = torch.arange(0, lanes.shape[-1] * width, width, device=lanes.device, dtype=dtype)
+    return (lanes.to(dtype) << shifts).sum(-1, dtype=dtype)
+
+
+def _split_word(word: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """:func:`_join_lanes` undone: ``count`` uint8 lanes of ``width`` bits of each integer of
+    ``word`` [..., n], lowest first, as [..., n * count]."""
+    shifts = torch.arange(0, count * width, width, device=word.device, dtype=word.dtype)
+    return ((word.unsqueeze(-1) >> shifts) & ((1 << width) - 1)).to(torch.uint8).flatten(-2)
 
 
 def pack_groups(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -106,13 +121,7 @@ def pack_groups(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes
     g, gbytes = packing_group(bits)
-    if gbytes == 1:  # whole codes per byte: each byte is the sum of its codes' disjoint bit fields
-        lanes = codes.unflatten(-1, (-1, g)) << _shifts(bits, g, bits, codes.device, torch.uint8)
-        return lanes.sum(-1, dtype=torch.uint8)
-    word_dtype = torch.int32 if gbytes < 4 else torch.int64
-    lanes = codes.unflatten(-1, (-1, g)).to(word_dtype) << _shifts(bits, g, bits, codes.device, word_dtype)
-    word = lanes.sum(-1, dtype=word_dtype)
-    return ((word.unsqueeze(-1) >> _shifts(8, gbytes, 8, codes.device, word_dtype)) & 255).to(torch.uint8).flatten(-2)
+    return _split_word(_join_lanes(codes.unflatten(-1, (-1, g)), bits, _word_dtype(gbytes)), gbytes, 8)
 
 
 def unpack_groups(payload: torch.Tensor, bits: int) -> torch.Tensor:
@@ -121,13 +130,7 @@ def unpack_groups(payload: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return payload
     g, gbytes = packing_group(bits)
-    mask = (1 << bits) - 1
-    if gbytes == 1:
-        return ((payload.unsqueeze(-1) >> _shifts(bits, g, bits, payload.device, torch.uint8)) & mask).flatten(-2)
-    word_dtype = torch.int32 if gbytes < 4 else torch.int64
-    lanes = payload.unflatten(-1, (-1, gbytes)).to(word_dtype) << _shifts(8, gbytes, 8, payload.device, word_dtype)
-    word = lanes.sum(-1, dtype=word_dtype)
-    return ((word.unsqueeze(-1) >> _shifts(bits, g, bits, payload.device, word_dtype)) & mask).to(torch.uint8).flatten(-2)
+    return _split_word(_join_lanes(payload.unflatten(-1, (-1, gbytes)), 8, _word_dtype(gbytes)), g, bits)
 
 
 def unpack_into(payload: torch.Tensor, bits: int, out: torch.Tensor) -> None:
