@@ -36,6 +36,26 @@ def test_a_test_process_forks_its_later_tests_workers_from_the_same_server(monke
     assert forkserver.start_method() == "spawn"
 
 
+def test_a_process_that_ran_a_compiled_graph_still_forks_its_launchs_workers(monkeypatch):
+    """Inductor writes a variable of its own into os.environ when it loads a compiled kernel: a test
+    process or notebook that compiled something still forks its later launches' workers."""
+    import torch
+
+    from agoq.quant import backend
+
+    if not backend.compiler_available():
+        pytest.skip("no C++ compiler for torch.compile")
+    monkeypatch.setattr(forkserver, "_forkserver_env", dict(os.environ))
+    before = dict(os.environ)
+    torch._dynamo.reset()  # a graph compiled and loaded here, not one an earlier test left in memory
+    x = torch.arange(8.0)
+    assert torch.equal(torch.compile(lambda t: t * 3 + 1)(x), x * 3 + 1)
+    changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+    assert forkserver.start_method() == "forkserver", changed
+    monkeypatch.setenv("SOMETHING_OF_THE_USER", "x")  # what the launch's workers would see differently still spawns
+    assert forkserver.start_method() == "spawn"
+
+
 def _print_line(text: str, output: forkserver.LauncherOutput) -> None:
     output.install()
     print(text, flush=True)

@@ -195,6 +195,11 @@ def test_llama_stages_pipelined_equal_full_model(ranks, name):
 def _hang_on_rank_one(rank: int, world: int) -> int:
     import time
 
+    import torch.distributed as dist
+
+    # Both ranks first finish joining: a rank 0 that answered and closed its group while rank 1
+    # was still connecting failed rank 1's join instead of leaving it hung.
+    dist.barrier()
     if rank == 1:
         time.sleep(120)  # stands for a collective that never completes
     return rank

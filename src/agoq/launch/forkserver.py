@@ -175,7 +175,10 @@ class _ReceivedOutput:
 # Variables a host process rewrites between launches that nothing reads at import: pytest names the
 # running test in PYTEST_CURRENT_TEST, so a launch from a test process's second test would spawn
 # its workers (each importing torch and agoq anew) instead of forking them from the server.
-PER_CALL_VARS = frozenset({"PYTEST_CURRENT_TEST"})
+# Inductor sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (an address in this process's torch) each
+# time it loads a compiled C++ kernel, just before the load that reads it: once a notebook or test
+# process had run one compiled graph, every later launch from it spawned its workers.
+PER_CALL_VARS = frozenset({"PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
 
 
 def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
