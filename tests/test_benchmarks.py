@@ -221,14 +221,27 @@ def test_op_overhead_times_each_fused_op_both_ways_and_keeps_the_earlier_ratios(
     assert "Earlier, revision" in capsys.readouterr().out
 
 
-def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path):
+def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path, monkeypatch):
     pytest.importorskip("peft")
     from benchmarks import lora
 
+    spawned = []
+    real_spawn = lora.spawn
+
+    def one_in_a_process(module, spec, tmp, name):
+        # Plain LoRA goes through the real spawn (a process importing torch, transformers and peft
+        # costs seconds of a 2-core run); agoq's variant runs the same run_one in this process.
+        spawned.append(spec["variant"])
+        if spec["variant"] == "lora":
+            return real_spawn(module, spec, tmp, name)
+        return json.loads(json.dumps(lora.run_one(json.loads(json.dumps(spec)))))
+
+    monkeypatch.setattr(lora, "spawn", one_in_a_process)
     tiny = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--hidden", "64", "--intermediate", "128", "--layers", "2"]
     argv = [*tiny, "--seq-len", "16", "--batch-size", "2", "--eval-windows", "2", "--variants", "lora,agoq_lora", "--out-dir", str(tmp_path)]
     before = _committed()
     assert lora.main(argv) == 0
+    assert sorted(spawned) == ["agoq_lora", "lora"]
     assert _committed() == before
     payload = json.loads((tmp_path / "lora_hidden64.json").read_text())  # another width: a file of its own
     assert payload["benchmark"] == "lora_hidden64" and payload["command"] == "python -m benchmarks.lora " + " ".join(argv)

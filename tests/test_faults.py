@@ -343,6 +343,7 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
         "--train.steps=100000",
         "--checkpoint.every=0",
         "--precision.quant_backend=torch",
+        "--parallel.pp=1",  # two workers (dp=2): a Ctrl-C reaches one peer as it does three
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "agoq", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
