@@ -11,6 +11,12 @@ from agoq.inductor_cache import use_layout_cache_tag
 # agoq's ops (inductor's cache outlives a checkout) are not handed to this one.
 use_layout_cache_tag()
 
+# Inductor builds each graph's kernels in the process that compiles it instead of a pool of compile
+# workers (read when inductor's config is imported): on a 2-core test machine every process that
+# compiles (each test process, each compiling run) would start a pool whose workers import torch,
+# which costs more than the pool overlaps.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import torch  # noqa: E402
 
 from tests._data import ENV_VAR as DATA_CACHE_ENV  # noqa: E402
