@@ -221,7 +221,13 @@ def test_op_overhead_times_each_fused_op_both_ways_and_keeps_the_earlier_ratios(
     assert "Earlier, revision" in capsys.readouterr().out
 
 
-def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path, monkeypatch):
+def _run_here(run_one, spec: dict) -> dict:
+    """What benchmarks._finetune.spawn() returns for ``spec``, run in this process: the spec and the
+    result go through JSON as the child reads and writes them."""
+    return json.loads(json.dumps(run_one(json.loads(json.dumps(spec)))))
+
+
+def test_lora_runs_each_variant_through_spawn_into_out_dir(tmp_path, monkeypatch):
     pytest.importorskip("peft")
     from benchmarks import lora
 
@@ -234,7 +240,7 @@ def test_lora_runs_its_variants_in_their_own_processes_into_out_dir(tmp_path, mo
         spawned.append(spec["variant"])
         if spec["variant"] == "lora":
             return real_spawn(module, spec, tmp, name)
-        return json.loads(json.dumps(lora.run_one(json.loads(json.dumps(spec)))))
+        return _run_here(lora.run_one, spec)
 
     monkeypatch.setattr(lora, "spawn", one_in_a_process)
     tiny = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--hidden", "64", "--intermediate", "128", "--layers", "2"]
@@ -265,7 +271,7 @@ def test_finetune_scale_measures_each_run_beside_its_plan_into_out_dir(tmp_path,
         assert module == "benchmarks.finetune_scale" and callable(finetune_scale._child_main)
         if spec["variant"] == "qlora":  # as spawn() reports a run that failed
             return {"error": "ModuleNotFoundError: No module named 'bitsandbytes'", "stderr": "Traceback ..."}
-        return json.loads(json.dumps(finetune_scale.run_one(json.loads(json.dumps(spec)))))
+        return _run_here(finetune_scale.run_one, spec)
 
     monkeypatch.setattr(finetune_scale, "spawn", in_this_process)
     shape = ["--hidden", "128", "--intermediate", "352", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--vocab-size", "1024"]
