@@ -39,7 +39,7 @@ def _no_early_forkserver(monkeypatch):
     # worker, so it would only take CPU from the rest of the suite.
     import agoq.launch.forkserver
 
-    monkeypatch.setattr(agoq.launch.forkserver, "start_early", lambda: None)
+    monkeypatch.setattr(agoq.launch.forkserver, "start_early", lambda preload: None)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def _no_early_forkserver(monkeypatch):
     # Nearly every case here stops before any worker: the fork server would only take CPU.
     import agoq.launch.forkserver
 
-    monkeypatch.setattr(agoq.launch.forkserver, "start_early", lambda: None)
+    monkeypatch.setattr(agoq.launch.forkserver, "start_early", lambda preload: None)
 
 
 def _args(out: Path, tokenizer: Path, *extra: str) -> list[str]:

@@ -133,7 +133,7 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
     from agoq.inductor_cache import use_capability_cache
 
     use_capability_cache()  # what agoq.cli.main does first
-    forkserver.start_early()
+    forkserver.start_early(forkserver.FORKSERVER_PRELOAD)
     assert len(started) == 1
     server_env = started[0]
     assert server_env[forkserver.LOOPBACK_ENV] == "1"  # the workers' variables were in the server's environment
@@ -145,8 +145,48 @@ def test_the_fork_server_started_early_serves_the_launch_that_follows(monkeypatc
 
     with forkserver.workers_environment():
         assert dict(os.environ) == server_env and forkserver.start_method() == "forkserver"
-    forkserver.start_early()  # a second launch in this process starts nothing more
+    forkserver.start_early(forkserver.FORKSERVER_PRELOAD)  # a second launch in this process starts nothing more
     assert len(started) == 1
+
+
+def test_the_fork_server_imports_what_the_run_needs():
+    from agoq.launch.config import read_config
+
+    def preload(*args: str) -> tuple[str, ...]:
+        return forkserver.worker_preload(read_config(None, list(args)))
+
+    every = forkserver.FORKSERVER_PRELOAD
+    assert "torch._dynamo" in every  # torch.optim imports it in every worker
+    assert preload("--parallel.pp=1", "--precision.quant_backend=torch") == every
+    assert preload("--parallel.pp=2", "--precision.quant_backend=torch") == every + forkserver.PIPELINE_PRELOAD
+    assert preload("--parallel.pp=1", "--precision.quant_backend=torch", "--train.compile=true") == every + forkserver.COMPILE_PRELOAD
+    assert preload("--parallel.pp=1", "--precision.quant_backend=compiled") == every + forkserver.COMPILE_PRELOAD
+    # The default run: pp = 2, and `auto`, which compiles on CPUs.
+    assert preload() == every + forkserver.PIPELINE_PRELOAD + forkserver.COMPILE_PRELOAD
+
+
+# agoq train's launcher up to its fork server's start, then its memory check of a pp = 1 run.
+LAUNCH_IMPORTS = """
+import sys
+import agoq.launch.forkserver as fs
+started = []
+fs.start_early = lambda preload: started.append(("torch" in sys.modules, preload))
+from agoq.cli import main
+# train.steps=0 reads, then fails validation: the launch stops after the server's start.
+assert main(["train", "--parallel.pp=1", "--precision.quant_backend=torch", "--train.steps=0"]) == 2
+from agoq.launch.config import load_config
+from agoq.launch.planning import check_memory
+check_memory(load_config(None, ["--parallel.pp=1"]))
+print(started == [(False, fs.FORKSERVER_PRELOAD)], "torch.distributed.pipelining" in sys.modules)
+"""
+
+
+def test_the_fork_server_starts_before_torch_is_imported_and_a_pp1_launcher_never_imports_pipelining():
+    # The server's imports overlap the launcher's only if it starts first; torch's pipelining
+    # imports Dynamo, which neither the launcher's checks nor a pp = 1 plan use.
+    out = subprocess.run([sys.executable, "-c", LAUNCH_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"], out.stdout
 
 
 def test_no_fork_server_is_started_under_torchrun(monkeypatch):
@@ -156,7 +196,7 @@ def test_no_fork_server_is_started_under_torchrun(monkeypatch):
     monkeypatch.setattr(forkserver, "_forkserver_env", None)
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: started.append(True))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    forkserver.start_early()
+    forkserver.start_early(forkserver.FORKSERVER_PRELOAD)
     assert started == [] and forkserver._forkserver_env is None
 
 

@@ -17,11 +17,13 @@ BENCH_MOVED = (
 )
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, config_fields: bool = True) -> argparse.ArgumentParser:
     """The argument parser of the ``agoq`` command, with the options of ``command`` (None: every command).
 
     Only the command being run gets its options, so that ``agoq --help`` and ``agoq plan --help``
-    do not import torch.
+    do not import torch. ``config_fields``: list the config's fields under ``agoq train --help``,
+    which imports torch (for the quantization backends' names); a launch, which must start its
+    fork server before torch is imported, parses without them.
     """
     parser = argparse.ArgumentParser(
         prog="agoq",
@@ -38,7 +40,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             help=TRAIN_HELP,
             description="Train a LLaMA model with AGoQ. With no arguments: the embedded default run. "
             "Override any config value with --section.key=value, e.g. --train.steps=50 --parallel.pp=1.",
-            epilog=config_help(),
+            epilog=config_help() if config_fields else None,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         train.add_argument("config", nargs="?", help="a TOML config file (see configs/)")
@@ -67,22 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agoq`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
-    if command == "train" and not {"-h", "--help", "--print-config"} & set(argv):
-        from agoq.inductor_cache import use_capability_cache, use_layout_cache_tag
-        from agoq.launch.forkserver import start_early
-
-        use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
-        use_layout_cache_tag()
-        start_early()  # its imports overlap the launcher's own (see agoq.launch.forkserver)
     if command == "bench":
         print(BENCH_MOVED, file=sys.stderr)
         return 2
-    parser = build_parser(command if command in ("train", "plan") else "")
+    parser = build_parser(command if command in ("train", "plan") else "", config_fields=bool({"-h", "--help"} & set(argv)))
     # Config overrides (--section.key=value) go straight to the config loader: argparse would take
     # one whose value holds a space ("--model.overrides={n_layers = 4}") for the config file.
     overrides = [a for a in argv if a.startswith("--") and "." in a.split("=", 1)[0]] if argv[:1] == ["train"] else []
     args, extra = parser.parse_known_args([a for a in argv if a not in overrides])
     if args.command == "train":
+        if not args.print_config:
+            _start_fork_server(args.config, overrides + extra)
         return _train(args, overrides + extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -92,6 +89,23 @@ def main(argv: list[str] | None = None) -> int:
         return plan_run(args)
     parser.print_help()
     return 0
+
+
+def _start_fork_server(path: str | None, overrides: list[str]) -> None:
+    """Start the fork server of a local run, before torch is imported: its imports overlap the
+    launcher's own (agoq.launch.forkserver). A config that does not read starts none; the launch
+    then names the problem."""
+    from agoq.inductor_cache import use_capability_cache, use_layout_cache_tag
+    from agoq.launch.config import ConfigError, read_config
+    from agoq.launch.forkserver import start_early, worker_preload
+
+    try:
+        cfg = read_config(path, overrides)
+    except ConfigError:
+        return
+    use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
+    use_layout_cache_tag()
+    start_early(worker_preload(cfg))
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -218,6 +218,15 @@ def _apply(cfg: TrainConfig, section: str, key: str, value: Any, *, parse_litera
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Defaults, then the TOML file (if any), then ``section.key=value`` overrides; validated."""
+    cfg = read_config(path, overrides)
+    validate(cfg)
+    return cfg
+
+
+def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """:func:`load_config` before its validation, which imports torch: what the launcher reads to
+    start its fork server while it imports the rest. ConfigError for a file or override that does
+    not parse."""
     cfg = TrainConfig()
     if path is not None:
         path = Path(path)
@@ -242,7 +251,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         dotted, value = text.split("=", 1)
         section, key = dotted.split(".", 1)
         _apply(cfg, section, key, value, parse_literal=True)
-    validate(cfg)
     return cfg
 
 

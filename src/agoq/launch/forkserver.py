@@ -1,9 +1,10 @@
 """How a local run's workers start, the environment they run in, and how they die with the launcher.
 
-Local workers fork from one server process that has torch, its compiler and agoq imported, instead
-of importing them each (which cost every worker its own import time at the start).
-:func:`start_early` starts it when ``agoq train`` begins, so that its imports run on a second core
-while the launcher imports, reads its config and prepares the data. A worker runs in the server's
+Local workers fork from one server process that has torch and agoq imported (and what the run
+needs besides: torch's pipelining, its compiler), instead of importing them each (which cost every
+worker its own import time at the start). :func:`start_early` starts it as soon as ``agoq train``
+has read its config file and overrides, so that its imports run on a second core while the
+launcher imports torch, validates the config and prepares the data. A worker runs in the server's
 environment, unchanged: the server serves only a launch whose workers' environment is the one it
 was started with (:func:`start_method`); any other launch spawns its workers, as torch's elastic
 launcher does.
@@ -29,26 +30,34 @@ import time
 import traceback
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from agoq.launch.config import TrainConfig
 
 # Set by the local launcher in its workers' environment: host the process-group store on loopback
 # (agoq.launch.loopback).
 LOOPBACK_ENV = "AGOQ_LOOPBACK"
 # Set by the local launcher in the environment of what it starts: its pid (guard_fork_server).
 LAUNCHER_ENV = "AGOQ_LAUNCHER_PID"
-# What the fork server imports once, before any worker forks from it; its guard first.
+# What the fork server imports once, before any worker forks from it; its guard first. Every run's
+# workers need these:
 FORKSERVER_PRELOAD = (
     "agoq.launch.forkserver_guard",
     "agoq.launch.run",
     "agoq.launch.components",
-    "agoq.quant.compiled",
+    # torch.optim imports Dynamo as the optimizer takes its parameters (its add_param_group is
+    # wrapped to stay out of Dynamo's traces): every worker does, compiling or not.
     "torch._dynamo",
-    "torch._inductor.compile_fx",
     # Rank 0 draws loss.png at the end of a run (agoq.train.metrics.plot_run); a missing optional
     # package is skipped by the server's preload.
     "matplotlib.figure",
     "matplotlib.backends.backend_agg",
 )
+# A run with pp > 1 builds torch's pipeline schedules (imported where used: agoq.parallel.pipeline).
+PIPELINE_PRELOAD = ("torch.distributed.pipelining",)
+# A run that may compile: the compiled quantization backend, or train.compile.
+COMPILE_PRELOAD = ("agoq.quant.compiled", "torch._inductor.compile_fx")
 _forkserver_env: dict[str, str] | None = None
 # What a launcher that is not torchrun (srun scripts, mpirun wrappers) must set for torch's env://
 # initialisation; torchrun sets TORCHELASTIC_RUN_ID besides.
@@ -127,13 +136,17 @@ def workers_environment() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def start_method() -> str:
+def start_method(preload: tuple[str, ...] = FORKSERVER_PRELOAD + PIPELINE_PRELOAD + COMPILE_PRELOAD) -> str:
     """'forkserver' when this process's fork server was, or is about to be, started in the
     environment this launch gives its workers (the block of :func:`workers_environment`); 'spawn'
-    otherwise (a long-lived process launching in another environment)."""
+    otherwise (a long-lived process launching in another environment).
+
+    A server started here imports ``preload`` first: by default what any run needs, since a
+    long-lived process (a notebook, a test session) forks the workers of every later launch from it.
+    """
     global _forkserver_env
     if _forkserver_env is None:
-        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        multiprocessing.set_forkserver_preload(list(preload))
         _forkserver_env = dict(os.environ)
     return "forkserver" if _same_for_workers(_forkserver_env, dict(os.environ)) else "spawn"
 
@@ -198,16 +211,26 @@ def _same_for_workers(server: dict[str, str], launch: dict[str, str]) -> bool:
     return launch["TORCHINDUCTOR_CACHE_DIR"] == inductor_default_cache_dir()
 
 
-def start_early() -> None:
+def worker_preload(cfg: TrainConfig) -> tuple[str, ...]:
+    """What the fork server imports for the workers of a run of ``cfg``: what every run needs, torch's
+    pipelining where pp > 1, and inductor where the run may compile (train.compile, or the
+    quantization backend 'compiled' or 'auto', which compiles on CPUs). A module left out is
+    imported by each worker that uses it, after its fork."""
+    may_compile = cfg.train.compile or cfg.precision.quant_backend in ("auto", "compiled")
+    return FORKSERVER_PRELOAD + (PIPELINE_PRELOAD if cfg.parallel.pp > 1 else ()) + (COMPILE_PRELOAD if may_compile else ())
+
+
+def start_early(preload: tuple[str, ...]) -> None:
     """Start the fork server now, in the environment the local launcher will give its workers.
 
-    It imports FORKSERVER_PRELOAD in the background; the launch later forks its workers from it.
-    Nothing happens under torchrun, which starts its workers itself, or where a server already runs.
+    It imports ``preload`` (:func:`worker_preload`) in the background; the launch later forks its
+    workers from it. Nothing happens under torchrun, which starts its workers itself, or where a
+    server already runs.
     """
     if under_torchrun() or _forkserver_env is not None:
         return
     with workers_environment():
-        if start_method() == "forkserver":
+        if start_method(preload) == "forkserver":
             # The server starts ignoring Ctrl-C (an ignored signal stays ignored across its exec):
             # pressed while it imports multiprocessing itself, before guard_fork_server can run, it
             # printed a KeyboardInterrupt traceback beside the launcher's one line. The guard then

@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.pipelining import schedules as _schedules
-
 from agoq.parallel.pipeline import check_schedule, is_multi_stage, rank_stages, schedule_class, stage_to_rank
 
 
@@ -71,7 +69,9 @@ def schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_stages: 
 
 def _timeline_peaks(pipeline_order: Mapping[int, Sequence[Any]], stage_weights: Sequence[int]) -> tuple[list[int], list[int]]:
     """Per rank, the peak summed weight of in-flight micro-batches; per stage, the peak count."""
-    forward, done = _schedules.FORWARD, (_schedules.FULL_BACKWARD, _schedules.BACKWARD_WEIGHT)
+    from torch.distributed.pipelining import schedules
+
+    forward, done = schedules.FORWARD, (schedules.FULL_BACKWARD, schedules.BACKWARD_WEIGHT)
     num_stages = len(stage_weights)
     per_rank = [0] * len(pipeline_order)
     per_stage = [0] * num_stages

@@ -14,21 +14,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 import torch.distributed as dist
-from torch.distributed.pipelining import schedules as _schedules
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import PipelineStage
 
-# Names accepted in configs (case-insensitive) -> torch's schedule class.
-SCHEDULES: dict[str, type] = {
-    "gpipe": _schedules.ScheduleGPipe,
-    "1f1b": _schedules.Schedule1F1B,
-    "interleaved1f1b": _schedules.ScheduleInterleaved1F1B,
-    "loopedbfs": _schedules.ScheduleLoopedBFS,
-    "interleavedzerobubble": _schedules.ScheduleInterleavedZeroBubble,
-    "zbvzerobubble": _schedules.ScheduleZBVZeroBubble,
-    "dualpipev": _schedules.ScheduleDualPipeV,
+# Names accepted in configs (case-insensitive) -> the name of torch's schedule class in
+# torch.distributed.pipelining.schedules, imported where a schedule is built or ordered and not
+# with this module: torch's pipelining imports Dynamo, which the launcher's checks, `agoq plan` and
+# a pp = 1 run need none of.
+SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "loopedbfs": "ScheduleLoopedBFS",
+    "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
+    "zbvzerobubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 # Schedules that place two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
 _V_SCHEDULES = ("zbvzerobubble", "dualpipev")
@@ -46,12 +48,16 @@ def schedule_name(name: str) -> str:
 
 def schedule_class(name: str) -> type:
     """torch.distributed.pipelining's class for a schedule name ('gpipe', '1f1b', 'interleaved1f1b', ...)."""
-    return SCHEDULES[schedule_name(name)]
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, SCHEDULES[schedule_name(name)])
 
 
 def is_multi_stage(name: str) -> bool:
     """Whether the schedule can hold several (virtual) stages per rank."""
-    return issubclass(schedule_class(name), _schedules.PipelineScheduleMulti)
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return issubclass(schedule_class(name), PipelineScheduleMulti)
 
 
 def stage_to_rank(name: str, pp: int, virtual_stages: int = 1) -> list[int]:
@@ -83,7 +89,7 @@ def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int 
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
     num_stages = pp * virtual_stages
-    if not is_multi_stage(key) and virtual_stages != 1:
+    if virtual_stages != 1 and not is_multi_stage(key):
         raise ValueError(
             f"schedule {key!r} runs one stage per rank but virtual_stages={virtual_stages}; set virtual_stages=1 or use 'interleaved1f1b'"
         )
@@ -183,7 +189,7 @@ def build_schedule(
             f"{len(stages)} stage(s) per rank on {stages[0].group_size} pp ranks do not make {stages[0].num_stages} stages; "
             "give each rank num_stages / pp stages"
         )
-    cls = SCHEDULES[key]
+    cls = schedule_class(key)
     if is_multi_stage(key):
         return cls(list(stages), n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
