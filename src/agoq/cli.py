@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import agoq
+
+if TYPE_CHECKING:
+    from agoq.launch.config import TrainConfig
 
 
 TRAIN_HELP = "train a LLaMA model (default: tiny model on the KJV Bible, 4 local processes, pp=2 x dp=2)"
@@ -78,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in argv if a.startswith("--") and "." in a.split("=", 1)[0]] if argv[:1] == ["train"] else []
     args, extra = parser.parse_known_args([a for a in argv if a not in overrides])
     if args.command == "train":
-        if not args.print_config:
-            _start_fork_server(args.config, overrides + extra)
         return _train(args, overrides + extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -91,28 +93,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _start_fork_server(path: str | None, overrides: list[str]) -> None:
-    """Start the fork server of a local run, before torch is imported: its imports overlap the
-    launcher's own (agoq.launch.forkserver). A config that does not read starts none; the launch
-    then names the problem."""
+def _load_config_and_start_fork_server(args: argparse.Namespace, overrides: list[str]) -> TrainConfig:
+    """load_config in its two steps, with the local run's fork server started between them: after
+    the read, which it chooses its imports from, before the validation, which imports torch, so
+    that the server's imports overlap the launcher's own (agoq.launch.forkserver)."""
     from agoq.inductor_cache import use_capability_cache, use_layout_cache_tag
-    from agoq.launch.config import ConfigError, read_config
+    from agoq.launch.config import read_config, validate
     from agoq.launch.forkserver import start_early, worker_preload
 
-    try:
-        cfg = read_config(path, overrides)
-    except ConfigError:
-        return
-    use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
-    use_layout_cache_tag()
-    start_early(worker_preload(cfg))
+    cfg = read_config(args.config, overrides)
+    if not args.print_config:
+        use_capability_cache()  # before torch is imported: the workers inherit the folder (agoq.inductor_cache)
+        use_layout_cache_tag()
+        start_early(worker_preload(cfg))
+    validate(cfg)
+    return cfg
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from agoq.launch.config import ConfigError, load_config
+    from agoq.launch.config import ConfigError
 
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = _load_config_and_start_fork_server(args, overrides)
     except ConfigError as e:
         print(f"agoq train: {e}", file=sys.stderr)
         return 2
