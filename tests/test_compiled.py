@@ -67,6 +67,20 @@ def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str, d
     assert torch.equal(C.dequantize(q).nan_to_num(7.0), _reference(dequantize, q).nan_to_num(7.0)), spec
 
 
+def test_one_graph_of_a_format_serves_every_block_count() -> None:
+    # The block count is symbolic from the first graph on: torch.compile's default builds one graph
+    # for the first size and a second, symbolic one at the next (6x slower as it was built).
+    from torch._dynamo.utils import counters
+
+    fmt = parse_format("int8/256")
+    C._graph.cache_clear()  # the quantize graph on a code object Dynamo has not seen
+    before = counters["stats"]["unique_graphs"]
+    for blocks in (3, 40, 7):
+        x = _data(blocks * fmt.block_size, torch.float32, seed=blocks)
+        _assert_same(C.quantize(x, fmt), _reference(quantize, x, fmt), blocks)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_the_backend_switch_routes_quantize_and_non_finite_blocks_get_the_reference_bits_without_a_host_read() -> None:
     fmt = parse_format("int8/256")
     x = _data(2048, torch.float32)

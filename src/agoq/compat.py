@@ -111,6 +111,15 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition, message)
 
 
+def leave_dim_dynamic(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with dimension ``dim`` marked for torch.compile to keep symbolic from the first graph on
+    (a size of 0 or 1 is still specialized), as automatic dynamic shapes would only after a second
+    size. ``torch._dynamo.maybe_mark_dynamic`` is the one way to ask it; torch.compile's
+    ``dynamic=True`` makes every integer symbolic instead. Returns ``t``."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+    return t
+
+
 def inductor_default_cache_dir() -> str:
     """The folder inductor caches into when TORCHINDUCTOR_CACHE_DIR is not set."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir

@@ -10,14 +10,17 @@ their graphs (``pack_groups``, ``unpack_groups``: the reference's layout by arit
 group), so no tensor of one-byte codes is written or read between them and their payload; the
 gradient folds and reductions, 8-bit in practice, pack on the reference's SWAR path outside.
 
-Shapes follow torch.compile's default: a graph is first built for the sizes it meets, and rebuilt
-once with the block count symbolic when another size comes. A format's integers (block size,
-bits) stay constants: with them symbolic (``dynamic=True``) inductor indexed every value through a
-division by the block size and left the encoding loop scalar, several times slower than eager
-torch. Each graph keeps values in the blocks' own shape, [blocks, block], for the same reason, and
-codes are made from fp32 values by one conversion (no int8 dtype view). A graph that inductor
-cannot build (e.g. no working C++ compiler) runs eagerly from then on, with one warning: the same
-formulas, the same results.
+Every graph takes its tensors in the blocks' own shape, [blocks, block] (a view made outside it),
+with the block count symbolic from the first call (:func:`_blocks`): one graph of a format serves
+every size, where torch.compile's default built one for the first size and a second, symbolic one
+when another size came. A symbolic count of values instead, viewed as blocks inside the graph,
+reached inductor as a floor division that split the encoding from the rounding into two loops
+with an fp32 buffer between them: that graph quantized 6x slower than one for a fixed size, and
+slower than eager torch. A format's integers (block size, bits) stay constants: with them
+symbolic (``dynamic=True``) inductor indexed every value through a division by the block size and
+left the encoding loop scalar. Codes are made from fp32 values by one conversion (no int8 dtype
+view). A graph that inductor cannot build (e.g. no working C++ compiler) runs eagerly from then on,
+with one warning: the same formulas, the same results.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from agoq.compat import leave_dim_dynamic
 from agoq.quant.formats import CodebookTables, QuantFormat, codebook_tables
 from agoq.quant.packing import pack_groups, pack_into, packing_group, unpack_groups, unpack_into
 from agoq.quant.qtensor import (
@@ -122,7 +126,7 @@ def _block_values(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, t
 def _quantize_graph(x: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # ``packed``: the codes packed in the graph, [blocks, payload bytes of a block] (whole blocks only:
     # a last block's padding gets code 0 outside the graph, before packing).
-    codes, scales = block_codes(x.to(torch.float32, copy=True).view(-1, fmt.block_size), fmt, tables, propagate=True)
+    codes, scales = block_codes(x.to(torch.float32, copy=True), fmt, tables, propagate=True)
     return (pack_groups(codes, fmt.bits) if packed else codes), scales
 
 
@@ -136,9 +140,9 @@ def _fold_graph(
 ) -> tuple[torch.Tensor, ...]:
     # quantize(grad if first else dequantize(region) + grad); a non-finite block gets a NaN scale
     # (or 0 with ``zero_bad``, the gradient buffer's rule) and unspecified codes.
-    x = grad.to(torch.float32, copy=True).view(-1, fmt.block_size)
+    x = grad.to(torch.float32, copy=True)
     if not first:
-        x = _block_values(codes.view(-1, fmt.block_size), scales, fmt, tables) + x
+        x = _block_values(codes, scales, fmt, tables) + x
     new_codes, new_scales = block_codes(x, fmt, tables)
     bad = ~torch.isfinite(new_scales)
     if zero_bad:
@@ -170,8 +174,8 @@ def _swiglu_graph(
     gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | None, act_dtype: torch.dtype, packed: bool
 ) -> tuple[torch.Tensor, ...]:
     # The product is computed in fp32 and rounded once (eagerly SiLU is rounded to the dtype first).
-    g = gate.to(torch.float32, copy=True).view(-1, fmt.block_size)
-    u = up.to(torch.float32, copy=True).view(-1, fmt.block_size)
+    g = gate.to(torch.float32, copy=True)
+    u = up.to(torch.float32, copy=True)
     act = (F.silu(g) * u).to(act_dtype)  # in the blocks' shape, flattened outside the graph
     (g_codes, g_scales), (u_codes, u_scales) = block_codes(g, fmt, tables, propagate=True), block_codes(u, fmt, tables, propagate=True)
     if packed:  # as in _quantize_graph
@@ -219,9 +223,22 @@ def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(flat, (0, pad)) if pad else flat
 
 
+def _symbolic(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """A view of ``t`` for a graph, its block count (dimension ``dim``) symbolic from the first graph
+    on (see the module's docstring). The mark goes on a view of its own, so that no caller's tensor
+    carries it into the caller's own compiles."""
+    return leave_dim_dynamic(t.view(t.shape), dim)
+
+
+def _blocks(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` (whole blocks) as [blocks, width] for a graph: width values, or payload bytes, of a
+    block in a row; the block count symbolic (:func:`_symbolic`)."""
+    return _symbolic(flat.view(-1, width))
+
+
 def _block_payload(payload: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """A payload of whole blocks as [blocks, bytes of a block]: what the graphs unpack."""
-    return payload.view(-1, fmt.payload_bytes(fmt.block_size))
+    return _blocks(payload, fmt.payload_bytes(fmt.block_size))
 
 
 def _packed_in_graph(stored: torch.Tensor, fmt: QuantFormat) -> bool:
@@ -255,7 +272,9 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
         return reference_quantize(x, fmt, nonfinite="propagate")
     stored = stored_values(x, fmt)
     packed = _packed_in_graph(stored, fmt)
-    codes, scales = _graph(_quantize_graph, fmt, packed)(_whole_blocks(stored, fmt.block_size), fmt, _tables(fmt, x.device), packed)
+    codes, scales = _graph(_quantize_graph, fmt, packed)(
+        _blocks(_whole_blocks(stored, fmt.block_size), fmt.block_size), fmt, _tables(fmt, x.device), packed
+    )
     return _qtensor(x, stored, codes, scales, fmt)
 
 
@@ -277,8 +296,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     stored_gate, stored_up = stored_values(gate, fmt), stored_values(up, fmt)
     packed = _packed_in_graph(stored_gate, fmt)
     act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype, packed)(
-        _whole_blocks(stored_gate, fmt.block_size),
-        _whole_blocks(stored_up, fmt.block_size),
+        _blocks(_whole_blocks(stored_gate, fmt.block_size), fmt.block_size),
+        _blocks(_whole_blocks(stored_up, fmt.block_size), fmt.block_size),
         fmt,
         _tables(fmt, gate.device),
         act_dtype=gate.dtype,
@@ -306,7 +325,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor |
         payload = F.pad(payload, (0, fmt.payload_bytes(whole) - payload.numel()))
     direct = out is not None and out.is_contiguous() and out.numel() == whole  # the graph stores into out itself
     values = out.view(blocks, fmt.block_size) if direct else torch.empty(blocks, fmt.block_size, dtype=dtype, device=q.device)
-    _graph(_dequantize_graph, fmt)(_block_payload(payload.contiguous(), fmt), q.scales, values, fmt, _tables(fmt, q.device))
+    _graph(_dequantize_graph, fmt)(_block_payload(payload.contiguous(), fmt), _symbolic(q.scales), _symbolic(values), fmt, _tables(fmt, q.device))
     if direct:
         return out
     flat = values.view(-1)[:n]
@@ -321,7 +340,8 @@ def dequantize_rows(payload_rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Q
     rows, nblocks = scale_rows.shape
     if fmt.bits == 8:
         codes = payload_rows.unflatten(1, (nblocks, fmt.block_size))
-        _graph(_dequantize_graph, fmt)(codes, scale_rows, out.view(rows, nblocks, fmt.block_size), fmt, _tables(fmt, out.device))
+        values = out.view(rows, nblocks, fmt.block_size)
+        _graph(_dequantize_graph, fmt)(_symbolic(codes, 1), _symbolic(scale_rows, 1), _symbolic(values, 1), fmt, _tables(fmt, out.device))
         return
     dequantize_each_row(payload_rows, scale_rows, fmt, out, dequantize)
 
@@ -337,7 +357,8 @@ def _fold_region(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
     codes = payload if first else _codes(payload, fmt)  # a first fold reads no codes
-    new_codes, new_scales, *rest = _graph(_fold_graph, fmt, first, zero_bad)(codes, scales, g, fmt, _tables(fmt, payload.device), first, zero_bad)
+    blocks = (_blocks(codes, fmt.block_size) if not first else codes, _symbolic(scales), _blocks(g, fmt.block_size))
+    new_codes, new_scales, *rest = _graph(_fold_graph, fmt, first, zero_bad)(*blocks, fmt, _tables(fmt, payload.device), first, zero_bad)
     _packed(new_codes, fmt, payload)
     scales.copy_(new_scales)
     return tuple(rest)
@@ -371,8 +392,8 @@ def sum_of_squares(q: QTensor) -> torch.Tensor:
         raise ValueError(f"sum_of_squares needs whole blocks of {fmt.block_size} values, got {q.numel} values")
     if q.numel == 0:
         return torch.zeros((), dtype=torch.float64, device=q.device)
-    codes = _codes(q.payload, fmt).view(-1, fmt.block_size)
-    return _graph(_sum_of_squares_graph, fmt)(codes, q.scales, fmt, _tables(fmt, q.device))
+    codes = _blocks(_codes(q.payload, fmt), fmt.block_size)
+    return _graph(_sum_of_squares_graph, fmt)(codes, _symbolic(q.scales), fmt, _tables(fmt, q.device))
 
 
 def reduce_rows(
@@ -398,7 +419,7 @@ def reduce_rows(
     codes = _codes(code_rows, fmt).view(w, nblocks, fmt.block_size)
     tables = _tables(fmt, payload_rows.device)
     reduce = _graph(_reduce_graph, fmt)
-    outputs = reduce(codes, scale_rows, fmt, tables, average, keep_sum, requantize)
+    outputs = reduce(_symbolic(codes, 1), _symbolic(scale_rows, 1), fmt, tables, average, keep_sum, requantize)
     acc = outputs[0].view(-1) if keep_sum else None
     if not requantize:
         return acc, None
@@ -424,9 +445,9 @@ def reading_codes(fn: Callable[..., Any], fmt: QuantFormat, positions: tuple[int
             if not (a.whole_blocks if quantized else a.numel() % fmt.block_size == 0 and a.is_contiguous()):
                 raise ValueError(f"reading_codes needs whole blocks of {fmt.block_size} values and contiguous tensors (argument {i})")
             if quantized:
-                items.append((_block_payload(a.payload.contiguous(), fmt), a.scales))
+                items.append((_block_payload(a.payload.contiguous(), fmt), _symbolic(a.scales)))
             else:
-                items.append(a.view(-1, fmt.block_size))
+                items.append(_blocks(a, fmt.block_size))
         out = _graph(_reading_codes_graph, fmt, fn, *sorted(constants.items()))(fn, tuple(items), fmt, _tables(fmt, args[0].device), **constants)
         if isinstance(out, torch.Tensor):
             return out.view(shape)
