@@ -19,7 +19,14 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
+from agoq.launch.choices import worker_threads  # noqa: E402
+
 from tests._data import ENV_VAR as DATA_CACHE_ENV  # noqa: E402
+
+# Each test process gets its share of the cores, as a local run gives each of its workers: with
+# torch's default, the two test processes of `pytest -n 2` on 2 cores ran four compute threads, and
+# every multi-threaded op waited at its barrier for a thread that was descheduled.
+torch.set_num_threads(worker_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen before
 # anything imports triton (torch.compile in the 8-bit AdamW tests does): kernels bind to the

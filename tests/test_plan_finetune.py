@@ -9,6 +9,7 @@ line.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def _measure(variant: str, lora: bool) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def measured() -> dict[tuple[str, bool], tuple[int, int]]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, threads))
+    torch.set_num_threads(min(2, os.cpu_count() or 1))  # the committed runs' threads
     try:
         # The torch reference path: the same bytes kept on every backend, and no compilation.
         with use_backend("torch"):
@@ -139,7 +140,7 @@ def test_at_a_long_context_the_planned_peak_counts_the_attentions_backward(varia
     seq, vocab = 4096, 128
     cfg = {**{k: v for k, v in _config_dict(vocab_size=vocab).items() if k != "model_type"}, "max_position_embeddings": seq}
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, threads))
+    torch.set_num_threads(min(2, os.cpu_count() or 1))  # the committed runs' threads
     try:
         with use_backend("torch"):
             with tempfile.TemporaryDirectory() as tmp:
