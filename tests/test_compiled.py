@@ -69,7 +69,7 @@ def test_codes_scales_and_values_are_bit_identical_to_the_reference(spec: str, d
 
 def test_one_graph_of_a_format_serves_every_block_count() -> None:
     # The block count is symbolic from the first graph on: torch.compile's default builds one graph
-    # for the first size and a second, symbolic one at the next (6x slower as it was built).
+    # for the first size and a second, symbolic one at the next, which every later size runs.
     from torch._dynamo.utils import counters
 
     fmt = parse_format("int8/256")

@@ -15,12 +15,12 @@ with the block count symbolic from the first call (:func:`_blocks`): one graph o
 every size, where torch.compile's default built one for the first size and a second, symbolic one
 when another size came. A symbolic count of values instead, viewed as blocks inside the graph,
 reached inductor as a floor division that split the encoding from the rounding into two loops
-with an fp32 buffer between them: that graph quantized 6x slower than one for a fixed size, and
-slower than eager torch. A format's integers (block size, bits) stay constants: with them
-symbolic (``dynamic=True``) inductor indexed every value through a division by the block size and
-left the encoding loop scalar. Codes are made from fp32 values by one conversion (no int8 dtype
-view). A graph that inductor cannot build (e.g. no working C++ compiler) runs eagerly from then on,
-with one warning: the same formulas, the same results.
+with an fp32 buffer between them: a pass over memory more than eager torch makes. A format's
+integers (block size, bits) stay constants: with them symbolic (``dynamic=True``) inductor indexed
+every value through a division by the block size and left the encoding loop scalar. Codes are
+made from fp32 values by one conversion (no int8 dtype view). A graph that inductor cannot build
+(e.g. no working C++ compiler) runs eagerly from then on, with one warning: the same formulas,
+the same results.
 """
 
 from __future__ import annotations
