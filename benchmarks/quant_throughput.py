@@ -118,7 +118,10 @@ def _measure(x: Any, fmt: Any, which: str, timed: Any, repeats: int) -> dict[str
 
     n, in_bytes = x.numel(), x.numel() * x.element_size()
     with backend.use_backend(which):
-        q = quantize(x, fmt)  # warm-up (tables, allocator, compilation)
+        # Warm-up (tables, allocator, compilation), a second size first: a run quantizes tensors of
+        # several sizes, so what it runs is a compiled path's graph for a size it has not met first.
+        dequantize(quantize(x[: n // 2 + 3 * fmt.block_size], fmt))
+        q = quantize(x, fmt)
         dequantize(q)
         clone_t, q_t, dq_t = [], [], []
         # Interleaved, so that the copy and the format see the same machine load.

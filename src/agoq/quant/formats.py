@@ -194,6 +194,17 @@ def _count_lut(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok, lut, 0).to(torch.int32), ext
 
 
+def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a 1-D ``table`` and an integer ``index`` of any shape.
+
+    Under torch.compile the index keeps its shape: flattened, a [blocks, block] index whose block
+    count is symbolic reached inductor as modular index arithmetic that left the whole loop scalar.
+    Eagerly it is flattened for index_select, which torch runs faster on CPUs than indexing."""
+    if torch.compiler.is_compiling():
+        return table[index]
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
+
+
 def count_below(y: torch.Tensor, lut: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
     """int32 count of table entries strictly below each fp32 y (|y| <= 448), via a (lut, ext) pair.
 
@@ -201,8 +212,8 @@ def count_below(y: torch.Tensor, lut: torch.Tensor, ext: torch.Tensor) -> torch.
     finishes the count. Exact, and fewer passes than torch.searchsorted.
     """
     cell = y.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
-    count = lut.index_select(0, cell.view(-1)).view(y.shape)
-    return count.add_(y > ext.index_select(0, count.view(-1)).view(y.shape))
+    count = lookup(lut, cell)
+    return count.add_(y > lookup(ext, count))
 
 
 def _ties_up(kind: str, values: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from agoq.quant.formats import SCALE_DTYPE, CodebookTables, QuantFormat, codebook_tables, count_below, parse_format, stored_row
+from agoq.quant.formats import SCALE_DTYPE, CodebookTables, QuantFormat, codebook_tables, count_below, lookup, parse_format, stored_row
 from agoq.quant.packing import group_shape, pack_into, unpack_into
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -338,7 +338,7 @@ def code_values(codes: torch.Tensor, fmt: QuantFormat, tables: CodebookTables | 
     if fmt.kind == "int":
         return codes.float() - (1 << (fmt.bits - 1))
     t = codebook_tables(fmt.kind, codes.device) if tables is None else tables
-    return t.by_code.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+    return lookup(t.by_code, codes.to(torch.int32))
 
 
 def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None, tables: CodebookTables | None = None) -> torch.Tensor:
@@ -368,7 +368,7 @@ def _encode(y: torch.Tensor, fmt: QuantFormat, noise: torch.Tensor | None, table
         idx.sub_(1)
         lo = t.values.index_select(0, idx)
         idx.add_(noise.mul_(hi.sub_(lo)) < y.sub_(lo))
-    return t.codes.index_select(0, idx.reshape(-1)).view(idx.shape)
+    return lookup(t.codes, idx)
 
 
 def _decode_into(payload: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:
