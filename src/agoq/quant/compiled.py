@@ -217,12 +217,6 @@ def _packed(codes: torch.Tensor, fmt: QuantFormat, out: torch.Tensor | None = No
     return out
 
 
-def _whole_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
-    """``flat`` zero-padded to whole blocks (a copy only when it is not already)."""
-    pad = -flat.numel() % block
-    return F.pad(flat, (0, pad)) if pad else flat
-
-
 def _symbolic(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """A view of ``t`` for a graph, its block count (dimension ``dim``) symbolic from the first graph
     on (see the module's docstring). The mark goes on a view of its own, so that no caller's tensor
@@ -232,8 +226,14 @@ def _symbolic(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 def _blocks(flat: torch.Tensor, width: int) -> torch.Tensor:
     """``flat`` (whole blocks) as [blocks, width] for a graph: width values, or payload bytes, of a
-    block in a row; the block count symbolic (:func:`_symbolic`)."""
-    return _symbolic(flat.view(-1, width))
+    block in a row; the block count symbolic, marked on this new view (:func:`_symbolic`)."""
+    return leave_dim_dynamic(flat.view(-1, width), 0)
+
+
+def _padded_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole blocks (a copy only when it is not already), as :func:`_blocks`."""
+    pad = -flat.numel() % block
+    return _blocks(F.pad(flat, (0, pad)) if pad else flat, block)
 
 
 def _block_payload(payload: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -272,9 +272,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> QTensor:
         return reference_quantize(x, fmt, nonfinite="propagate")
     stored = stored_values(x, fmt)
     packed = _packed_in_graph(stored, fmt)
-    codes, scales = _graph(_quantize_graph, fmt, packed)(
-        _blocks(_whole_blocks(stored, fmt.block_size), fmt.block_size), fmt, _tables(fmt, x.device), packed
-    )
+    codes, scales = _graph(_quantize_graph, fmt, packed)(_padded_blocks(stored, fmt.block_size), fmt, _tables(fmt, x.device), packed)
     return _qtensor(x, stored, codes, scales, fmt)
 
 
@@ -296,8 +294,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, fmt: QuantFormat) -> t
     stored_gate, stored_up = stored_values(gate, fmt), stored_values(up, fmt)
     packed = _packed_in_graph(stored_gate, fmt)
     act, gate_codes, gate_scales, up_codes, up_scales = _graph(_swiglu_graph, fmt, gate.dtype, packed)(
-        _blocks(_whole_blocks(stored_gate, fmt.block_size), fmt.block_size),
-        _blocks(_whole_blocks(stored_up, fmt.block_size), fmt.block_size),
+        _padded_blocks(stored_gate, fmt.block_size),
+        _padded_blocks(stored_up, fmt.block_size),
         fmt,
         _tables(fmt, gate.device),
         act_dtype=gate.dtype,
@@ -357,7 +355,7 @@ def _fold_region(payload: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor
     g = grad.detach().reshape(-1)
     g = F.pad(g, (0, n - g.numel())) if g.numel() != n else g
     codes = payload if first else _codes(payload, fmt)  # a first fold reads no codes
-    blocks = (_blocks(codes, fmt.block_size) if not first else codes, _symbolic(scales), _blocks(g, fmt.block_size))
+    blocks = (codes if first else _blocks(codes, fmt.block_size), _symbolic(scales), _blocks(g, fmt.block_size))
     new_codes, new_scales, *rest = _graph(_fold_graph, fmt, first, zero_bad)(*blocks, fmt, _tables(fmt, payload.device), first, zero_bad)
     _packed(new_codes, fmt, payload)
     scales.copy_(new_scales)
