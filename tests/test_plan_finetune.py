@@ -10,6 +10,7 @@ line.
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,16 +60,23 @@ def _measure(variant: str, lora: bool) -> tuple[int, int]:
     return meter.activation_bytes, peak
 
 
-@pytest.fixture(scope="module")
-def measured() -> dict[tuple[str, bool], tuple[int, int]]:
+@contextmanager
+def _as_committed():
+    """The committed runs' threads (at most 2) and the torch reference path: the same bytes kept on
+    every backend, and no compilation."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))  # the committed runs' threads
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
     try:
-        # The torch reference path: the same bytes kept on every backend, and no compilation.
         with use_backend("torch"):
-            return {(v, lora): _measure(v, lora) for lora in (True, False) for v in VARIANTS}
+            yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[tuple[str, bool], tuple[int, int]]:
+    with _as_committed():
+        return {(v, lora): _measure(v, lora) for lora in (True, False) for v in VARIANTS}
 
 
 def _planned(variant: str, lora: bool):
@@ -139,18 +147,13 @@ def test_at_a_long_context_the_planned_peak_counts_the_attentions_backward(varia
 
     seq, vocab = 4096, 128
     cfg = {**{k: v for k, v in _config_dict(vocab_size=vocab).items() if k != "model_type"}, "max_position_embeddings": seq}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))  # the committed runs' threads
-    try:
-        with use_backend("torch"):
-            with tempfile.TemporaryDirectory() as tmp:
-                model = build_model(cfg, seed=0, tmp=Path(tmp), lora=lora, **plan_build_options(variant))
-            optimizer = trainer_optimizer(model, lr=1e-3)
-            ids = torch.randint(0, vocab, (2, 1, seq), generator=torch.Generator().manual_seed(0))
-            train_step(model, optimizer, ids[0], None)
-            peak, _ = step_peak(model, optimizer, ids[1])
-    finally:
-        torch.set_num_threads(threads)
+    with _as_committed():
+        with tempfile.TemporaryDirectory() as tmp:
+            model = build_model(cfg, seed=0, tmp=Path(tmp), lora=lora, **plan_build_options(variant))
+        optimizer = trainer_optimizer(model, lr=1e-3)
+        ids = torch.randint(0, vocab, (2, 1, seq), generator=torch.Generator().manual_seed(0))
+        train_step(model, optimizer, ids[0], None)
+        peak, _ = step_peak(model, optimizer, ids[1])
     model_shape = HFModel("llama", HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HIDDEN // HEADS, vocab, False, False, False)
     plan = plan_variant(FineTune(model_shape, seq, 1, "fp32", lora_r=LORA_R if lora else 0, lora_dropout=DROPOUT, device="cpu"), variant)
     assert plan.phase.startswith("backward of layer") and abs(plan.peak - peak) <= 0.10 * peak, (plan.peak / peak, plan.components)
